@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Demo: bring up a primary + sidecar + 3 safekeepers with `walsidecar up`, run pgbench
+# against it and show pg_stat_replication.  Usage: scripts/demo.sh [DIR]
+# Env: WALSIDECAR (the executable), SCALE (pgbench -s, default 10), DURATION (seconds, default 30), READY_TIMEOUT (default 120).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+DIR="${1:-/tmp/walsidecar-demo}"
+SCALE="${SCALE:-10}"
+DURATION="${DURATION:-30}"
+READY_TIMEOUT="${READY_TIMEOUT:-120}"
+PG_BIN=/usr/lib/postgresql/15/bin
+UP_LOG="${DIR%/}-up.log"
+
+bash scripts/install.sh
+
+if [ -z "${WALSIDECAR:-}" ]; then
+    WALSIDECAR="$(python3 -c 'import sysconfig; print(sysconfig.get_path("scripts"))')/walsidecar"
+    [ -x "$WALSIDECAR" ] || WALSIDECAR="$(command -v walsidecar)"
+fi
+
+# Client tools run as the postgres OS user when we are root (the server refuses root anyway).
+pg_tool() {
+    if [ "$(id -u)" -eq 0 ]; then
+        (cd / && runuser -u postgres -- "$PG_BIN/$1" "${@:2}")
+    else
+        "$PG_BIN/$1" "${@:2}"
+    fi
+}
+
+rm -rf "$DIR"
+: > "$UP_LOG"
+
+UP_PID=""
+stop_up() {
+    [ -n "$UP_PID" ] || return 0
+    if kill -0 "$UP_PID" 2>/dev/null; then
+        echo "demo: stopping walsidecar up (pid $UP_PID)"
+        kill -INT "$UP_PID" 2>/dev/null || true
+        for _ in $(seq 1 600); do
+            kill -0 "$UP_PID" 2>/dev/null || break
+            sleep 0.1
+        done
+        if kill -0 "$UP_PID" 2>/dev/null; then
+            echo "demo: walsidecar up did not exit after SIGINT; sending SIGKILL" >&2
+            kill -KILL "$UP_PID" 2>/dev/null || true
+        fi
+    fi
+    wait "$UP_PID" 2>/dev/null || true
+    UP_PID=""
+}
+trap stop_up EXIT
+trap 'exit 130' INT TERM
+
+echo "demo: starting walsidecar up --dir $DIR (log: $UP_LOG)"
+# Background jobs of a script start with SIGINT ignored; restore it so SIGINT can stop `up`.
+env --default-signal=INT "$WALSIDECAR" up --dir "$DIR" >>"$UP_LOG" 2>&1 </dev/null &
+UP_PID=$!
+
+deadline=$((SECONDS + READY_TIMEOUT))
+until [ -s "$DIR/ready" ]; do
+    if ! kill -0 "$UP_PID" 2>/dev/null; then
+        echo "demo: walsidecar up exited before it was ready; its log:" >&2
+        tail -n 50 "$UP_LOG" >&2
+        exit 1
+    fi
+    if [ "$SECONDS" -ge "$deadline" ]; then
+        echo "demo: timed out after ${READY_TIMEOUT}s waiting for $DIR/ready; log tail:" >&2
+        tail -n 50 "$UP_LOG" >&2
+        exit 1
+    fi
+    sleep 0.2
+done
+DSN="$(head -n 1 "$DIR/ready")"
+echo "demo: ready; primary DSN: $DSN"
+
+echo "demo: pgbench -i -s $SCALE"
+pg_tool pgbench -i -s "$SCALE" -q "$DSN"
+
+echo "demo: pgbench -c 8 -j 2 -T $DURATION"
+BENCH_OUT="$(pg_tool pgbench -c 8 -j 2 -T "$DURATION" -P 5 "$DSN")"
+printf '%s\n' "$BENCH_OUT" | grep -E '^(number of transactions actually processed|latency average|tps)'
+
+echo "demo: pg_stat_replication"
+pg_tool psql -X "$DSN" -c "SELECT application_name, state, sync_state, sent_lsn, flush_lsn, replay_lsn FROM pg_stat_replication"
+
+stop_up
+echo "demo: done"

@@ -1,0 +1,1 @@
+"""The sans-IO consensus core: messages, term history, quorum math, state machines."""

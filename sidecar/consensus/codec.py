@@ -1,0 +1,453 @@
+"""Wire encoding of the proposer/safekeeper messages (PROTOCOL.md, "Messages").
+
+A frame is a u32 big-endian length of what follows, a one-letter u8 tag, then the body.
+Integers are fixed-width big-endian; histories are a u32 count then entries; strings are a
+u16 byte length then UTF-8; bools are u8 0/1; Append data is the remainder of the frame.
+The frame header, the Greeting's leading u32 protocol_version and the Refusal layout must
+stay the same in every protocol version, so that peers of different versions can refuse
+each other by name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import Callable
+from struct import Struct
+from types import MappingProxyType
+from typing import Any, NoReturn
+
+from sidecar.consensus.messages import (
+    PROTOCOL_VERSION,
+    Append,
+    AppendReply,
+    Elected,
+    ElectedReply,
+    Greeting,
+    GreetingReply,
+    Message,
+    Refusal,
+    TermEntry,
+    TermHistory,
+    TimelineEntry,
+    TimelineHistory,
+    VoteReply,
+    VoteRequest,
+)
+
+__all__ = [
+    "FRAME_HEADER_SIZE",
+    "MAX_FRAME",
+    "TAGS",
+    "FrameDecoder",
+    "ProtocolError",
+    "decode",
+    "encode",
+    "encode_append_parts",
+    "read_message",
+]
+
+# Append carries at most a few MiB of WAL; the KiB leaves room for its header.
+MAX_FRAME = 16 * 1024 * 1024 + 1024
+FRAME_HEADER_SIZE = 4
+
+TAG_GREETING = ord("g")
+TAG_GREETING_REPLY = ord("G")
+TAG_VOTE_REQUEST = ord("v")
+TAG_VOTE_REPLY = ord("V")
+TAG_ELECTED = ord("e")
+TAG_ELECTED_REPLY = ord("E")
+TAG_APPEND = ord("a")
+TAG_APPEND_REPLY = ord("A")
+TAG_REFUSAL = ord("x")
+
+TAGS: MappingProxyType[type, int] = MappingProxyType({
+    Greeting: TAG_GREETING,
+    GreetingReply: TAG_GREETING_REPLY,
+    VoteRequest: TAG_VOTE_REQUEST,
+    VoteReply: TAG_VOTE_REPLY,
+    Elected: TAG_ELECTED,
+    ElectedReply: TAG_ELECTED_REPLY,
+    Append: TAG_APPEND,
+    AppendReply: TAG_APPEND_REPLY,
+    Refusal: TAG_REFUSAL,
+})
+
+_U32 = Struct(">I")
+_U16 = Struct(">H")
+_FRAME = Struct(">IB")
+_TERM_ENTRY = Struct(">QQ")
+_TIMELINE_ENTRY = Struct(">IQ")
+
+# Bodies. Fixed prefixes end with the count or length of what follows, so one unpack reads it.
+# protocol_version, system_id, timeline, wal_seg_size, pg_version, len(proposer_id)
+_GREETING = Struct(">IQIIIH")
+_GREETING_REPLY = Struct(">QQ")  # node_id, term
+_VOTE_REQUEST = Struct(">Q")  # term
+_VOTE_REPLY = Struct(">QBQQII")  # term, granted, flush_lsn, tail_lsn, tail_crc, len(term_history)
+_ELECTED = Struct(">QQI")  # term, start_lsn, len(term_history)
+_ELECTED_REPLY = Struct(">QQ")  # term, flush_lsn
+_APPEND = Struct(">QQQQ")  # term, begin_lsn, commit_lsn, peer_horizon_lsn; data follows
+_APPEND_REPLY = Struct(">QQQ")  # term, flush_lsn, commit_lsn
+_REFUSAL = Struct(">H")  # len(reason)
+
+# Whole frames of fixed-size messages, so that encoding one is a single pack() call.
+_GREETING_REPLY_FRAME = Struct(">IB" + _GREETING_REPLY.format[1:])
+_VOTE_REQUEST_FRAME = Struct(">IB" + _VOTE_REQUEST.format[1:])
+_ELECTED_REPLY_FRAME = Struct(">IB" + _ELECTED_REPLY.format[1:])
+_APPEND_REPLY_FRAME = Struct(">IB" + _APPEND_REPLY.format[1:])
+_APPEND_HEADER_FRAME = Struct(">IB" + _APPEND.format[1:])
+
+_MAX_APPEND_DATA = MAX_FRAME - 1 - _APPEND.size
+
+
+class ProtocolError(Exception):
+    """Malformed frame or message; the connection it came from must be closed."""
+
+
+def _reject_length(length: int) -> NoReturn:
+    if length == 0:
+        raise ProtocolError("frame length 0: a frame holds at least its tag byte")
+    raise ProtocolError(f"frame length {length} exceeds the maximum of {MAX_FRAME}")
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def _utf8(text: str, what: str) -> bytes:
+    try:
+        raw = text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ProtocolError(f"{what} is not encodable as UTF-8: {e}") from None
+    if len(raw) > 0xFFFF:
+        raise ProtocolError(f"{what} is {len(raw)} bytes of UTF-8, the limit is 65535")
+    return raw
+
+
+def _term_entries_bytes(history: TermHistory) -> bytes:
+    flat = [v for entry in history for v in (entry.term, entry.start_lsn)]
+    return struct.pack(f">{len(flat)}Q", *flat)
+
+
+def _timeline_history_bytes(history: TimelineHistory) -> bytes:
+    return _U32.pack(len(history)) + b"".join(
+        _TIMELINE_ENTRY.pack(entry.timeline, entry.switch_lsn) for entry in history
+    )
+
+
+def _framed(tag: int, body: bytes) -> bytes:
+    if len(body) + 1 > MAX_FRAME:
+        raise ProtocolError(f"message body of {len(body)} bytes does not fit in a frame")
+    return _FRAME.pack(len(body) + 1, tag) + body
+
+
+def _encode_greeting(m: Greeting) -> bytes:
+    pid = _utf8(m.proposer_id, "proposer_id")
+    head = _GREETING.pack(m.protocol_version, m.system_id, m.timeline, m.wal_seg_size, m.pg_version, len(pid))
+    return _framed(TAG_GREETING, head + pid)
+
+
+def _encode_greeting_reply(m: GreetingReply) -> bytes:
+    return _GREETING_REPLY_FRAME.pack(1 + _GREETING_REPLY.size, TAG_GREETING_REPLY, m.node_id, m.term)
+
+
+def _encode_vote_request(m: VoteRequest) -> bytes:
+    return _VOTE_REQUEST_FRAME.pack(1 + _VOTE_REQUEST.size, TAG_VOTE_REQUEST, m.term)
+
+
+def _encode_vote_reply(m: VoteReply) -> bytes:
+    head = _VOTE_REPLY.pack(
+        m.term, 1 if m.granted else 0, m.flush_lsn, m.tail_lsn, m.tail_crc, len(m.term_history)
+    )
+    body = head + _term_entries_bytes(m.term_history) + _timeline_history_bytes(m.timeline_history)
+    return _framed(TAG_VOTE_REPLY, body)
+
+
+def _encode_elected(m: Elected) -> bytes:
+    head = _ELECTED.pack(m.term, m.start_lsn, len(m.term_history))
+    return _framed(TAG_ELECTED, head + _term_entries_bytes(m.term_history))
+
+
+def _encode_elected_reply(m: ElectedReply) -> bytes:
+    return _ELECTED_REPLY_FRAME.pack(1 + _ELECTED_REPLY.size, TAG_ELECTED_REPLY, m.term, m.flush_lsn)
+
+
+def _encode_append(m: Append) -> bytes:
+    header, data = encode_append_parts(m.term, m.begin_lsn, m.commit_lsn, m.peer_horizon_lsn, m.data)
+    return header + data
+
+
+def _encode_append_reply(m: AppendReply) -> bytes:
+    return _APPEND_REPLY_FRAME.pack(
+        1 + _APPEND_REPLY.size, TAG_APPEND_REPLY, m.term, m.flush_lsn, m.commit_lsn
+    )
+
+
+def _encode_refusal(m: Refusal) -> bytes:
+    reason = _utf8(m.reason, "refusal reason")
+    return _framed(TAG_REFUSAL, _REFUSAL.pack(len(reason)) + reason)
+
+
+_ENCODERS: MappingProxyType[type, Callable[[Any], bytes]] = MappingProxyType({
+    Greeting: _encode_greeting,
+    GreetingReply: _encode_greeting_reply,
+    VoteRequest: _encode_vote_request,
+    VoteReply: _encode_vote_reply,
+    Elected: _encode_elected,
+    ElectedReply: _encode_elected_reply,
+    Append: _encode_append,
+    AppendReply: _encode_append_reply,
+    Refusal: _encode_refusal,
+})
+
+
+def encode(msg: Message) -> bytes:
+    """The whole frame for `msg`; ProtocolError if a field does not fit its wire type."""
+    encoder = _ENCODERS.get(type(msg))
+    if encoder is None:
+        raise TypeError(f"not a protocol message: {type(msg).__name__}")
+    try:
+        return encoder(msg)
+    except struct.error as e:
+        raise ProtocolError(f"cannot encode {type(msg).__name__}: {e}") from None
+
+
+def encode_append_parts(
+    term: int, begin_lsn: int, commit_lsn: int, peer_horizon_lsn: int, data: bytes | bytearray | memoryview
+) -> tuple[bytes, bytes | bytearray | memoryview]:
+    """An Append frame as (header, data), for writelines() without copying the WAL bytes."""
+    size = len(data) if isinstance(data, (bytes, bytearray)) else memoryview(data).nbytes
+    if size > _MAX_APPEND_DATA:
+        raise ProtocolError(f"Append data of {size} bytes exceeds the maximum of {_MAX_APPEND_DATA}")
+    try:
+        header = _APPEND_HEADER_FRAME.pack(
+            1 + _APPEND.size + size, TAG_APPEND, term, begin_lsn, commit_lsn, peer_horizon_lsn
+        )
+    except struct.error as e:
+        raise ProtocolError(f"cannot encode Append: {e}") from None
+    return header, data
+
+
+# ---------------------------------------------------------------- decoding
+
+Body = bytes | bytearray | memoryview
+
+
+def _need_exact(body: Body, size: int, name: str) -> None:
+    if len(body) != size:
+        raise ProtocolError(f"{name} body is {len(body)} bytes, expected {size}")
+
+
+def _need_at_least(body: Body, size: int, name: str) -> None:
+    if len(body) < size:
+        raise ProtocolError(f"{name} body is {len(body)} bytes, expected at least {size}")
+
+
+def _text(body: Body, start: int, length: int, what: str, name: str) -> str:
+    end = start + length
+    if end != len(body):
+        raise ProtocolError(
+            f"{name}: {what} declares {length} bytes but {len(body) - start} follow"
+        )
+    try:
+        return str(body[start:end], "utf-8")
+    except UnicodeDecodeError as e:
+        raise ProtocolError(f"{name}: {what} is not valid UTF-8: {e}") from None
+
+
+def _bool(value: int, what: str, name: str) -> bool:
+    if value > 1:
+        raise ProtocolError(f"{name}: {what} is {value}, a bool must be 0 or 1")
+    return value == 1
+
+
+def _term_entries(body: Body, start: int, count: int, name: str) -> tuple[TermHistory, int]:
+    end = start + count * _TERM_ENTRY.size
+    if end > len(body):
+        raise ProtocolError(
+            f"{name}: term_history count {count} needs {end - start} bytes, {len(body) - start} remain"
+        )
+    history = tuple(TermEntry(t, lsn) for t, lsn in _TERM_ENTRY.iter_unpack(body[start:end]))
+    return history, end
+
+
+def _timeline_entries(body: Body, start: int, name: str) -> tuple[TimelineHistory, int]:
+    if start + 4 > len(body):
+        raise ProtocolError(f"{name}: body ends before the timeline_history count")
+    (count,) = _U32.unpack_from(body, start)
+    start += 4
+    end = start + count * _TIMELINE_ENTRY.size
+    if end > len(body):
+        raise ProtocolError(
+            f"{name}: timeline_history count {count} needs {end - start} bytes, {len(body) - start} remain"
+        )
+    history = tuple(TimelineEntry(tli, lsn) for tli, lsn in _TIMELINE_ENTRY.iter_unpack(body[start:end]))
+    return history, end
+
+
+def _no_trailing(body: Body, end: int, name: str) -> None:
+    if end != len(body):
+        raise ProtocolError(f"{name}: {len(body) - end} trailing bytes")
+
+
+def _decode_greeting(body: Body) -> Greeting:
+    _need_at_least(body, 4, "Greeting")
+    (version,) = _U32.unpack_from(body)
+    if version != PROTOCOL_VERSION:
+        # Another version's layout is unknown past this field: hand the safekeeper just
+        # the version so it can refuse the proposer by name instead of as garbage.
+        return Greeting(version, "", 0, 0, 0, 0)
+    _need_at_least(body, _GREETING.size, "Greeting")
+    version, system_id, timeline, seg_size, pg_version, id_len = _GREETING.unpack_from(body)
+    proposer_id = _text(body, _GREETING.size, id_len, "proposer_id", "Greeting")
+    return Greeting(version, proposer_id, system_id, timeline, seg_size, pg_version)
+
+
+def _decode_greeting_reply(body: Body) -> GreetingReply:
+    _need_exact(body, _GREETING_REPLY.size, "GreetingReply")
+    return GreetingReply(*_GREETING_REPLY.unpack_from(body))
+
+
+def _decode_vote_request(body: Body) -> VoteRequest:
+    _need_exact(body, _VOTE_REQUEST.size, "VoteRequest")
+    return VoteRequest(*_VOTE_REQUEST.unpack_from(body))
+
+
+def _decode_vote_reply(body: Body) -> VoteReply:
+    _need_at_least(body, _VOTE_REPLY.size, "VoteReply")
+    term, granted, flush_lsn, tail_lsn, tail_crc, count = _VOTE_REPLY.unpack_from(body)
+    terms, pos = _term_entries(body, _VOTE_REPLY.size, count, "VoteReply")
+    timelines, pos = _timeline_entries(body, pos, "VoteReply")
+    _no_trailing(body, pos, "VoteReply")
+    return VoteReply(
+        term, _bool(granted, "granted", "VoteReply"), flush_lsn, terms, timelines, tail_lsn, tail_crc
+    )
+
+
+def _decode_elected(body: Body) -> Elected:
+    _need_at_least(body, _ELECTED.size, "Elected")
+    term, start_lsn, count = _ELECTED.unpack_from(body)
+    terms, pos = _term_entries(body, _ELECTED.size, count, "Elected")
+    _no_trailing(body, pos, "Elected")
+    return Elected(term, start_lsn, terms)
+
+
+def _decode_elected_reply(body: Body) -> ElectedReply:
+    _need_exact(body, _ELECTED_REPLY.size, "ElectedReply")
+    return ElectedReply(*_ELECTED_REPLY.unpack_from(body))
+
+
+def _decode_append(body: Body) -> Append:
+    _need_at_least(body, _APPEND.size, "Append")
+    term, begin_lsn, commit_lsn, horizon = _APPEND.unpack_from(body)
+    return Append(term, begin_lsn, commit_lsn, horizon, bytes(body[_APPEND.size:]))
+
+
+def _decode_append_reply(body: Body) -> AppendReply:
+    _need_exact(body, _APPEND_REPLY.size, "AppendReply")
+    return AppendReply(*_APPEND_REPLY.unpack_from(body))
+
+
+def _decode_refusal(body: Body) -> Refusal:
+    _need_at_least(body, _REFUSAL.size, "Refusal")
+    (length,) = _REFUSAL.unpack_from(body)
+    return Refusal(_text(body, _REFUSAL.size, length, "reason", "Refusal"))
+
+
+_DECODERS: MappingProxyType[int, Callable[[Body], Message]] = MappingProxyType({
+    TAG_GREETING: _decode_greeting,
+    TAG_GREETING_REPLY: _decode_greeting_reply,
+    TAG_VOTE_REQUEST: _decode_vote_request,
+    TAG_VOTE_REPLY: _decode_vote_reply,
+    TAG_ELECTED: _decode_elected,
+    TAG_ELECTED_REPLY: _decode_elected_reply,
+    TAG_APPEND: _decode_append,
+    TAG_APPEND_REPLY: _decode_append_reply,
+    TAG_REFUSAL: _decode_refusal,
+})
+
+
+def decode(tag: int, body: Body) -> Message:
+    """The message with this tag and body (the frame minus length and tag); strict."""
+    decoder = _DECODERS.get(tag)
+    if decoder is None:
+        shown = f" ({chr(tag)!r})" if 0x20 < tag < 0x7F else ""
+        raise ProtocolError(f"unknown message tag 0x{tag:02x}{shown}")
+    try:
+        return decoder(body)
+    except struct.error as e:  # a length check missed above; still the peer's fault
+        raise ProtocolError(f"malformed message with tag 0x{tag:02x}: {e}") from None
+
+
+class FrameDecoder:
+    """Incremental: feed() bytes as they arrive, get whole messages out."""
+
+    # Compacting only past this much consumed space keeps small-frame streams from
+    # shifting the buffer on every feed.
+    _COMPACT_AT = 64 * 1024
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._pos = 0
+        self._error: ProtocolError | None = None
+
+    @property
+    def pending(self) -> int:
+        """Bytes of an incomplete frame held back; nonzero at EOF means a truncated stream."""
+        return len(self._buf) - self._pos
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Message]:
+        """Buffer `data` and return every message it completes; ProtocolError on a bad frame."""
+        if self._error is not None:
+            # The stream cannot be resynchronised after a bad frame.
+            raise ProtocolError(f"decoder already failed: {self._error}")
+        buf = self._buf
+        buf += data
+        pos = self._pos
+        end = len(buf)
+        out: list[Message] = []
+        try:
+            with memoryview(buf) as view:
+                while end - pos >= FRAME_HEADER_SIZE:
+                    (length,) = _U32.unpack_from(buf, pos)
+                    if length == 0 or length > MAX_FRAME:
+                        _reject_length(length)
+                    stop = pos + FRAME_HEADER_SIZE + length
+                    if stop > end:
+                        break
+                    body = view[pos + FRAME_HEADER_SIZE + 1:stop]
+                    try:
+                        out.append(decode(buf[pos + FRAME_HEADER_SIZE], body))
+                    finally:
+                        # A live slice would pin the bytearray and make the next append fail.
+                        body.release()
+                    pos = stop
+        except ProtocolError as e:
+            self._error = e
+            raise
+        if pos == end:
+            buf.clear()
+            pos = 0
+        elif pos >= self._COMPACT_AT and pos >= end - pos:
+            del buf[:pos]
+            pos = 0
+        self._pos = pos
+        return out
+
+
+async def read_message(reader: asyncio.StreamReader) -> Message:
+    """Read one frame; ProtocolError if it is bad, asyncio.IncompleteReadError at EOF."""
+    (length,) = _U32.unpack(await reader.readexactly(FRAME_HEADER_SIZE))
+    if length == 0 or length > MAX_FRAME:
+        _reject_length(length)
+    head_size = 1 + _APPEND.size
+    if length <= head_size:
+        frame = await reader.readexactly(length)
+        return decode(frame[0], memoryview(frame)[1:])
+    head = await reader.readexactly(head_size)
+    rest = await reader.readexactly(length - head_size)
+    if head[0] == TAG_APPEND:
+        # Reading the WAL bytes separately hands them over without another copy.
+        term, begin_lsn, commit_lsn, horizon = _APPEND.unpack_from(head, 1)
+        return Append(term, begin_lsn, commit_lsn, horizon, rest)
+    return decode(head[0], memoryview(head[1:] + rest))

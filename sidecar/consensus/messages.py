@@ -1,0 +1,114 @@
+"""Messages between proposer and safekeepers (PROTOCOL.md, "Messages").
+
+The wire encoding lives in `sidecar/consensus/codec.py`; these are plain values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PROTOCOL_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TermEntry:
+    """WAL from `start_lsn` up to the next entry's start was written by `term`'s proposer."""
+
+    term: int
+    start_lsn: int
+
+
+@dataclass(frozen=True)
+class TimelineEntry:
+    """The primary switched away from `timeline` at `switch_lsn` (a PostgreSQL .history line)."""
+
+    timeline: int
+    switch_lsn: int
+
+
+TermHistory = tuple[TermEntry, ...]
+TimelineHistory = tuple[TimelineEntry, ...]
+
+
+@dataclass(frozen=True)
+class Greeting:
+    protocol_version: int
+    proposer_id: str
+    system_id: int
+    timeline: int
+    wal_seg_size: int
+    pg_version: int
+
+
+@dataclass(frozen=True)
+class GreetingReply:
+    node_id: int
+    term: int
+
+
+@dataclass(frozen=True)
+class VoteRequest:
+    term: int
+
+
+@dataclass(frozen=True)
+class VoteReply:
+    """`flush_lsn` is the end of the last complete record; `tail_*` fingerprint the bytes before it."""
+
+    term: int
+    granted: bool
+    flush_lsn: int
+    term_history: TermHistory
+    timeline_history: TimelineHistory
+    # crc32c of the raw stored bytes [tail_lsn, flush_lsn): lets the proposer check that the
+    # primary holds the same WAL before flush_lsn without shipping it.
+    tail_lsn: int = 0
+    tail_crc: int = 0
+
+
+@dataclass(frozen=True)
+class Elected:
+    term: int
+    start_lsn: int
+    term_history: TermHistory
+
+
+@dataclass(frozen=True)
+class ElectedReply:
+    term: int
+    flush_lsn: int
+
+
+@dataclass(frozen=True)
+class Append:
+    """WAL bytes [begin_lsn, begin_lsn + len(data)); an empty Append is a heartbeat."""
+
+    term: int
+    begin_lsn: int
+    commit_lsn: int
+    peer_horizon_lsn: int
+    data: bytes = field(default=b"", repr=False)
+
+    @property
+    def end_lsn(self) -> int:
+        return self.begin_lsn + len(self.data)
+
+
+@dataclass(frozen=True)
+class AppendReply:
+    term: int
+    flush_lsn: int
+    commit_lsn: int
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """The safekeeper closes the connection after this: bad greeting or a protocol violation."""
+
+    reason: str
+
+
+Message = (
+    Greeting | GreetingReply | VoteRequest | VoteReply | Elected | ElectedReply
+    | Append | AppendReply | Refusal
+)

@@ -1,0 +1,351 @@
+"""The proposer's state machine, sans IO: election, term start, fan-out and the commit rule.
+
+One instance lives for one term attempt: a new replication stream from the primary is a
+new term, so the service builds a new `Proposer` (with `min_term`) after a stream ends.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from sidecar.consensus import history as hist
+from sidecar.consensus.messages import (
+    PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply,
+    Message, Refusal, TermHistory, TimelineHistory, VoteReply, VoteRequest,
+)
+from sidecar.consensus.quorum import quorum_position
+from sidecar.consensus.walbuffer import WalBuffer
+
+MAX_APPEND = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ProposerConfig:
+    proposer_id: str
+    peers: tuple[str, ...]
+    quorum: int
+    system_id: int
+    timeline: int
+    wal_seg_size: int
+    pg_version: int
+    bootstrap_lsn: int  # where the first term starts when every safekeeper is empty
+    max_inflight: int = 32 * 1024 * 1024
+    buffer_limit: int = 256 * 1024 * 1024
+
+
+# Actions the service executes.
+@dataclass(frozen=True)
+class Send:
+    peer: str
+    message: Message
+
+
+@dataclass(frozen=True)
+class VerifyPrimary:
+    """Check that the primary holds the donor's WAL up to `start_lsn`, then call back."""
+
+    term: int
+    start_lsn: int
+    donor: str
+    tail_lsn: int
+    tail_crc: int
+    timeline_history: TimelineHistory
+
+
+@dataclass(frozen=True)
+class StartStreaming:
+    start_lsn: int
+
+
+@dataclass(frozen=True)
+class ReportStatus:
+    write_lsn: int
+    flush_lsn: int
+    apply_lsn: int
+
+
+@dataclass(frozen=True)
+class FetchWal:
+    """`peer` needs WAL [start, end) that is no longer (or not yet) in the buffer."""
+
+    peer: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class TermLost:
+    term: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Note:
+    """Something worth a log line."""
+
+    event: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+Action = Send | VerifyPrimary | StartStreaming | ReportStatus | FetchWal | TermLost | Note
+
+
+class Phase(enum.Enum):
+    GREETING = "greeting"
+    VOTING = "voting"
+    VERIFYING = "verifying"
+    STREAMING = "streaming"
+    STOPPED = "stopped"
+
+
+@dataclass
+class PeerState:
+    name: str
+    connected: bool = False
+    greeted_term: int | None = None
+    node_id: int | None = None
+    vote: VoteReply | None = None
+    elected: bool = False  # Elected acknowledged on the current connection
+    flush_lsn: int = 0  # flushed, as acknowledged in this term
+    sent_lsn: int = 0
+    fetching: bool = False
+
+
+class Proposer:
+    def __init__(self, config: ProposerConfig, min_term: int = 0) -> None:
+        self.config = config
+        self.min_term = min_term
+        self.term = 0
+        self.phase = Phase.GREETING
+        self.peers = {name: PeerState(name) for name in config.peers}
+        self.term_start = 0
+        self.history: TermHistory = ()
+        self.commit_lsn = 0
+        self.buffer: WalBuffer | None = None
+        self._reported = (0, 0, 0)
+
+    # ---- events -------------------------------------------------------------------------
+
+    def peer_connected(self, name: str) -> list[Action]:
+        p = self._reset(name)
+        p.connected = True
+        c = self.config
+        return [Send(name, Greeting(PROTOCOL_VERSION, c.proposer_id, c.system_id, c.timeline,
+                                    c.wal_seg_size, c.pg_version))]
+
+    def peer_disconnected(self, name: str) -> list[Action]:
+        # Flushes acknowledged in this term stay valid: only a later term can truncate them.
+        self._reset(name)
+        return []
+
+    def peer_message(self, name: str, msg: Message) -> list[Action]:
+        p = self.peers[name]
+        if not p.connected or self.phase is Phase.STOPPED:
+            return []
+        match msg:
+            case GreetingReply():
+                return self._on_greeting(p, msg)
+            case VoteReply():
+                return self._on_vote(p, msg)
+            case ElectedReply():
+                return self._on_elected_reply(p, msg)
+            case AppendReply():
+                return self._on_append_reply(p, msg)
+            case Refusal():
+                return [Note("safekeeper refused", {"peer": name, "reason": msg.reason})]
+        return [Note("unexpected message", {"peer": name, "message": type(msg).__name__})]
+
+    def election_timeout(self) -> list[Action]:
+        """No quorum of votes in time: try again one term higher."""
+        if self.phase is not Phase.VOTING:
+            return []
+        return self._campaign(self.term + 1)
+
+    def primary_verified(self) -> list[Action]:
+        if self.phase is not Phase.VERIFYING:
+            return []
+        self.phase = Phase.STREAMING
+        self.buffer = WalBuffer(self.term_start)
+        actions: list[Action] = [Note("streaming", {"term": self.term, "start_lsn": self.term_start}),
+                                 StartStreaming(self.term_start)]
+        for p in self.peers.values():
+            if p.connected and p.vote is not None:
+                actions.append(self._elected_msg(p))
+        return actions
+
+    def primary_refused(self, reason: str) -> list[Action]:
+        self.phase = Phase.STOPPED
+        return [Note("primary refused", {"term": self.term, "reason": reason})]
+
+    def wal_received(self, lsn: int, data: bytes) -> list[Action]:
+        assert self.buffer is not None and self.phase is Phase.STREAMING
+        self.buffer.append(lsn, data)
+        actions: list[Action] = []
+        for p in self.peers.values():
+            actions += self._pump(p)
+        return actions
+
+    def catchup_data(self, name: str, lsn: int, data: bytes) -> list[Action]:
+        """WAL fetched for one lagging peer (see `FetchWal`)."""
+        p = self.peers[name]
+        if not (p.elected and p.fetching and lsn == p.sent_lsn and data):
+            return []
+        p.sent_lsn += len(data)
+        return [Send(name, self._append(p.sent_lsn - len(data), data))]
+
+    def catchup_done(self, name: str) -> list[Action]:
+        p = self.peers[name]
+        p.fetching = False
+        return self._pump(p)
+
+    def heartbeat(self) -> list[Action]:
+        """Empty Appends carry commit_lsn and keep idle safekeepers informed."""
+        if self.phase is not Phase.STREAMING:
+            return []
+        return [Send(p.name, self._append(p.sent_lsn, b"")) for p in self.peers.values()
+                if p.elected and not p.fetching]
+
+    def stream_ended(self) -> list[Action]:
+        self.phase = Phase.STOPPED
+        return [Note("term ended", {"term": self.term, "commit_lsn": self.commit_lsn})]
+
+    # ---- election -------------------------------------------------------------------------
+
+    def _on_greeting(self, p: PeerState, msg: GreetingReply) -> list[Action]:
+        p.greeted_term, p.node_id = msg.term, msg.node_id
+        if self.phase is Phase.GREETING:
+            greeted = [q.greeted_term for q in self.peers.values() if q.greeted_term is not None]
+            if len(greeted) >= self.config.quorum:
+                return self._campaign(max(max(greeted), self.min_term) + 1)
+            return []
+        if msg.term > self.term:
+            return self._higher_term(msg.term, p.name)
+        return [Send(p.name, VoteRequest(self.term))]
+
+    def _campaign(self, term: int) -> list[Action]:
+        self.phase, self.term = Phase.VOTING, term
+        for q in self.peers.values():
+            q.vote = None
+        return [Note("campaign", {"term": term})] + [
+            Send(q.name, VoteRequest(term)) for q in self.peers.values() if q.greeted_term is not None]
+
+    def _higher_term(self, term: int, peer: str) -> list[Action]:
+        if self.phase is Phase.VOTING:
+            return self._campaign(term + 1)
+        self.phase = Phase.STOPPED
+        return [TermLost(term, f"safekeeper {peer} is at term {term}, above our term {self.term}")]
+
+    def _on_vote(self, p: PeerState, msg: VoteReply) -> list[Action]:
+        if msg.term > self.term:
+            return self._higher_term(msg.term, p.name)
+        if msg.term < self.term:
+            return []  # a reply to an earlier campaign of ours
+        if self.phase is Phase.VOTING:
+            if not msg.granted:
+                return []
+            p.vote = msg
+            if sum(q.vote is not None for q in self.peers.values()) >= self.config.quorum:
+                return self._elect()
+            return []
+        # Already elected for this term: a reconnecting voter answers "not granted, same term".
+        p.vote = msg
+        return [self._elected_msg(p)] if self.phase is Phase.STREAMING else []
+
+    def _elect(self) -> list[Action]:
+        voters = [q for q in self.peers.values() if q.vote is not None]
+        donor = max(voters, key=lambda q: hist.donor_key(q.vote.term_history, q.vote.flush_lsn))  # type: ignore[union-attr]
+        dv = donor.vote
+        assert dv is not None
+        if dv.flush_lsn == 0:
+            start, base = self.config.bootstrap_lsn, ()
+        else:
+            start, base = dv.flush_lsn, dv.term_history
+        self.term_start = start
+        self.history = hist.extend(base, self.term, start)
+        self.phase = Phase.VERIFYING
+        return [
+            Note("elected", {"term": self.term, "donor": donor.name, "start_lsn": start,
+                             "voters": sorted(q.name for q in voters)}),
+            VerifyPrimary(self.term, start, donor.name, dv.tail_lsn, dv.tail_crc, dv.timeline_history),
+        ]
+
+    def _elected_msg(self, p: PeerState) -> Send:
+        return Send(p.name, Elected(self.term, self.term_start, self.history))
+
+    # ---- streaming ------------------------------------------------------------------------
+
+    def _on_elected_reply(self, p: PeerState, msg: ElectedReply) -> list[Action]:
+        if msg.term > self.term:
+            return self._higher_term(msg.term, p.name)
+        if msg.term < self.term or self.phase is not Phase.STREAMING:
+            return []
+        p.elected = True
+        p.flush_lsn = p.sent_lsn = msg.flush_lsn
+        return [Note("safekeeper joined term", {"peer": p.name, "term": self.term, "flush_lsn": msg.flush_lsn})] \
+            + self._progress() + self._pump(p)
+
+    def _on_append_reply(self, p: PeerState, msg: AppendReply) -> list[Action]:
+        if msg.term > self.term:
+            return self._higher_term(msg.term, p.name)
+        if not p.elected or msg.term != self.term:
+            return []
+        p.flush_lsn = max(p.flush_lsn, msg.flush_lsn)
+        return self._progress() + self._pump(p)
+
+    def _pump(self, p: PeerState) -> list[Action]:
+        buf = self.buffer
+        if buf is None or not p.elected or p.fetching:
+            return []
+        if p.sent_lsn < buf.start:
+            p.fetching = True
+            return [FetchWal(p.name, p.sent_lsn, buf.start)]
+        actions: list[Action] = []
+        while p.sent_lsn < buf.end and p.sent_lsn - p.flush_lsn < self.config.max_inflight:
+            data = buf.read(p.sent_lsn, MAX_APPEND)
+            actions.append(Send(p.name, self._append(p.sent_lsn, data)))
+            p.sent_lsn += len(data)
+        return actions
+
+    def _append(self, begin: int, data: bytes) -> Append:
+        return Append(self.term, begin, self.commit_lsn, self._horizon(), data)
+
+    def _in_term(self, p: PeerState) -> int:
+        return p.flush_lsn if p.flush_lsn >= self.term_start else 0
+
+    def _horizon(self) -> int:
+        return min(min(self._in_term(p) for p in self.peers.values()), self.commit_lsn)
+
+    def _progress(self) -> list[Action]:
+        """Recompute commit_lsn; report to the primary when anything moved."""
+        flushes = [self._in_term(p) for p in self.peers.values()]
+        commit = quorum_position(flushes, self.config.quorum, self.term_start)
+        self.commit_lsn = max(self.commit_lsn, commit)
+        if self.buffer is not None:
+            self.buffer.trim(self._trim_point())
+        status = self.status()
+        if status == self._reported:
+            return []
+        self._reported = status
+        return [ReportStatus(*status)]
+
+    def status(self) -> tuple[int, int, int]:
+        """(write, flush, apply) for the primary: any, quorum and all safekeepers."""
+        flushes = [self._in_term(p) for p in self.peers.values()]
+        write = max(self._reported[0], max(flushes), self.commit_lsn)
+        apply = max(self._reported[2], min(min(flushes), self.commit_lsn))
+        return write, self.commit_lsn, apply
+
+    def _trim_point(self) -> int:
+        assert self.buffer is not None
+        needed = min(p.flush_lsn if p.elected or p.flush_lsn >= self.term_start else self.term_start
+                     for p in self.peers.values())
+        return max(needed, self.buffer.end - self.config.buffer_limit)
+
+    def _reset(self, name: str) -> PeerState:
+        p = self.peers[name]
+        p.connected, p.greeted_term, p.node_id, p.vote = False, None, None, None
+        p.elected, p.fetching = False, False
+        p.sent_lsn = p.flush_lsn
+        return p

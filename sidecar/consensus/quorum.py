@@ -1,0 +1,34 @@
+"""Quorum size and the commit rule."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class QuorumError(ValueError):
+    """A quorum configuration under which two quorums need not intersect."""
+
+
+def majority(n: int) -> int:
+    return n // 2 + 1
+
+
+def validate_quorum(n: int, quorum: int | None) -> int:
+    """Return the quorum to use for `n` safekeepers, refusing one that is not a majority."""
+    if n < 1:
+        raise QuorumError("at least one safekeeper is needed")
+    q = majority(n) if quorum is None else quorum
+    if q > n:
+        raise QuorumError(f"quorum {q} is larger than the {n} safekeepers given")
+    if q * 2 <= n:
+        raise QuorumError(
+            f"quorum {q} of {n} safekeepers is refused: two quorums must intersect, "
+            f"so the quorum must be more than half ({majority(n)} or more)"
+        )
+    return q
+
+
+def quorum_position(positions: Iterable[int], quorum: int, term_start: int) -> int:
+    """The `quorum`-th highest position, counting positions below the term start as zero."""
+    counted = sorted((p if p >= term_start else 0 for p in positions), reverse=True)
+    return counted[quorum - 1] if len(counted) >= quorum else 0

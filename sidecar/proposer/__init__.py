@@ -1,0 +1,1 @@
+"""The proposer service attached to a PostgreSQL primary."""

@@ -1,0 +1,551 @@
+"""The physical replication connection to the primary, driven at psycopg's pq level from asyncio.
+
+Replication commands go through `AsyncConnection.execute()` as plain strings (the walsender
+only speaks the simple query protocol). Once START_REPLICATION returns COPY_BOTH, all stream
+work happens in a `loop.add_reader()` callback; psycopg's own waiting generators are never
+cancelled, because a cancelled wait sends a PostgreSQL cancel request that aborts streaming.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import struct
+import time
+from collections.abc import Callable
+
+import psycopg
+from psycopg import pq
+
+from sidecar.consensus.messages import TimelineEntry
+from sidecar.lsn import format_lsn, parse_lsn
+from sidecar.proposer.primary import check_slot_name
+
+log = logging.getLogger(__name__)
+
+_W_HDR = struct.Struct(">QQQ")  # after b'w': walStart, serverWalEnd, sendTime
+_K_MSG = struct.Struct(">QQB")  # after b'k': serverWalEnd, sendTime, replyRequested
+_R_MSG = struct.Struct(">cQQQQB")  # b'r', write, flush, apply, clientTime, replyRequested
+_W_HDR_LEN = 1 + _W_HDR.size
+_PG_EPOCH_US = 946_684_800 * 1_000_000
+
+# A stopping primary asks for a reply after every reply; answering each at once is a busy loop.
+KEEPALIVE_ANSWER_MIN_INTERVAL = 0.1
+# How long a client-initiated close waits for the server to finish the COPY before dropping it.
+CLOSE_TIMEOUT = 5.0
+
+
+def pg_now() -> int:
+    """Microseconds since 2000-01-01 UTC, the replication protocol's timestamp."""
+    return time.time_ns() // 1000 - _PG_EPOCH_US
+
+
+class ReplicationError(Exception):
+    """The replication stream or command failed; `sqlstate` is set when the server said why."""
+
+    def __init__(self, message: str, sqlstate: str | None = None) -> None:
+        super().__init__(message)
+        self.sqlstate = sqlstate
+
+
+class TimelineEnded(Exception):
+    """The server finished streaming a timeline that is no longer its current one."""
+
+    def __init__(self, next_tli: int, next_lsn: int) -> None:
+        super().__init__(f"timeline ended; next timeline {next_tli} starts at {format_lsn(next_lsn)}")
+        self.next_tli = next_tli
+        self.next_lsn = next_lsn
+
+
+def _error_from(exc: psycopg.Error) -> ReplicationError:
+    diag = exc.diag
+    message = diag.message_primary or str(exc).strip()
+    if diag.message_detail:
+        message = f"{message} ({diag.message_detail})"
+    return ReplicationError(message, diag.sqlstate)
+
+
+async def connect_replication(dsn: str, application_name: str) -> psycopg.AsyncConnection:
+    """Open a physical replication connection (`replication=true`) named `application_name`."""
+    return await psycopg.AsyncConnection.connect(
+        dsn,
+        replication="true",
+        application_name=application_name,
+        autocommit=True,  # otherwise psycopg sends BEGIN, which a physical walsender rejects
+        client_encoding="utf8",  # otherwise a SQL_ASCII server's text columns arrive as bytes
+    )
+
+
+async def _command(conn: psycopg.AsyncConnection, command: str) -> list[tuple]:
+    try:
+        cur = await conn.execute(command)
+        return await cur.fetchall() if cur.description else []
+    except psycopg.Error as exc:
+        raise _error_from(exc) from exc
+
+
+async def identify_system(conn: psycopg.AsyncConnection) -> tuple[int, int, int]:
+    """IDENTIFY_SYSTEM: (system_id, timeline, xlogpos)."""
+    rows = await _command(conn, "IDENTIFY_SYSTEM")
+    system_id, timeline, xlogpos, _dbname = rows[0]
+    return int(system_id), int(timeline), parse_lsn(xlogpos)
+
+
+async def read_slot(conn: psycopg.AsyncConnection, slot: str) -> tuple[int, int] | None:
+    """READ_REPLICATION_SLOT: (restart_lsn, restart_tli), (0, 0) if it has no WAL, None if missing."""
+    rows = await _command(conn, f"READ_REPLICATION_SLOT {check_slot_name(slot)}")
+    slot_type, restart_lsn, restart_tli = rows[0]
+    if slot_type is None:
+        return None
+    if restart_lsn is None:
+        return 0, 0
+    return parse_lsn(restart_lsn), int(restart_tli)
+
+
+def parse_timeline_history(content: str) -> tuple[TimelineEntry, ...]:
+    """Parse a .history file: lines `parent_tli<TAB>X/Y<TAB>reason`, '#' comments allowed."""
+    entries: list[TimelineEntry] = []
+    for lineno, line in enumerate(content.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        fields = line.split(None, 2)
+        try:
+            tli = int(fields[0])
+            switch = parse_lsn(fields[1])
+        except (IndexError, ValueError):
+            raise ValueError(f"timeline history line {lineno} is malformed: {line!r}") from None
+        if entries and (tli <= entries[-1].timeline or switch < entries[-1].switch_lsn):
+            raise ValueError(f"timeline history line {lineno} is out of order: {line!r}")
+        entries.append(TimelineEntry(timeline=tli, switch_lsn=switch))
+    return tuple(entries)
+
+
+async def timeline_history(conn: psycopg.AsyncConnection, tli: int) -> tuple[TimelineEntry, ...]:
+    """TIMELINE_HISTORY: the switch points leading to `tli`; () for timeline 1, which has no file."""
+    if tli == 1:
+        return ()
+    try:
+        rows = await _command(conn, f"TIMELINE_HISTORY {int(tli)}")
+    except ReplicationError as exc:
+        raise ReplicationError(f"cannot read the history of timeline {tli}: {exc}", exc.sqlstate) from exc
+    content = rows[0][1]
+    if isinstance(content, (bytes, bytearray, memoryview)):
+        content = bytes(content).decode()
+    return parse_timeline_history(content)
+
+
+class _State(enum.Enum):
+    NEW = "new"
+    STREAMING = "streaming"
+    CLOSING = "closing"  # we sent CopyDone, waiting for the server's
+    ENDING = "ending"  # the server ended COPY: collecting the final results
+    DONE = "done"
+
+
+class ReplicationStream:
+    """One START_REPLICATION [SLOT s] PHYSICAL X/Y TIMELINE n stream, driven by add_reader.
+
+    `on_wal(wal_start, payload)` runs in the reader callback for every XLogData; the payload
+    memoryview owns its buffer and may be kept. `on_batch_end()` runs after each drained batch.
+    """
+
+    def __init__(
+        self,
+        conn: psycopg.AsyncConnection,
+        *,
+        start_lsn: int,
+        timeline: int,
+        slot: str | None,
+        on_wal: Callable[[int, memoryview], None],
+        on_batch_end: Callable[[], None] | None = None,
+        keepalive_interval: float = 1.0,
+    ) -> None:
+        if timeline < 1:
+            raise ValueError(f"invalid timeline {timeline}")
+        self.conn = conn
+        self.start_lsn = start_lsn
+        self.timeline = timeline
+        self.slot = check_slot_name(slot) if slot is not None else None
+        self.on_wal = on_wal
+        self.on_batch_end = on_batch_end
+        self.keepalive_interval = keepalive_interval
+
+        self.received_lsn = start_lsn
+        self.server_wal_end = 0
+        self.last_received_at = 0.0  # loop.time() of the last message from the server
+        self.messages_received = 0
+        self.keepalives_received = 0
+        self.statuses_sent = 0
+
+        self._state = _State.NEW
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pg: pq.abc.PGconn | None = None
+        self._fd = -1
+        self._reading = False
+        self._writing = False
+        self._done: asyncio.Future[None] | None = None
+
+        # Last positions given to send_status(); every status message carries them.
+        self._write = 0
+        self._flush = 0
+        self._apply = 0
+        self._sent_positions: tuple[int, int, int] | None = None
+        self._last_status_at = 0.0
+        self._status_pending = False  # a status could not be queued: resend once writable
+        self._periodic: asyncio.TimerHandle | None = None
+        self._deferred_answer: asyncio.TimerHandle | None = None
+        self._close_timer: asyncio.TimerHandle | None = None
+
+        self._error: ReplicationError | None = None
+        self._close_requested = False
+        self._copy_end_sent = False  # CopyDone requested (it may still wait in _copy_end_pending)
+        self._copy_end_pending = False
+        self._next_timeline: tuple[int, int] | None = None
+
+    # --- public API ------------------------------------------------------------------------
+
+    @property
+    def command(self) -> str:
+        slot = f"SLOT {self.slot} " if self.slot else ""
+        return f"START_REPLICATION {slot}PHYSICAL {format_lsn(self.start_lsn)} TIMELINE {self.timeline}"
+
+    @property
+    def streaming(self) -> bool:
+        return self._state is _State.STREAMING
+
+    async def start(self) -> None:
+        """Run START_REPLICATION and begin reading; later server errors surface from wait_closed()."""
+        if self._state is not _State.NEW:
+            raise RuntimeError("the stream was already started")
+        self._loop = asyncio.get_running_loop()
+        self._done = self._loop.create_future()
+        try:
+            cur = await self.conn.execute(self.command)
+        except psycopg.Error as exc:
+            self._state = _State.DONE
+            self._done.set_result(None)
+            raise _error_from(exc) from exc
+        pgres = cur.pgresult
+        if pgres is None or pgres.status != pq.ExecStatus.COPY_BOTH:
+            self._state = _State.DONE
+            self._done.set_result(None)
+            status = pgres.status.name if pgres is not None else "no result"
+            raise ReplicationError(f"{self.command} did not start streaming (got {status})")
+        self._pg = self.conn.pgconn
+        self._pg.nonblocking = 1
+        self._fd = self._pg.socket
+        self._state = _State.STREAMING
+        self.last_received_at = self._loop.time()
+        self._loop.add_reader(self._fd, self._on_readable)
+        self._reading = True
+        self._schedule_periodic()
+        # libpq may already hold messages that arrived with the CopyBothResponse; the socket
+        # will not report them as readable.
+        self._loop.call_soon(self._process, False)
+
+    def send_status(self, write: int, flush: int, apply: int, reply_requested: bool = False) -> None:
+        """Send a Standby Status Update now; later periodic and keepalive replies repeat these positions."""
+        if max(write, flush, apply) > self.received_lsn:
+            raise ValueError(
+                f"status ({format_lsn(write)}, {format_lsn(flush)}, {format_lsn(apply)}) is beyond the "
+                f"WAL received ({format_lsn(self.received_lsn)})"
+            )
+        if flush < self._flush:
+            # The walsender would move the slot back, possibly onto removed WAL.
+            raise ValueError(f"flush went backwards: {format_lsn(flush)} < {format_lsn(self._flush)}")
+        self._write, self._flush, self._apply = write, flush, apply
+        if self._state in (_State.STREAMING, _State.CLOSING) and not self._copy_end_sent:
+            self._send_status(reply_requested)
+
+    async def wait_closed(self) -> None:
+        """Wait for the stream to end; raise ReplicationError or TimelineEnded unless close() ended it."""
+        if self._done is None:
+            raise RuntimeError("the stream was not started")
+        await asyncio.shield(self._done)
+
+    async def close(self) -> None:
+        """End the stream from our side (CopyDone, drain the rest) and close the connection; idempotent."""
+        if self._state in (_State.STREAMING, _State.ENDING) and not self._close_requested:
+            self._close_requested = True
+            if self._state is _State.STREAMING:
+                self._state = _State.CLOSING
+                try:
+                    self._send_copy_end()
+                except psycopg.Error as exc:
+                    self._fail(_error_from(exc))
+            assert self._loop is not None
+            self._close_timer = self._loop.call_later(CLOSE_TIMEOUT, self._close_timed_out)
+        if self._done is not None:
+            try:
+                await asyncio.shield(self._done)
+            except (ReplicationError, TimelineEnded):
+                pass
+        self._stop_io()
+        if not self.conn.closed:
+            await self.conn.close()
+
+    # --- status messages -------------------------------------------------------------------
+
+    def _positions(self) -> tuple[int, int, int]:
+        return self._write, self._flush, self._apply
+
+    def _send_status(self, reply_requested: bool = False) -> None:
+        assert self._pg is not None and self._loop is not None
+        msg = _R_MSG.pack(b"r", self._write, self._flush, self._apply, pg_now(), 1 if reply_requested else 0)
+        try:
+            if self._pg.put_copy_data(msg) == 0:
+                self._status_pending = True
+                self._want_write()
+                return
+            self._status_pending = False
+            self._flush_output()
+        except psycopg.Error as exc:
+            self._fail(_error_from(exc))
+            return
+        self.statuses_sent += 1
+        self._sent_positions = self._positions()
+        self._last_status_at = self._loop.time()
+        self._cancel_deferred_answer()
+        self._schedule_periodic()
+
+    def _answer_keepalive(self) -> None:
+        assert self._loop is not None
+        if self._positions() != self._sent_positions:
+            self._send_status()
+            return
+        due = self._last_status_at + KEEPALIVE_ANSWER_MIN_INTERVAL
+        if self._loop.time() >= due:
+            self._send_status()
+        elif self._deferred_answer is None:
+            self._deferred_answer = self._loop.call_at(due, self._deferred_answer_due)
+
+    def _deferred_answer_due(self) -> None:
+        self._deferred_answer = None
+        if self._state is _State.STREAMING:
+            self._send_status()
+
+    def _cancel_deferred_answer(self) -> None:
+        if self._deferred_answer is not None:
+            self._deferred_answer.cancel()
+            self._deferred_answer = None
+
+    def _schedule_periodic(self) -> None:
+        assert self._loop is not None
+        if self._periodic is not None:
+            self._periodic.cancel()
+        self._periodic = self._loop.call_at(self._last_status_at + self.keepalive_interval, self._periodic_due)
+
+    def _periodic_due(self) -> None:
+        self._periodic = None
+        if self._state is _State.STREAMING:
+            self._send_status()
+
+    # --- socket I/O ------------------------------------------------------------------------
+
+    def _flush_output(self) -> None:
+        assert self._pg is not None
+        if self._pg.flush() == 1:
+            self._want_write()
+
+    def _want_write(self) -> None:
+        assert self._loop is not None
+        if not self._writing:
+            self._loop.add_writer(self._fd, self._on_writable)
+            self._writing = True
+
+    def _on_writable(self) -> None:
+        assert self._pg is not None and self._loop is not None
+        try:
+            if self._pg.flush() == 1:
+                return
+        except psycopg.Error as exc:
+            self._fail(_error_from(exc))
+            return
+        self._loop.remove_writer(self._fd)
+        self._writing = False
+        if self._copy_end_pending:
+            self._copy_end_pending = False
+            self._copy_end_sent = False
+            self._process_after(self._send_copy_end)
+        elif self._status_pending and self._state is _State.STREAMING:
+            self._send_status()
+
+    def _process_after(self, action: Callable[[], None]) -> None:
+        try:
+            action()
+        except psycopg.Error as exc:
+            self._fail(_error_from(exc))
+            return
+        # Results that waited for our CopyDone may already be buffered.
+        self._process(False)
+
+    def _send_copy_end(self) -> None:
+        assert self._pg is not None
+        if self._copy_end_sent:
+            return
+        self._copy_end_sent = True
+        self._cancel_deferred_answer()
+        if self._periodic is not None:
+            self._periodic.cancel()
+            self._periodic = None
+        if self._pg.put_copy_end(None) == 0:
+            self._copy_end_pending = True
+            self._want_write()
+        else:
+            self._flush_output()
+
+    def _on_readable(self) -> None:
+        self._process(True)
+
+    def _process(self, consume: bool) -> None:
+        if self._state in (_State.NEW, _State.DONE):
+            return
+        assert self._pg is not None and self._loop is not None
+        try:
+            if consume:
+                self._pg.consume_input()
+            if self._state in (_State.STREAMING, _State.CLOSING):
+                self._drain()
+            if self._state is _State.ENDING:
+                self._collect_results()
+        except psycopg.Error as exc:
+            if self._error is None and self._state is _State.ENDING:
+                self._error = ReplicationError(
+                    f"the primary ended the replication stream and closed the connection: {exc}"
+                )
+            self._fail(self._error or _error_from(exc))
+        except Exception as exc:  # an on_wal/on_batch_end failure ends the stream with it
+            self._fail(exc)
+
+    def _drain(self) -> None:
+        assert self._pg is not None and self._loop is not None
+        pg = self._pg
+        delivered = False
+        answer = False
+        deliver = self._state is _State.STREAMING
+        received_before = self.messages_received
+        while True:
+            n, buf = pg.get_copy_data(1)
+            if n == 0:
+                break
+            if n == -1:
+                self._state = _State.ENDING
+                break
+            self.messages_received += 1
+            kind = buf[0]
+            if kind == 0x77:  # 'w' XLogData
+                wal_start, wal_end, _ = _W_HDR.unpack_from(buf, 1)
+                if wal_start != self.received_lsn:
+                    raise ReplicationError(
+                        f"the primary sent WAL at {format_lsn(wal_start)}, expected {format_lsn(self.received_lsn)}"
+                    )
+                payload = buf[_W_HDR_LEN:]
+                self.received_lsn = wal_start + len(payload)
+                self.server_wal_end = wal_end
+                if deliver:
+                    self.on_wal(wal_start, payload)
+                    delivered = True
+            elif kind == 0x6B:  # 'k' primary keepalive
+                wal_end, _, reply = _K_MSG.unpack_from(buf, 1)
+                self.server_wal_end = wal_end
+                self.keepalives_received += 1
+                answer = answer or reply == 1
+            else:
+                raise ReplicationError(f"unexpected replication message type {chr(kind)!r}")
+        if self.messages_received != received_before or n == -1:
+            self.last_received_at = self._loop.time()
+        if delivered and self.on_batch_end is not None:
+            self.on_batch_end()
+        if answer and self._state is _State.STREAMING:
+            self._answer_keepalive()
+
+    def _collect_results(self) -> None:
+        assert self._pg is not None
+        pg = self._pg
+        while not pg.is_busy():
+            res = pg.get_result()
+            if res is None:
+                self._finish()
+                return
+            status = res.status
+            if status == pq.ExecStatus.COPY_IN:
+                # The server sent CopyDone (end of timeline); libpq waits for ours before the
+                # next results, and returns this COPY_IN result forever until then.
+                if self._copy_end_pending:
+                    return
+                if self._copy_end_sent:
+                    raise ReplicationError("the server ended COPY twice")
+                self._send_copy_end()
+            elif status == pq.ExecStatus.TUPLES_OK:
+                if res.ntuples and res.nfields >= 2:
+                    tli, lsn = res.get_value(0, 0), res.get_value(0, 1)
+                    if tli is not None and lsn is not None:
+                        self._next_timeline = (int(tli), parse_lsn(bytes(lsn).decode()))
+            elif status == pq.ExecStatus.FATAL_ERROR:
+                if self._error is None:
+                    self._error = _result_error(res)
+            elif status in (pq.ExecStatus.COPY_OUT, pq.ExecStatus.COPY_BOTH):
+                raise ReplicationError(f"unexpected {status.name} result after the end of COPY")
+
+    # --- ending ----------------------------------------------------------------------------
+
+    def _finish(self) -> None:
+        """The connection is back in command mode: settle the outcome."""
+        self._stop_io()
+        self._state = _State.DONE
+        assert self._done is not None
+        if self._done.done():
+            return
+        if self._error is not None:
+            self._done.set_exception(self._error)
+        elif self._close_requested:
+            self._done.set_result(None)
+        elif self._next_timeline is not None:
+            self._done.set_exception(TimelineEnded(*self._next_timeline))
+        else:
+            self._done.set_exception(ReplicationError("the primary ended the replication stream"))
+
+    def _fail(self, exc: BaseException) -> None:
+        """The stream is broken: stop all I/O and drop the connection."""
+        self._stop_io()
+        self._state = _State.DONE
+        if self._pg is not None and not self.conn.closed:
+            # The connection is mid-COPY and unusable; finish() closes the socket without a cancel.
+            self._pg.finish()
+        assert self._done is not None
+        if not self._done.done():
+            self._done.set_exception(exc)
+
+    def _close_timed_out(self) -> None:
+        self._close_timer = None
+        if self._state is not _State.DONE:
+            self._fail(ReplicationError(f"the primary did not end the stream within {CLOSE_TIMEOUT} s"))
+
+    def _stop_io(self) -> None:
+        for handle in (self._periodic, self._deferred_answer, self._close_timer):
+            if handle is not None:
+                handle.cancel()
+        self._periodic = self._deferred_answer = self._close_timer = None
+        if self._loop is not None and self._fd >= 0:
+            if self._reading:
+                self._loop.remove_reader(self._fd)
+                self._reading = False
+            if self._writing:
+                self._loop.remove_writer(self._fd)
+                self._writing = False
+
+
+def _result_error(res: pq.abc.PGresult) -> ReplicationError:
+    def field(code: pq.DiagnosticField) -> str | None:
+        value = res.error_field(code)
+        return bytes(value).decode(errors="replace") if value is not None else None
+
+    message = field(pq.DiagnosticField.MESSAGE_PRIMARY)
+    if message is None:
+        message = bytes(res.error_message).decode(errors="replace").strip() or "unknown error"
+    detail = field(pq.DiagnosticField.MESSAGE_DETAIL)
+    if detail:
+        message = f"{message} ({detail})"
+    return ReplicationError(message, field(pq.DiagnosticField.SQLSTATE))

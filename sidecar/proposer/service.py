@@ -1,0 +1,365 @@
+"""The proposer service: primary connections and safekeeper links around the consensus core."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+
+import google_crc32c
+import psycopg
+
+from sidecar.consensus.messages import Message, TimelineHistory
+from sidecar.consensus.proposer import (
+    Action, FetchWal, Note, Proposer, ProposerConfig, ReportStatus, Send, StartStreaming,
+    TermLost, VerifyPrimary,
+)
+from sidecar.lsn import format_lsn, segment_start
+from sidecar.logs import get_logger
+from sidecar.proposer import primary as pg
+from sidecar.proposer import replication as repl
+from sidecar.proposer.peers import PeerLink
+
+ELECTION_TIMEOUT = 5.0
+HEARTBEAT_INTERVAL = 1.0
+HORIZON_INTERVAL = 5.0
+
+
+@dataclass(frozen=True)
+class StartOptions:
+    pg_dsn: str
+    safekeepers: tuple[str, ...]
+    quorum: int
+    application_name: str = "walsidecar"
+    slot: str = "walsidecar"
+    allow_primary_mismatch: bool = False
+
+    @property
+    def horizon_slot(self) -> str:
+        return f"{self.slot}_horizon"
+
+
+class PrimaryMismatch(Exception):
+    """The primary lacks WAL that a quorum of safekeepers committed."""
+
+
+class ProposerService:
+    def __init__(self, opts: StartOptions) -> None:
+        self.opts = opts
+        self.log = get_logger(role="proposer")
+        self.core: Proposer | None = None
+        self.links = {name: PeerLink(name, self._peer_up, self._peer_message, self._peer_down)
+                      for name in opts.safekeepers}
+        self.stream: repl.ReplicationStream | None = None
+        self._term_over: asyncio.Event = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._fetches: dict[str, asyncio.Task[None]] = {}
+        self._replication_conn: psycopg.AsyncConnection | None = None
+        self._timeline = 0
+        self._refusal: PrimaryMismatch | None = None
+        self._seg_size = 0
+        self._pending: list[memoryview] = []
+        self._pending_lsn = 0
+        self._pg_version = 0
+        self.last_term = 0
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Prepare the primary, then run terms until cancelled."""
+        sql = await psycopg.AsyncConnection.connect(self.opts.pg_dsn, autocommit=True)
+        try:
+            for warning in await pg.check_settings(sql, self.opts.application_name):
+                self.log.warning(warning)
+            lock = pg.AdvisoryLock(self.opts.pg_dsn, self.opts.slot)
+            await lock.acquire(wait=True)
+            try:
+                info = await pg.read_primary_info(sql)
+                self._seg_size, self._pg_version = info.wal_seg_size, info.pg_version
+                await pg.ensure_slot(sql, self.opts.slot)
+                await pg.ensure_slot(sql, self.opts.horizon_slot)
+                link_tasks = [self._spawn(link.run()) for link in self.links.values()]
+                self._spawn(self._horizon_loop(sql))
+                try:
+                    await self._terms()
+                finally:
+                    for t in link_tasks:
+                        t.cancel()
+            finally:
+                await lock.close()
+        finally:
+            await self._cancel_all()
+            await sql.close()
+
+    async def _terms(self) -> None:
+        while True:
+            try:
+                await self._one_term()
+            except PrimaryMismatch:
+                raise
+            except (psycopg.Error, OSError, repl.ReplicationError) as e:
+                self.log.warning("term ended", term=self.last_term, error=str(e).strip())
+            await self._end_term()
+            await asyncio.sleep(0.5)
+
+    async def _one_term(self) -> None:
+        conn = await repl.connect_replication(self.opts.pg_dsn, self.opts.application_name)
+        self._replication_conn = conn
+        system_id, timeline, _ = await repl.identify_system(conn)
+        slot = await repl.read_slot(conn, self.opts.slot)
+        if slot is None:
+            raise repl.ReplicationError(f"replication slot {self.opts.slot} disappeared")
+        self._timeline = timeline
+        cfg = ProposerConfig(
+            proposer_id=self.opts.application_name, peers=self.opts.safekeepers, quorum=self.opts.quorum,
+            system_id=system_id, timeline=timeline, wal_seg_size=self._seg_size,
+            pg_version=self._pg_version, bootstrap_lsn=segment_start(slot[0], self._seg_size))
+        self._term_over = asyncio.Event()
+        self.core = Proposer(cfg, min_term=self.last_term)
+        for name, link in self.links.items():
+            if link.connected:
+                self._run(self.core.peer_connected(name))
+        self._spawn(self._ticker())
+        await self._term_over.wait()
+        if self._refusal is not None:
+            raise self._refusal
+
+    async def _end_term(self) -> None:
+        self._pending.clear()
+        if self.core is not None:
+            self.last_term = max(self.last_term, self.core.term)
+            self._run(self.core.stream_ended())
+        for task in self._fetches.values():
+            task.cancel()
+        self._fetches.clear()
+        if self.stream is not None:
+            await self.stream.close()
+            self.stream = None
+        if self._replication_conn is not None:
+            with contextlib.suppress(Exception):
+                await self._replication_conn.close()
+            self._replication_conn = None
+        # Safekeepers still attached to the old term must greet the next one afresh.
+        for link in self.links.values():
+            link.drop()
+
+    async def _ticker(self) -> None:
+        core = self.core
+        ticks = 0
+        while core is self.core and not self._term_over.is_set():
+            await asyncio.sleep(HEARTBEAT_INTERVAL)
+            ticks += 1
+            self._run(core.heartbeat())
+            if ticks % int(ELECTION_TIMEOUT / HEARTBEAT_INTERVAL) == 0:
+                self._run(core.election_timeout())
+
+    async def _horizon_loop(self, sql: psycopg.AsyncConnection) -> None:
+        """Keep the horizon slot at the WAL every safekeeper has, so laggards can catch up."""
+        while True:
+            await asyncio.sleep(HORIZON_INTERVAL)
+            core = self.core
+            if core is None or core.commit_lsn == 0:
+                continue
+            horizon = min(core.status()[2], core.commit_lsn)
+            if horizon:
+                with contextlib.suppress(psycopg.Error):
+                    await pg.advance_slot(sql, self.opts.horizon_slot, horizon)
+
+    # ---- safekeeper links ------------------------------------------------------------------
+
+    def _peer_up(self, name: str) -> None:
+        if self.core is not None:
+            self._run(self.core.peer_connected(name))
+
+    def _peer_message(self, name: str, msg: Message) -> None:
+        if self.core is not None:
+            self._run(self.core.peer_message(name, msg))
+
+    def _peer_down(self, name: str) -> None:
+        task = self._fetches.pop(name, None)
+        if task is not None:
+            task.cancel()
+        if self.core is not None:
+            self._run(self.core.peer_disconnected(name))
+
+    # ---- actions ---------------------------------------------------------------------------
+
+    def _run(self, actions: list[Action]) -> None:
+        for a in actions:
+            match a:
+                case Send():
+                    self.links[a.peer].send(a.message)
+                case ReportStatus():
+                    if self.stream is not None:
+                        self.stream.send_status(a.write_lsn, a.flush_lsn, a.apply_lsn)
+                case StartStreaming():
+                    self._spawn(self._stream(a.start_lsn))
+                case VerifyPrimary():
+                    self._spawn(self._verify(a))
+                case FetchWal():
+                    self._fetches[a.peer] = self._spawn(self._fetch(a))
+                case TermLost():
+                    self.log.warning("term lost", term=self.core.term if self.core else 0,
+                                     higher_term=a.term, reason=a.reason)
+                    self.last_term = max(self.last_term, a.term)
+                    self._term_over.set()
+                case Note():
+                    self.log.info(a.event, **{k: _fmt(k, v) for k, v in a.fields.items()})
+
+    async def _stream(self, start_lsn: int) -> None:
+        core, conn = self.core, self._replication_conn
+        assert core is not None and conn is not None
+        stream = repl.ReplicationStream(conn, start_lsn=start_lsn, timeline=self._timeline,
+                                        slot=self.opts.slot, on_wal=self._on_wal,
+                                        on_batch_end=self._on_batch_end)
+        self.stream = stream
+        try:
+            await stream.start()
+            stream.send_status(*core.status())
+            await stream.wait_closed()
+            self.log.warning("replication stream ended", term=core.term)
+        except (repl.ReplicationError, psycopg.Error, OSError) as e:
+            self.log.warning("replication stream failed", term=core.term, error=str(e).strip())
+        finally:
+            if core is self.core:
+                self._term_over.set()
+
+    def _on_wal(self, lsn: int, data: memoryview) -> None:
+        if not self._pending:
+            self._pending_lsn = lsn
+        self._pending.append(data)
+
+    def _on_batch_end(self) -> None:
+        """Fan out everything drained from the socket at once: OLTP messages are small."""
+        if self._pending and self.core is not None:
+            data = b"".join(self._pending)
+            self._pending.clear()
+            self._run(self.core.wal_received(self._pending_lsn, data))
+
+    async def _verify(self, a: VerifyPrimary) -> None:
+        core = self.core
+        try:
+            await self._check_primary(a)
+        except PrimaryMismatch as e:
+            if not self.opts.allow_primary_mismatch:
+                self.log.critical("refusing to stream", term=a.term, reason=str(e))
+                if core is self.core and core is not None:
+                    self._run(core.primary_refused(str(e)))
+                self._fatal(e)
+                return
+            self.log.critical("primary lacks quorum-committed WAL; streaming anyway as ordered "
+                              "by --allow-primary-mismatch", term=a.term, reason=str(e))
+        if core is self.core and core is not None:
+            self._run(core.primary_verified())
+
+    async def _check_primary(self, a: VerifyPrimary) -> None:
+        """The primary must hold the donor's WAL up to the term start, byte for byte."""
+        conn = self._replication_conn
+        assert conn is not None
+        _, timeline, flush = await repl.identify_system(conn)
+        start = format_lsn(a.start_lsn)
+        if flush < a.start_lsn:
+            raise PrimaryMismatch(
+                f"the primary lacks quorum-committed WAL between {format_lsn(flush)} and {start}: "
+                "catch it up from the safekeepers before promoting it, or it is a stale primary")
+        ours = _switches_below(await repl.timeline_history(conn, timeline), a.start_lsn)
+        theirs = _switches_below(a.timeline_history, a.start_lsn)
+        if ours != theirs:
+            raise PrimaryMismatch(
+                f"the primary's timeline history {ours} leaves the safekeepers' WAL ({theirs}) before {start}")
+        if a.tail_lsn:
+            data = await self._read_primary(a.tail_lsn, a.start_lsn, timeline)
+            if google_crc32c.value(data) != a.tail_crc:
+                raise PrimaryMismatch(
+                    f"the primary's WAL between {format_lsn(a.tail_lsn)} and {start} differs from "
+                    f"safekeeper {a.donor}'s: it is a different or stale primary")
+
+    async def _read_primary(self, start: int, end: int, timeline: int) -> bytes:
+        parts: list[bytes] = []
+        await self._copy_primary(start, end, timeline, lambda lsn, data: parts.append(data))
+        return b"".join(parts)
+
+    async def _copy_primary(self, start: int, end: int, timeline: int, sink) -> None:
+        """Stream WAL [start, end) from the primary without a slot, under a reader's name."""
+        conn = await repl.connect_replication(self.opts.pg_dsn, f"{self.opts.application_name}_reader")
+        done = asyncio.Event()
+        got = start
+
+        def on_wal(lsn: int, data: memoryview) -> None:
+            nonlocal got
+            if lsn >= end:
+                done.set()
+                return
+            piece = bytes(data[: end - lsn])
+            sink(lsn, piece)
+            got = lsn + len(piece)
+            if got >= end:
+                done.set()
+
+        stream = repl.ReplicationStream(conn, start_lsn=start, timeline=timeline, slot=None, on_wal=on_wal)
+        try:
+            await stream.start()
+            closed = asyncio.ensure_future(stream.wait_closed())
+            waiter = asyncio.ensure_future(done.wait())
+            await asyncio.wait({closed, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if not done.is_set():
+                await closed  # raises the stream's error
+                raise repl.ReplicationError(f"the primary ended the stream at {format_lsn(got)} before {format_lsn(end)}")
+            closed.cancel()
+        finally:
+            await stream.close()
+
+    async def _fetch(self, a: FetchWal) -> None:
+        """Catch a lagging safekeeper up from the primary's pg_wal."""
+        core, link = self.core, self.links[a.peer]
+        assert core is not None
+        self.log.info("catching up safekeeper", peer=a.peer, term=core.term,
+                      start_lsn=format_lsn(a.start), end_lsn=format_lsn(a.end))
+
+        def sink(lsn: int, data: bytes) -> None:
+            self._run(core.catchup_data(a.peer, lsn, data))
+
+        try:
+            await self._copy_primary(a.start, a.end, self._timeline, sink)
+        except (repl.ReplicationError, psycopg.Error, OSError) as e:
+            self.log.error("catch-up failed; will retry after reconnect", peer=a.peer, error=str(e).strip())
+            link.drop()
+            return
+        finally:
+            self._fetches.pop(a.peer, None)
+        if core is self.core:
+            self._run(core.catchup_done(a.peer))
+
+    # ---- plumbing --------------------------------------------------------------------------
+
+    def _fatal(self, e: PrimaryMismatch) -> None:
+        self._refusal = e
+        self._term_over.set()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.log.error("background task failed", error=repr(task.exception()))
+            self._term_over.set()
+
+    async def _cancel_all(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        for t in list(self._tasks):
+            with contextlib.suppress(BaseException):
+                await t
+
+
+def _switches_below(history: TimelineHistory, lsn: int) -> tuple[tuple[int, int], ...]:
+    return tuple((e.timeline, e.switch_lsn) for e in history if e.switch_lsn <= lsn)
+
+
+def _fmt(key: str, value: object) -> object:
+    return format_lsn(value) if key.endswith("_lsn") and isinstance(value, int) else value

@@ -1,0 +1,1 @@
+"""The safekeeper (acceptor) service."""

@@ -1,0 +1,139 @@
+"""The safekeeper's control file: its persisted AcceptorState, versioned and checksummed.
+
+Layout of `DIR/safekeeper.control`, integers little-endian:
+magic b"WSKC" | u32 format version | u32 body length | u32 CRC32C of the body | body,
+where the body is UTF-8 JSON. Bump CONTROL_VERSION whenever AcceptorState changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import google_crc32c
+
+from sidecar.consensus.messages import TermEntry, TimelineEntry
+from sidecar.consensus.state import AcceptorState
+from sidecar.safekeeper.storage import fsync_dir
+
+CONTROL_FILE = "safekeeper.control"
+CONTROL_MAGIC = b"WSKC"
+CONTROL_VERSION = 1
+_HEADER = struct.Struct("<4sIII")
+_CORRUPT_HINT = "the control file is corrupt; restore it or re-create this safekeeper from its peers"
+_HISTORY_FIELDS = {"term_history": TermEntry, "timeline_history": TimelineEntry}
+
+
+class ControlFileError(Exception):
+    """The control file exists but cannot be trusted; the safekeeper must not start."""
+
+
+@dataclass(frozen=True)
+class ControlData:
+    node_id: int
+    state: AcceptorState
+
+
+def control_path(data_dir: Path) -> Path:
+    return Path(data_dir) / CONTROL_FILE
+
+
+def load_control(data_dir: Path) -> ControlData | None:
+    """Read the control file; None for a fresh safekeeper (no file), ControlFileError if bad."""
+    path = control_path(data_dir)
+    path.with_name(CONTROL_FILE + ".tmp").unlink(missing_ok=True)  # an interrupted save
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    body = _unframe(path, raw)
+    try:
+        return _decode(json.loads(body.decode("utf-8")))
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError, TypeError) as e:
+        raise ControlFileError(f"{path}: unreadable contents ({e}): {_CORRUPT_HINT}") from e
+
+
+def save_control(data_dir: Path, data: ControlData) -> None:
+    """Durably replace the control file: write a temp file, fsync, rename, fsync the directory."""
+    path = control_path(data_dir)
+    tmp = path.with_name(CONTROL_FILE + ".tmp")
+    body = json.dumps(_encode(data), separators=(",", ":")).encode("utf-8")
+    blob = _HEADER.pack(CONTROL_MAGIC, CONTROL_VERSION, len(body), google_crc32c.value(body)) + body
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        view = memoryview(blob)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def _unframe(path: Path, raw: bytes) -> bytes:
+    """Check the header and checksum; return the body."""
+    if len(raw) < _HEADER.size:
+        raise ControlFileError(f"{path}: truncated ({len(raw)} bytes, header needs {_HEADER.size}): {_CORRUPT_HINT}")
+    magic, version, length, crc = _HEADER.unpack_from(raw)
+    if magic != CONTROL_MAGIC:
+        raise ControlFileError(f"{path}: not a walsidecar control file (magic {magic!r}, expected {CONTROL_MAGIC!r})")
+    if version != CONTROL_VERSION:
+        raise ControlFileError(
+            f"{path}: control file format version {version} is not supported (this build reads version "
+            f"{CONTROL_VERSION}); run the walsidecar release that wrote it")
+    body = raw[_HEADER.size:]
+    if len(body) != length:
+        what = "truncated" if len(body) < length else "trailing garbage"
+        raise ControlFileError(f"{path}: {what}: body is {len(body)} bytes, header says {length}: {_CORRUPT_HINT}")
+    if google_crc32c.value(body) != crc:
+        raise ControlFileError(f"{path}: checksum mismatch: {_CORRUPT_HINT}")
+    return body
+
+
+def _encode(data: ControlData) -> dict[str, Any]:
+    out: dict[str, Any] = {"node_id": data.node_id}
+    for f in dataclasses.fields(AcceptorState):
+        value = getattr(data.state, f.name)
+        if f.name in _HISTORY_FIELDS:
+            value = [list(dataclasses.astuple(entry)) for entry in value]
+        out[f.name] = value
+    return out
+
+
+def _decode(obj: Any) -> ControlData:
+    """Rebuild ControlData from the JSON body; ValueError/TypeError on any deviation."""
+    if not isinstance(obj, dict):
+        raise ValueError("body is not a JSON object")
+    names = ["node_id"] + [f.name for f in dataclasses.fields(AcceptorState)]
+    missing, unknown = set(names) - obj.keys(), obj.keys() - set(names)
+    if missing or unknown:
+        parts = [f"{kind} fields {sorted(keys)}" for kind, keys in (("missing", missing), ("unknown", unknown)) if keys]
+        raise ValueError(", ".join(parts))
+    values = {}
+    for name in names[1:]:
+        entry_type = _HISTORY_FIELDS.get(name)
+        values[name] = _history(name, obj[name], entry_type) if entry_type else _uint(name, obj[name])
+    return ControlData(node_id=_uint("node_id", obj["node_id"]), state=AcceptorState(**values))
+
+
+def _history(name: str, value: Any, entry_type: type) -> tuple[Any, ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"{name} is not a list")
+    entries = []
+    for item in value:
+        if not isinstance(item, list) or len(item) != 2:
+            raise ValueError(f"{name} entry {item!r} is not a pair")
+        entries.append(entry_type(_uint(name, item[0]), _uint(name, item[1])))
+    return tuple(entries)
+
+
+def _uint(name: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} is {value!r}, expected a non-negative integer")
+    return value

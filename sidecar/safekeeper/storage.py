@@ -1,0 +1,461 @@
+"""WAL segment files of a safekeeper, laid out as PostgreSQL's pg_wal (PROTOCOL.md, "Storage").
+
+A segment being written is `NAME.partial`; it gets its final name only after all of its
+bytes were fdatasync'ed, so a final name always means "complete and durable". Positions
+are raw byte positions: finding the end of the last valid record is the caller's job.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sidecar.lsn import format_lsn, parse_segment_file_name, segment_file_name
+
+MIN_SEGMENT_SIZE = 64 * 1024
+MAX_SEGMENT_SIZE = 1024 * 1024 * 1024
+MAX_TIMELINE = 0xFFFFFFFF
+_ZEROS = memoryview(bytes(1024 * 1024))
+_PARTIAL = ".partial"
+_IN_DOUBT = "the WAL on disk is in doubt: restart the safekeeper so it rescans it"
+
+
+class StorageError(Exception):
+    """Misuse of the WAL storage, or an I/O failure that leaves the stored WAL in doubt."""
+
+
+def fsync_dir(path: Path) -> None:
+    """Make creations, renames and deletions inside `path` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class _File:
+    """A stored segment file: its name's timeline and whether it is still `.partial`."""
+
+    tli: int
+    partial: bool
+
+
+@dataclass(eq=False)
+class _Open:
+    """A segment open for writing; `dirty` means written since its last fdatasync."""
+
+    segno: int
+    fd: int
+    dirty: bool = False
+    final_tli: int = 0  # set when the segment is filled: the timeline its final name gets
+
+
+@dataclass
+class _FlushPlan:
+    target: int
+    to_sync: list[_Open] = field(default_factory=list)
+    done: list[_Open] = field(default_factory=list)
+    dir_dirty: bool = False
+
+
+class WalStorage:
+    """PostgreSQL-format WAL segments in one directory, written contiguously.
+
+    Threads: write() may run while flush() runs in another thread (flush does its fdatasync
+    outside the state lock); read() is safe from any thread; open_at(), truncate() and
+    close() wait for a running flush. Call open_at() once before the first write.
+    """
+
+    def __init__(self, wal_dir: Path, seg_size: int, timeline: int) -> None:
+        _check_seg_size(seg_size)
+        _check_timeline(timeline)
+        self.wal_dir = Path(wal_dir)
+        self.seg_size = seg_size
+        self._timeline = timeline
+        self._lock = threading.Lock()        # guards every field below
+        self._flush_lock = threading.Lock()  # one flush/truncate/close at a time
+        self._files: dict[int, _File] = {}
+        self._cur: _Open | None = None
+        self._done: list[_Open] = []         # filled segments awaiting fdatasync + rename
+        self._dir_dirty = False
+        self._positioned = False
+        self._closed = False
+        self._failed: str | None = None
+        self.wal_dir.mkdir(parents=True, exist_ok=True)
+        self._scan_dir()
+        # Until open_at(), reads may go up to the raw end of the stored files (for the
+        # caller's startup scan); nothing is known to be durable yet.
+        self._write_lsn = (max(self._files) + 1) * seg_size if self._files else 0
+        self._flush_lsn = 0
+
+    # -- positions -----------------------------------------------------------------------
+
+    @property
+    def write_lsn(self) -> int:
+        """End of the bytes written (not necessarily durable)."""
+        return self._write_lsn
+
+    @property
+    def flush_lsn(self) -> int:
+        """End of the bytes known to be fdatasync'ed (a raw position, maybe mid-record)."""
+        return self._flush_lsn
+
+    @property
+    def timeline(self) -> int:
+        """Timeline used to name segments created (or completed) from now on."""
+        return self._timeline
+
+    @timeline.setter
+    def timeline(self, value: int) -> None:
+        _check_timeline(value)
+        with self._lock:
+            self._timeline = value
+
+    def segments(self) -> list[tuple[int, int, bool]]:
+        """(timeline, segno, partial) of every stored segment file, by segno."""
+        with self._lock:
+            return [(f.tli, segno, f.partial) for segno, f in sorted(self._files.items())]
+
+    def first_lsn(self) -> int | None:
+        """Start of the lowest stored segment, or None when nothing is stored."""
+        with self._lock:
+            return min(self._files) * self.seg_size if self._files else None
+
+    # -- writing -------------------------------------------------------------------------
+
+    def write(self, lsn: int, data: bytes | bytearray | memoryview) -> None:
+        """Append `data` at `lsn`, which must equal write_lsn; durable only after flush()."""
+        view = memoryview(data).cast("B")
+        with self._lock:
+            self._check_usable()
+            if not self._positioned:
+                raise StorageError("WAL storage: call open_at() before the first write")
+            if lsn != self._write_lsn:
+                raise StorageError(
+                    f"non-contiguous write at {format_lsn(lsn)}: "
+                    f"the stored WAL ends at {format_lsn(self._write_lsn)}")
+            try:
+                while view:
+                    view = self._write_piece(view)
+            except OSError as e:
+                # As in PostgreSQL, a failed WAL write is fatal: bytes past write_lsn may now
+                # be neither the old zeros nor the new data.
+                where = f"{format_lsn(self._write_lsn)} in {self.wal_dir}"
+                self._failed = f"writing WAL at {where} failed: {e}; {_IN_DOUBT}"
+                raise StorageError(self._failed) from e
+
+    def _write_piece(self, view: memoryview) -> memoryview:
+        segno, off = divmod(self._write_lsn, self.seg_size)
+        seg = self._cur if self._cur is not None else self._open_for_write(segno)
+        self._cur = seg
+        n = min(len(view), self.seg_size - off)
+        _pwrite_all(seg.fd, view[:n], off)
+        seg.dirty = True
+        self._write_lsn += n
+        if off + n == self.seg_size:
+            seg.final_tli = self._timeline
+            self._done.append(seg)
+            self._cur = None
+        return view[n:]
+
+    def _open_for_write(self, segno: int) -> _Open:
+        if segno in self._files:
+            return _Open(segno, self._open_fd(segno))
+        path = self.wal_dir / (segment_file_name(self._timeline, segno, self.seg_size) + _PARTIAL)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            _presize(fd, self.seg_size)
+        except OSError:
+            os.close(fd)
+            path.unlink()
+            raise
+        self._files[segno] = _File(self._timeline, True)
+        self._dir_dirty = True
+        return _Open(segno, fd)
+
+    # -- flushing ------------------------------------------------------------------------
+
+    def flush(self) -> int:
+        """fdatasync everything written so far, give filled segments their final names; return flush_lsn."""
+        with self._flush_lock:
+            with self._lock:
+                self._check_usable()
+                if not self._positioned:
+                    return self._flush_lsn
+                plan = self._plan_flush()
+            # Outside the state lock: the writer keeps appending while the disk works. Only
+            # bytes written before the plan was taken are claimed durable.
+            self._sync(plan.to_sync)
+            if plan.done:
+                self._finish_all(plan.done)
+            if plan.done or plan.dir_dirty:
+                self._sync_dir()
+            with self._lock:
+                self._flush_lsn = max(self._flush_lsn, plan.target)
+                return self._flush_lsn
+
+    def _plan_flush(self) -> _FlushPlan:
+        plan = _FlushPlan(self._write_lsn, done=list(self._done), dir_dirty=self._dir_dirty)
+        candidates = self._done + ([self._cur] if self._cur is not None else [])
+        plan.to_sync = [s for s in candidates if s.dirty or s in plan.done]
+        for seg in plan.to_sync:
+            seg.dirty = False
+        self._dir_dirty = False
+        return plan
+
+    def _sync(self, segs: list[_Open]) -> None:
+        for seg in segs:
+            try:
+                os.fdatasync(seg.fd)
+            except OSError as e:
+                self._fail(f"fdatasync of WAL segment {self._path(seg.segno)} failed: {e}")
+
+    def _sync_dir(self) -> None:
+        try:
+            fsync_dir(self.wal_dir)
+        except OSError as e:
+            self._fail(f"fsync of WAL directory {self.wal_dir} failed: {e}")
+
+    def _fail(self, what: str) -> None:
+        # After a failed fsync the kernel may have dropped the dirty pages and a retry
+        # would "succeed": never trust this process's view of the WAL again.
+        with self._lock:
+            self._failed = f"{what}; {_IN_DOUBT}"
+        raise StorageError(self._failed)
+
+    def _finish_all(self, done: list[_Open]) -> None:
+        """Rename filled, fdatasync'ed segments to their final names and close them."""
+        with self._lock:
+            for seg in done:
+                old = self._path(seg.segno)
+                try:
+                    os.replace(old, self.wal_dir / segment_file_name(seg.final_tli, seg.segno, self.seg_size))
+                except OSError as e:
+                    self._failed = f"renaming {old} failed: {e}; {_IN_DOUBT}"
+                    raise StorageError(self._failed) from e
+                self._files[seg.segno] = _File(seg.final_tli, False)
+                self._done.remove(seg)
+                os.close(seg.fd)
+
+    # -- reading -------------------------------------------------------------------------
+
+    def read(self, lsn: int, size: int) -> bytes:
+        """Stored bytes at [lsn, lsn + size), cut short at write_lsn."""
+        if lsn < 0 or size < 0:
+            raise ValueError(f"read at {lsn} of {size} bytes")
+        with self._lock:
+            self._check_open()
+            end = min(lsn + size, self._write_lsn)
+        pieces = []
+        pos = lsn
+        while pos < end:
+            segno, off = divmod(pos, self.seg_size)
+            n = min(end - pos, self.seg_size - off)
+            pieces.append(self._read_segment(segno, off, n))
+            pos += n
+        return b"".join(pieces)
+
+    def _read_segment(self, segno: int, off: int, n: int) -> bytes:
+        fd = self._open_for_read(segno)
+        try:
+            data = os.pread(fd, n, off)
+            while len(data) < n:
+                more = os.pread(fd, n - len(data), off + len(data))
+                if not more:
+                    # A crash while the file was being pre-sized: its missing end is zeros.
+                    return data + bytes(n - len(data))
+                data += more
+            return data
+        finally:
+            os.close(fd)
+
+    def _open_for_read(self, segno: int) -> int:
+        for _ in range(2):  # a concurrent flush may rename the file between lookup and open
+            with self._lock:
+                if segno not in self._files:
+                    break
+                path = self._path(segno)
+            try:
+                return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+        raise StorageError(
+            f"WAL segment {segment_file_name(self._timeline, segno, self.seg_size)} "
+            f"(from {format_lsn(segno * self.seg_size)}) is not stored in {self.wal_dir}")
+
+    # -- truncation and positioning ------------------------------------------------------
+
+    def open_at(self, lsn: int) -> None:
+        """Position the writer at `lsn` and durably discard every stored byte from `lsn` on."""
+        self.truncate(lsn)
+
+    def truncate(self, lsn: int) -> None:
+        """Cut the WAL at `lsn`: later segments are deleted, the rest of lsn's segment zeroed.
+
+        On return the cut is durable and write_lsn = flush_lsn = lsn. A crash during the
+        call leaves a prefix of the old WAL that ends at or after `lsn`.
+        """
+        with self._flush_lock, self._lock:
+            self._check_usable()
+            if lsn < 0 or (self._files and lsn > self._write_lsn):
+                raise StorageError(
+                    f"cannot cut the WAL at {format_lsn(lsn)}: the stored WAL ends at "
+                    f"{format_lsn(self._write_lsn)} and a gap cannot be stored")
+            try:
+                self._cut(lsn)
+            except OSError as e:
+                self._failed = f"cutting the WAL at {format_lsn(lsn)} failed: {e}; {_IN_DOUBT}"
+                raise StorageError(self._failed) from e
+
+    def _cut(self, lsn: int) -> None:
+        cut_segno, off = divmod(lsn, self.seg_size)
+        open_segs = {s.segno: s for s in self._done + ([self._cur] if self._cur else [])}
+        self._cur, self._done = None, []
+        self._finalize_below(cut_segno, open_segs)
+        if off:
+            self._cur = self._cut_segment(cut_segno, off, open_segs.pop(cut_segno, None))
+        # Delete in ascending order: whatever subset survives a crash, the WAL stops at the
+        # first missing segment, so no cut bytes reappear after surviving ones.
+        for segno in sorted(s for s in self._files if s > cut_segno or (s == cut_segno and not off)):
+            seg = open_segs.pop(segno, None)
+            if seg is not None:
+                os.close(seg.fd)
+            self._path(segno).unlink()
+            del self._files[segno]
+        fsync_dir(self.wal_dir)
+        self._dir_dirty = False
+        self._write_lsn = self._flush_lsn = lsn
+        self._positioned = True
+
+    def _finalize_below(self, cut_segno: int, open_segs: dict[int, _Open]) -> None:
+        """Make every segment before the cut durable and final-named."""
+        for segno in sorted(s for s in self._files if s < cut_segno):
+            seg = open_segs.pop(segno, None)
+            if not self._files[segno].partial and seg is None:
+                continue
+            # A partial found at startup may hold bytes a crashed process wrote but never
+            # synced; they are about to count as flushed.
+            fd = seg.fd if seg is not None else self._open_fd(segno)
+            try:
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            tli = seg.final_tli if seg is not None and seg.final_tli else self._files[segno].tli
+            os.replace(self._path(segno), self.wal_dir / segment_file_name(tli, segno, self.seg_size))
+            self._files[segno] = _File(tli, False)
+
+    def _cut_segment(self, segno: int, off: int, seg: _Open | None) -> _Open:
+        """Zero `segno` from `off` on, durably, and make it the `.partial` being written."""
+        created = segno not in self._files
+        if seg is None:
+            seg = self._open_for_write(segno)
+        zero_end = self.seg_size
+        if created:
+            zero_end = off
+        elif self._positioned and self._write_lsn < (segno + 1) * self.seg_size:
+            # Past write_lsn this process has only ever left zeros (a failed write is fatal).
+            zero_end = max(off, self._write_lsn - segno * self.seg_size)
+        pos = off
+        while pos < zero_end:
+            pos += os.pwrite(seg.fd, _ZEROS[:zero_end - pos], pos)
+        # Zeros first, durably, then the rename: a crash in between leaves a final-named
+        # file whose tail is already cut, never a .partial that still holds cut records.
+        os.fdatasync(seg.fd)
+        seg.dirty = False
+        if not self._files[segno].partial:
+            tli = self._files[segno].tli
+            os.replace(self._path(segno), self.wal_dir / (segment_file_name(tli, segno, self.seg_size) + _PARTIAL))
+            self._files[segno] = _File(tli, True)
+        return seg
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close every file without flushing (unsynced bytes may be lost, as in a crash)."""
+        with self._flush_lock, self._lock:
+            if self._closed:
+                return
+            for seg in self._done + ([self._cur] if self._cur else []):
+                os.close(seg.fd)
+            self._cur, self._done = None, []
+            self._closed = True
+
+    def __enter__(self) -> WalStorage:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StorageError(f"WAL storage {self.wal_dir} is closed")
+
+    def _check_usable(self) -> None:
+        self._check_open()
+        if self._failed is not None:
+            raise StorageError(self._failed)
+
+    def _path(self, segno: int) -> Path:
+        f = self._files[segno]
+        name = segment_file_name(f.tli, segno, self.seg_size)
+        return self.wal_dir / (name + _PARTIAL if f.partial else name)
+
+    def _open_fd(self, segno: int) -> int:
+        return os.open(self._path(segno), os.O_RDWR | os.O_CLOEXEC)
+
+    def _scan_dir(self) -> None:
+        """Index the segment files present, keeping exactly one file per segment number."""
+        found: dict[int, list[_File]] = {}
+        for entry in os.scandir(self.wal_dir):
+            try:
+                tli, segno, partial = parse_segment_file_name(entry.name, self.seg_size)
+            except ValueError:
+                continue  # .history files and anything else are not segments
+            found.setdefault(segno, []).append(_File(tli, partial))
+        removed = False
+        for segno, files in found.items():
+            # A final name is only given after every byte of the segment was fdatasync'ed,
+            # so a final file is complete and durable; a .partial beside it (another
+            # timeline's copy, or a file put there by hand) can only be older or shorter.
+            # Keeping both would make reads ambiguous. Among equals the newest timeline wins.
+            files.sort(key=lambda f: (not f.partial, f.tli))
+            self._files[segno] = files[-1]
+            for stale in files[:-1]:
+                name = segment_file_name(stale.tli, segno, self.seg_size)
+                (self.wal_dir / (name + _PARTIAL if stale.partial else name)).unlink()
+                removed = True
+        if removed:
+            fsync_dir(self.wal_dir)
+
+
+def _check_seg_size(seg_size: int) -> None:
+    if not (MIN_SEGMENT_SIZE <= seg_size <= MAX_SEGMENT_SIZE) or seg_size & (seg_size - 1):
+        raise ValueError(
+            f"WAL segment size {seg_size} must be a power of two between "
+            f"{MIN_SEGMENT_SIZE} and {MAX_SEGMENT_SIZE}")
+
+
+def _check_timeline(timeline: int) -> None:
+    if not 1 <= timeline <= MAX_TIMELINE:
+        raise ValueError(f"timeline {timeline} out of range 1..{MAX_TIMELINE}")
+
+
+def _presize(fd: int, size: int) -> None:
+    """Give a new segment its full size up front, reading as zeros, like PostgreSQL's."""
+    try:
+        # Reserving the blocks now makes a full disk fail here, not in the middle of a write.
+        os.posix_fallocate(fd, 0, size)
+    except OSError:
+        os.ftruncate(fd, size)
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n

@@ -1,0 +1,118 @@
+"""Shared fixtures: test directories, PostgreSQL servers and tracked subprocesses."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterator, Mapping
+
+import pytest
+
+from backends import BACKENDS, BackendUnavailable, LocalPgServer, PgServer, make_backend
+from procs import ProcessTracker
+
+_failed_key = pytest.StashKey[bool]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--pg-backend",
+        choices=BACKENDS,
+        default=os.environ.get("WALSIDECAR_PG_BACKEND", "local"),
+        help="where test PostgreSQL servers run (only 'local' is available now)",
+    )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    report = yield
+    if report.when == "call" and report.failed:
+        item.stash[_failed_key] = True
+    return report
+
+
+def _failed(request: pytest.FixtureRequest) -> bool:
+    return request.node.stash.get(_failed_key, False)
+
+
+@pytest.fixture(scope="session")
+def test_root() -> Iterator[Path]:
+    """Per-session scratch root under /tmp, traversable by the postgres OS user.
+
+    Removed at the end unless WALSIDECAR_KEEP_TEST_DATA=1.
+    """
+    root = Path(tempfile.mkdtemp(prefix="walsidecar-test-", dir="/tmp"))
+    os.chmod(root, 0o755)
+    try:
+        yield root
+    finally:
+        if os.environ.get("WALSIDECAR_KEEP_TEST_DATA") != "1":
+            shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def test_dir(test_root: Path, request: pytest.FixtureRequest) -> Path:
+    """A fresh 0755 directory for this test (short name: keeps socket paths short)."""
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", request.node.name)[:48]
+    path = Path(tempfile.mkdtemp(prefix=f"{slug}-", dir=test_root))
+    os.chmod(path, 0o755)
+    return path
+
+
+@pytest.fixture
+def pg_factory(
+    request: pytest.FixtureRequest, test_dir: Path
+) -> Iterator[Callable[..., PgServer]]:
+    """Factory: make(name="pg", settings=None, start=True) -> an initialised server.
+
+    Every server made is stopped at teardown, by its own pg_ctl or postmaster PID.
+    """
+    kind = request.config.getoption("--pg-backend")
+    try:
+        backend = make_backend(kind, test_dir / "pg")
+    except BackendUnavailable as exc:
+        pytest.skip(str(exc))
+    servers: list[LocalPgServer] = []
+
+    def make(name: str = "pg", settings: Mapping[str, str] | None = None, start: bool = True) -> PgServer:
+        taken = {s.name for s in servers}
+        unique, n = name, 1
+        while unique in taken:
+            n += 1
+            unique = f"{name}{n}"
+        server = backend.create(unique, settings)
+        servers.append(server)
+        if start:
+            server.start()
+        return server
+
+    try:
+        yield make
+    finally:
+        for server in reversed(servers):
+            if _failed(request):
+                print(f"--- {server!r} log tail ---\n" + "\n".join(server.log_text().splitlines()[-60:]))
+            server.teardown()
+
+
+@pytest.fixture
+def pg(pg_factory: Callable[..., PgServer]) -> PgServer:
+    """A started server with the default settings (synchronous_standby_names left empty)."""
+    return pg_factory()
+
+
+@pytest.fixture
+def procs(request: pytest.FixtureRequest, test_dir: Path) -> Iterator[ProcessTracker]:
+    """Tracks ManagedProcesses started in the test; SIGKILLs them all by PID at teardown."""
+    tracker = ProcessTracker(test_dir / "procs")
+    try:
+        yield tracker
+    finally:
+        tracker.kill_all()
+        if _failed(request):
+            for proc in tracker.started:
+                tail = "\n".join(proc.log_text().splitlines()[-60:])
+                print(f"--- {proc!r} log tail ({proc.log_path}) ---\n{tail}")
