@@ -354,6 +354,7 @@ class AdvisoryLock:
         self.poll_interval = poll_interval
         self._conn: psycopg.AsyncConnection | None = None
         self._held = False
+        self.attempts = 0
 
     @property
     def held(self) -> bool:
@@ -370,6 +371,7 @@ class AdvisoryLock:
             )
         logged = False
         while True:
+            self.attempts += 1
             cur = await self._conn.execute(
                 "SELECT pg_try_advisory_lock(%s, hashtext(%s))", (ADVISORY_LOCK_CLASS, self.slot)
             )

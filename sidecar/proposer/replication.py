@@ -60,7 +60,8 @@ class TimelineEnded(Exception):
 
 def _error_from(exc: psycopg.Error) -> ReplicationError:
     diag = exc.diag
-    message = diag.message_primary or str(exc).strip()
+    # libpq's own messages (lost connection) carry indented explanation lines.
+    message = diag.message_primary or (str(exc).strip().splitlines() or ["unknown error"])[0]
     if diag.message_detail:
         message = f"{message} ({diag.message_detail})"
     return ReplicationError(message, diag.sqlstate)
@@ -280,7 +281,7 @@ class ReplicationStream:
         if self._done is not None:
             try:
                 await asyncio.shield(self._done)
-            except (ReplicationError, TimelineEnded):
+            except Exception:  # the outcome belongs to wait_closed()
                 pass
         self._stop_io()
         if not self.conn.closed:
@@ -413,7 +414,8 @@ class ReplicationStream:
         except psycopg.Error as exc:
             if self._error is None and self._state is _State.ENDING:
                 self._error = ReplicationError(
-                    f"the primary ended the replication stream and closed the connection: {exc}"
+                    "the primary ended the replication stream and closed the connection "
+                    f"({_error_from(exc)}); is it shutting down?"
                 )
             self._fail(self._error or _error_from(exc))
         except Exception as exc:  # an on_wal/on_batch_end failure ends the stream with it

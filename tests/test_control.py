@@ -1,0 +1,159 @@
+"""The safekeeper control file: round trip, corruption detection, interrupted saves."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import google_crc32c
+import pytest
+
+from sidecar.consensus.messages import TermEntry, TimelineEntry
+from sidecar.consensus.state import AcceptorState
+from sidecar.safekeeper.control import (
+    CONTROL_FILE, ControlData, ControlFileError, load_control, save_control,
+)
+
+SAMPLE = ControlData(
+    node_id=3,
+    state=AcceptorState(
+        system_id=7_312_345_678_901_234_567, wal_seg_size=16 * 1024 * 1024, pg_version=150004,
+        timeline=2, term=9,
+        term_history=(TermEntry(1, 0x1000000), TermEntry(4, 0x1234568), TermEntry(9, 0x2000028)),
+        timeline_history=(TimelineEntry(1, 0x1800000),),
+        commit_lsn=0x2000000, backup_lsn=0x1000000, peer_horizon_lsn=0x1F00000,
+    ),
+)
+
+
+def reframe(body: bytes) -> bytes:
+    """A well-framed control file around an arbitrary body."""
+    return struct.pack("<4sIII", b"WSKC", 1, len(body), google_crc32c.value(body)) + body
+
+
+def test_missing_file_means_fresh(tmp_path: Path) -> None:
+    assert load_control(tmp_path) is None
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    save_control(tmp_path, SAMPLE)
+    assert load_control(tmp_path) == SAMPLE
+    assert [p.name for p in tmp_path.iterdir()] == [CONTROL_FILE]
+
+
+def test_save_replaces(tmp_path: Path) -> None:
+    save_control(tmp_path, SAMPLE)
+    newer = ControlData(3, AcceptorState(term=10))
+    save_control(tmp_path, newer)
+    assert load_control(tmp_path) == newer
+
+
+def test_file_layout(tmp_path: Path) -> None:
+    save_control(tmp_path, SAMPLE)
+    raw = (tmp_path / CONTROL_FILE).read_bytes()
+    magic, version, length, crc = struct.unpack_from("<4sIII", raw)
+    body = raw[16:]
+    assert (magic, version, length, crc) == (b"WSKC", 1, len(body), google_crc32c.value(body))
+    obj = json.loads(body)
+    assert obj["node_id"] == 3
+    assert obj["term_history"] == [[1, 0x1000000], [4, 0x1234568], [9, 0x2000028]]
+    assert obj["timeline_history"] == [[1, 0x1800000]]
+
+
+@pytest.mark.parametrize("where", [0, 5, 13, 20, -2])
+def test_any_flipped_byte_is_detected(tmp_path: Path, where: int) -> None:
+    save_control(tmp_path, SAMPLE)
+    path = tmp_path / CONTROL_FILE
+    raw = bytearray(path.read_bytes())
+    raw[where] ^= 0x01
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ControlFileError, match=str(path)):
+        load_control(tmp_path)
+
+
+def test_body_corruption_says_checksum(tmp_path: Path) -> None:
+    save_control(tmp_path, SAMPLE)
+    path = tmp_path / CONTROL_FILE
+    raw = bytearray(path.read_bytes())
+    raw[30] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ControlFileError, match="checksum mismatch: the control file is corrupt; restore it"):
+        load_control(tmp_path)
+
+
+@pytest.mark.parametrize("keep", [0, 3, 15, 16, 40])
+def test_truncated_file(tmp_path: Path, keep: int) -> None:
+    save_control(tmp_path, SAMPLE)
+    path = tmp_path / CONTROL_FILE
+    path.write_bytes(path.read_bytes()[:keep])
+    with pytest.raises(ControlFileError, match="truncated"):
+        load_control(tmp_path)
+
+
+def test_trailing_bytes(tmp_path: Path) -> None:
+    save_control(tmp_path, SAMPLE)
+    path = tmp_path / CONTROL_FILE
+    path.write_bytes(path.read_bytes() + b"\0")
+    with pytest.raises(ControlFileError, match="trailing"):
+        load_control(tmp_path)
+
+
+def test_bad_magic_and_version(tmp_path: Path) -> None:
+    path = tmp_path / CONTROL_FILE
+    path.write_bytes(b"XXXX" + reframe(b"{}")[4:])
+    with pytest.raises(ControlFileError, match="not a walsidecar control file"):
+        load_control(tmp_path)
+    path.write_bytes(struct.pack("<4sIII", b"WSKC", 2, 2, google_crc32c.value(b"{}")) + b"{}")
+    with pytest.raises(ControlFileError, match="version 2"):
+        load_control(tmp_path)
+
+
+@pytest.mark.parametrize("body", [
+    b"not json",
+    b"[1, 2]",
+    b"\xff\xfe",
+    b'{"node_id": 1}',
+])
+def test_checksummed_garbage_is_rejected(tmp_path: Path, body: bytes) -> None:
+    (tmp_path / CONTROL_FILE).write_bytes(reframe(body))
+    with pytest.raises(ControlFileError, match="unreadable contents"):
+        load_control(tmp_path)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("term", -1), ("term", "9"), ("term", True), ("term", 1.5),
+    ("term_history", [[1]]), ("term_history", {"1": 2}), ("timeline_history", [[1, "x"]]),
+])
+def test_bad_field_values_are_rejected(tmp_path: Path, field: str, value: object) -> None:
+    save_control(tmp_path, SAMPLE)
+    path = tmp_path / CONTROL_FILE
+    obj = json.loads(path.read_bytes()[16:])
+    obj[field] = value
+    path.write_bytes(reframe(json.dumps(obj).encode()))
+    with pytest.raises(ControlFileError, match=field):
+        load_control(tmp_path)
+
+
+def test_unknown_field_is_rejected(tmp_path: Path) -> None:
+    save_control(tmp_path, SAMPLE)
+    path = tmp_path / CONTROL_FILE
+    obj = json.loads(path.read_bytes()[16:])
+    obj["flush_lsn"] = 5
+    path.write_bytes(reframe(json.dumps(obj).encode()))
+    with pytest.raises(ControlFileError, match="unknown fields"):
+        load_control(tmp_path)
+
+
+def test_leftover_tmp_from_interrupted_save_is_removed(tmp_path: Path) -> None:
+    save_control(tmp_path, SAMPLE)
+    tmp = tmp_path / (CONTROL_FILE + ".tmp")
+    tmp.write_bytes(b"WSKC half-written")
+    assert load_control(tmp_path) == SAMPLE
+    assert not tmp.exists()
+
+
+def test_leftover_tmp_without_control_file_is_still_fresh(tmp_path: Path) -> None:
+    (tmp_path / (CONTROL_FILE + ".tmp")).write_bytes(reframe(b"{}"))
+    assert load_control(tmp_path) is None
+    assert list(tmp_path.iterdir()) == []
