@@ -1,0 +1,54 @@
+"""The command line refuses bad configuration with a clear message."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import free_port
+from sidecar.consensus.state import AcceptorState
+from sidecar.safekeeper.control import CONTROL_FILE, ControlData, save_control
+
+
+def walsidecar(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "sidecar", *args], capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def test_every_command_has_help() -> None:
+    for cmd in ((), ("safekeeper",), ("start",), ("up",)):
+        out = walsidecar(*cmd, "--help")
+        assert out.returncode == 0 and "Usage:" in out.stdout, (cmd, out.stderr)
+
+
+def test_minority_quorum_is_refused() -> None:
+    out = walsidecar("start", "--pg-dsn", "host=127.0.0.1", "--safekeepers",
+                     "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3", "--quorum", "1")
+    assert out.returncode != 0
+    assert "two quorums must intersect" in out.stderr
+
+
+def test_bad_safekeeper_address_is_refused() -> None:
+    out = walsidecar("start", "--pg-dsn", "host=127.0.0.1", "--safekeepers", "127.0.0.1:1,nonsense")
+    assert out.returncode != 0
+    assert "HOST:PORT" in out.stderr
+
+
+def test_corrupt_control_file_stops_the_safekeeper(tmp_path: Path) -> None:
+    save_control(tmp_path, ControlData(1, AcceptorState(system_id=42, wal_seg_size=16 << 20, timeline=1, term=3)))
+    path = tmp_path / CONTROL_FILE
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    out = walsidecar("safekeeper", "--id", "1", "--listen", f"127.0.0.1:{free_port()}", "--data-dir", str(tmp_path), timeout=30)
+    assert out.returncode != 0
+    assert "corrupt" in out.stderr
+    assert path.read_bytes() == bytes(raw), "the corrupt control file must be left for the operator"
+
+
+def test_safekeeper_refuses_another_nodes_data_dir(tmp_path: Path) -> None:
+    save_control(tmp_path, ControlData(2, AcceptorState()))
+    out = walsidecar("safekeeper", "--id", "1", "--listen", f"127.0.0.1:{free_port()}", "--data-dir", str(tmp_path), timeout=30)
+    assert out.returncode != 0
+    assert "belongs to safekeeper 2" in out.stderr
