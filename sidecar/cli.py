@@ -64,12 +64,14 @@ def safekeeper(node_id: int, listen: str, data_dir: Path, log_format: str, log_l
 @click.option("--application-name", default="walsidecar", show_default=True,
               help="Name the primary lists in synchronous_standby_names.")
 @click.option("--slot", default="walsidecar", show_default=True, help="Physical replication slot to stream from.")
+@click.option("--wal-buffer", "wal_buffer_mb", type=click.IntRange(min=1), default=64, show_default=True,
+              help="MiB of WAL kept in memory for lagging safekeepers; beyond it they catch up from the primary.")
 @click.option("--allow-primary-mismatch", is_flag=True,
               help="DANGEROUS: stream even if the primary lacks WAL a quorum committed (loses that WAL).")
 @LOG_FORMAT
 @LOG_LEVEL
 def start(pg_dsn: str, safekeepers: str, quorum: int | None, application_name: str, slot: str,
-          allow_primary_mismatch: bool, log_format: str, log_level: str) -> None:
+          wal_buffer_mb: int, allow_primary_mismatch: bool, log_format: str, log_level: str) -> None:
     """Run the WAL proposer attached to a primary."""
     from sidecar.consensus.quorum import QuorumError, validate_quorum
     from sidecar.proposer.service import PrimaryMismatch, ProposerService, StartOptions
@@ -88,7 +90,8 @@ def start(pg_dsn: str, safekeepers: str, quorum: int | None, application_name: s
         raise click.BadParameter(str(e), param_hint="--quorum") from e
     if len(names) < 3:
         log.warning("fewer than 3 safekeepers: losing any one of them stops commits", safekeepers=len(names))
-    service = ProposerService(StartOptions(pg_dsn, names, q, application_name, slot, allow_primary_mismatch))
+    service = ProposerService(StartOptions(pg_dsn, names, q, application_name, slot, allow_primary_mismatch,
+                                           wal_buffer_mb * 1024 * 1024))
     try:
         run_until_signal(service.run())
     except PrimaryMismatch as e:

@@ -176,3 +176,23 @@ def test_garbage_frames_do_not_disturb_the_safekeeper(deployment: Deployment) ->
         lsn = commit_lsn_of(c, "INSERT INTO load VALUES (3, 'still served')")
     assert d.flush_lsn() >= lsn
     assert "malformed message" in d.safekeepers[1].log_text()
+
+
+def test_safekeeper_behind_the_buffer_catches_up_from_the_primary(pg_factory, procs: ProcessTracker,
+                                                                    test_dir: Path) -> None:
+    pg: PgServer = pg_factory(settings={"synchronous_standby_names": APP})
+    d = Deployment(pg, procs, test_dir)
+    for i in (1, 2, 3):
+        d.start_safekeeper(i)
+    d.start_proposer("--wal-buffer", "1")
+    d.wait_sync()
+    d.safekeepers[3].kill9()
+    with d.sql() as c:
+        c.execute("CREATE TABLE big AS SELECT g, repeat('z', 300) AS pad FROM generate_series(1, 60000) g")
+    end = d.flush_lsn()
+    start = d.history_start(1)
+    assert end - start > 8 * 1024 * 1024, "the test needs far more WAL than the 1 MiB buffer"
+    d.start_safekeeper(3)
+    wait_for(lambda: wal_matches_primary(d, 3, start, end), timeout=120,
+             what="safekeeper 3 to catch up from the primary's pg_wal")
+    assert "catching up safekeeper" in d.proposer.log_text()

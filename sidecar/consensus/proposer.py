@@ -32,7 +32,8 @@ class ProposerConfig:
     pg_version: int
     bootstrap_lsn: int  # where the first term starts when every safekeeper is empty
     max_inflight: int = 32 * 1024 * 1024
-    buffer_limit: int = 256 * 1024 * 1024
+    # Beyond this a lagging safekeeper is fed from the primary's pg_wal instead of memory.
+    buffer_limit: int = 64 * 1024 * 1024
 
 
 # Actions the service executes.

@@ -33,6 +33,7 @@ class StartOptions:
     application_name: str = "walsidecar"
     slot: str = "walsidecar"
     allow_primary_mismatch: bool = False
+    wal_buffer_bytes: int = 64 * 1024 * 1024
 
     @property
     def horizon_slot(self) -> str:
@@ -113,7 +114,8 @@ class ProposerService:
         cfg = ProposerConfig(
             proposer_id=self.opts.application_name, peers=self.opts.safekeepers, quorum=self.opts.quorum,
             system_id=system_id, timeline=timeline, wal_seg_size=self._seg_size,
-            pg_version=self._pg_version, bootstrap_lsn=segment_start(slot[0], self._seg_size))
+            pg_version=self._pg_version, bootstrap_lsn=segment_start(slot[0], self._seg_size),
+            buffer_limit=self.opts.wal_buffer_bytes, max_inflight=max(self.opts.wal_buffer_bytes // 2, 1 << 20))
         self._term_over = asyncio.Event()
         self.core = Proposer(cfg, min_term=self.last_term)
         for name, link in self.links.items():
@@ -129,6 +131,7 @@ class ProposerService:
         if self.core is not None:
             self.last_term = max(self.last_term, self.core.term)
             self._run(self.core.stream_ended())
+            self.core = None  # links reconnecting now must wait for the next term's core
         for task in self._fetches.values():
             task.cancel()
         self._fetches.clear()
