@@ -181,7 +181,8 @@ class Proposer:
         return [Note("primary refused", {"term": self.term, "reason": reason})]
 
     def wal_received(self, lsn: int, data: bytes) -> list[Action]:
-        assert self.buffer is not None and self.phase is Phase.STREAMING
+        if self.buffer is None or self.phase is not Phase.STREAMING:
+            return []  # the stream of an ended term may still deliver a batch before it closes
         self.buffer.append(lsn, data)
         actions: list[Action] = []
         for p in self.peers.values():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import logging
 import struct
 import time
 from collections.abc import Callable
@@ -21,8 +20,6 @@ from psycopg import pq
 from sidecar.consensus.messages import TimelineEntry
 from sidecar.lsn import format_lsn, parse_lsn
 from sidecar.proposer.primary import check_slot_name
-
-log = logging.getLogger(__name__)
 
 _W_HDR = struct.Struct(">QQQ")  # after b'w': walStart, serverWalEnd, sendTime
 _K_MSG = struct.Struct(">QQB")  # after b'k': serverWalEnd, sendTime, replyRequested
@@ -150,6 +147,8 @@ class ReplicationStream:
 
     `on_wal(wal_start, payload)` runs in the reader callback for every XLogData; the payload
     memoryview owns its buffer and may be kept. `on_batch_end()` runs after each drained batch.
+    A status goes out every `keepalive_interval` s and asks for a reply when the primary has been
+    silent that long; silence for `server_timeout` s ends the stream with ReplicationError.
     """
 
     def __init__(
@@ -162,6 +161,7 @@ class ReplicationStream:
         on_wal: Callable[[int, memoryview], None],
         on_batch_end: Callable[[], None] | None = None,
         keepalive_interval: float = 1.0,
+        server_timeout: float | None = 60.0,
     ) -> None:
         if timeline < 1:
             raise ValueError(f"invalid timeline {timeline}")
@@ -172,6 +172,7 @@ class ReplicationStream:
         self.on_wal = on_wal
         self.on_batch_end = on_batch_end
         self.keepalive_interval = keepalive_interval
+        self.server_timeout = server_timeout
 
         self.received_lsn = start_lsn
         self.server_wal_end = 0
@@ -198,6 +199,7 @@ class ReplicationStream:
         self._periodic: asyncio.TimerHandle | None = None
         self._deferred_answer: asyncio.TimerHandle | None = None
         self._close_timer: asyncio.TimerHandle | None = None
+        self._watchdog: asyncio.TimerHandle | None = None
 
         self._error: ReplicationError | None = None
         self._close_requested = False
@@ -209,11 +211,13 @@ class ReplicationStream:
 
     @property
     def command(self) -> str:
+        """The START_REPLICATION command this stream runs."""
         slot = f"SLOT {self.slot} " if self.slot else ""
         return f"START_REPLICATION {slot}PHYSICAL {format_lsn(self.start_lsn)} TIMELINE {self.timeline}"
 
     @property
     def streaming(self) -> bool:
+        """True between start() and the end of the stream or a close()."""
         return self._state is _State.STREAMING
 
     async def start(self) -> None:
@@ -224,10 +228,12 @@ class ReplicationStream:
         self._done = self._loop.create_future()
         try:
             cur = await self.conn.execute(self.command)
-        except psycopg.Error as exc:
+        except BaseException as exc:
             self._state = _State.DONE
             self._done.set_result(None)
-            raise _error_from(exc) from exc
+            if isinstance(exc, psycopg.Error):
+                raise _error_from(exc) from exc
+            raise
         pgres = cur.pgresult
         if pgres is None or pgres.status != pq.ExecStatus.COPY_BOTH:
             self._state = _State.DONE
@@ -242,22 +248,28 @@ class ReplicationStream:
         self._loop.add_reader(self._fd, self._on_readable)
         self._reading = True
         self._schedule_periodic()
+        self._schedule_watchdog()
         # libpq may already hold messages that arrived with the CopyBothResponse; the socket
         # will not report them as readable.
         self._loop.call_soon(self._process, False)
 
     def send_status(self, write: int, flush: int, apply: int, reply_requested: bool = False) -> None:
-        """Send a Standby Status Update now; later periodic and keepalive replies repeat these positions."""
-        if max(write, flush, apply) > self.received_lsn:
+        """Send a Standby Status Update now; later periodic and keepalive replies repeat these positions.
+
+        `write` and `apply` are capped at the WAL received; a `flush` beyond it or below an
+        earlier one raises ValueError, because the walsender would believe it unchecked.
+        """
+        if flush > self.received_lsn:
             raise ValueError(
-                f"status ({format_lsn(write)}, {format_lsn(flush)}, {format_lsn(apply)}) is beyond the "
-                f"WAL received ({format_lsn(self.received_lsn)})"
+                f"flush {format_lsn(flush)} is beyond the WAL received ({format_lsn(self.received_lsn)})"
             )
         if flush < self._flush:
             # The walsender would move the slot back, possibly onto removed WAL.
             raise ValueError(f"flush went backwards: {format_lsn(flush)} < {format_lsn(self._flush)}")
-        self._write, self._flush, self._apply = write, flush, apply
-        if self._state in (_State.STREAMING, _State.CLOSING) and not self._copy_end_sent:
+        self._write = min(write, self.received_lsn)
+        self._flush = flush
+        self._apply = min(apply, self.received_lsn)
+        if self._state is _State.STREAMING:
             self._send_status(reply_requested)
 
     async def wait_closed(self) -> None:
@@ -267,7 +279,11 @@ class ReplicationStream:
         await asyncio.shield(self._done)
 
     async def close(self) -> None:
-        """End the stream from our side (CopyDone, drain the rest) and close the connection; idempotent."""
+        """End the stream from our side (CopyDone, drain the rest) and close the connection; idempotent.
+
+        After TimelineEnded or a server error the connection is back in command mode: to reuse
+        it, do not call close().
+        """
         if self._state in (_State.STREAMING, _State.ENDING) and not self._close_requested:
             self._close_requested = True
             if self._state is _State.STREAMING:
@@ -341,7 +357,25 @@ class ReplicationStream:
     def _periodic_due(self) -> None:
         self._periodic = None
         if self._state is _State.STREAMING:
-            self._send_status()
+            assert self._loop is not None
+            # While we send statuses the walsender never pings us; ask, so silence means trouble.
+            idle = self._loop.time() - self.last_received_at >= self.keepalive_interval
+            self._send_status(reply_requested=idle)
+
+    def _schedule_watchdog(self) -> None:
+        assert self._loop is not None
+        if self.server_timeout is not None:
+            self._watchdog = self._loop.call_at(self.last_received_at + self.server_timeout, self._watchdog_due)
+
+    def _watchdog_due(self) -> None:
+        self._watchdog = None
+        if self._state in (_State.NEW, _State.DONE) or self.server_timeout is None:
+            return
+        assert self._loop is not None
+        if self._loop.time() - self.last_received_at >= self.server_timeout:
+            self._fail(ReplicationError(f"no message from the primary for {self.server_timeout:g} s"))
+        else:
+            self._schedule_watchdog()
 
     # --- socket I/O ------------------------------------------------------------------------
 
@@ -428,7 +462,8 @@ class ReplicationStream:
         answer = False
         deliver = self._state is _State.STREAMING
         received_before = self.messages_received
-        while True:
+        n = 0
+        while self._state is not _State.DONE:
             n, buf = pg.get_copy_data(1)
             if n == 0:
                 break
@@ -439,16 +474,17 @@ class ReplicationStream:
             kind = buf[0]
             if kind == 0x77:  # 'w' XLogData
                 wal_start, wal_end, _ = _W_HDR.unpack_from(buf, 1)
+                self.server_wal_end = wal_end
+                if not deliver:
+                    continue  # closing: the caller no longer wants WAL
                 if wal_start != self.received_lsn:
                     raise ReplicationError(
                         f"the primary sent WAL at {format_lsn(wal_start)}, expected {format_lsn(self.received_lsn)}"
                     )
-                payload = buf[_W_HDR_LEN:]
+                payload = memoryview(buf)[_W_HDR_LEN:]
                 self.received_lsn = wal_start + len(payload)
-                self.server_wal_end = wal_end
-                if deliver:
-                    self.on_wal(wal_start, payload)
-                    delivered = True
+                self.on_wal(wal_start, payload)
+                delivered = True
             elif kind == 0x6B:  # 'k' primary keepalive
                 wal_end, _, reply = _K_MSG.unpack_from(buf, 1)
                 self.server_wal_end = wal_end
@@ -456,6 +492,8 @@ class ReplicationStream:
                 answer = answer or reply == 1
             else:
                 raise ReplicationError(f"unexpected replication message type {chr(kind)!r}")
+        if self._state is _State.DONE:
+            return
         if self.messages_received != received_before or n == -1:
             self.last_received_at = self._loop.time()
         if delivered and self.on_batch_end is not None:
@@ -526,10 +564,10 @@ class ReplicationStream:
             self._fail(ReplicationError(f"the primary did not end the stream within {CLOSE_TIMEOUT} s"))
 
     def _stop_io(self) -> None:
-        for handle in (self._periodic, self._deferred_answer, self._close_timer):
+        for handle in (self._periodic, self._deferred_answer, self._close_timer, self._watchdog):
             if handle is not None:
                 handle.cancel()
-        self._periodic = self._deferred_answer = self._close_timer = None
+        self._periodic = self._deferred_answer = self._close_timer = self._watchdog = None
         if self._loop is not None and self._fd >= 0:
             if self._reading:
                 self._loop.remove_reader(self._fd)
@@ -546,7 +584,8 @@ def _result_error(res: pq.abc.PGresult) -> ReplicationError:
 
     message = field(pq.DiagnosticField.MESSAGE_PRIMARY)
     if message is None:
-        message = bytes(res.error_message).decode(errors="replace").strip() or "unknown error"
+        text = bytes(res.error_message).decode(errors="replace").strip()
+        message = (text.splitlines() or ["unknown error"])[0]
     detail = field(pq.DiagnosticField.MESSAGE_DETAIL)
     if detail:
         message = f"{message} ({detail})"

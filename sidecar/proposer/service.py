@@ -193,8 +193,7 @@ class ProposerService:
                 case Send():
                     self.links[a.peer].send(a.message)
                 case ReportStatus():
-                    if self.stream is not None:
-                        self.stream.send_status(a.write_lsn, a.flush_lsn, a.apply_lsn)
+                    self._report(a)
                 case StartStreaming():
                     self._spawn(self._stream(a.start_lsn))
                 case VerifyPrimary():
@@ -209,6 +208,18 @@ class ProposerService:
                 case Note():
                     self.log.info(a.event, **{k: _fmt(k, v) for k, v in a.fields.items()})
 
+    def _report(self, a: ReportStatus) -> None:
+        if self.stream is None:
+            return
+        try:
+            self.stream.send_status(a.write_lsn, a.flush_lsn, a.apply_lsn)
+        except ValueError as e:
+            # The stream refuses a flush it never sent or one going backwards: never tell the
+            # primary that. It means a bug; end the term rather than report it.
+            self.log.critical("refusing to report an impossible position", error=str(e),
+                              flush_lsn=format_lsn(a.flush_lsn))
+            self._term_over.set()
+
     async def _stream(self, start_lsn: int) -> None:
         core, conn = self.core, self._replication_conn
         assert core is not None and conn is not None
@@ -221,8 +232,13 @@ class ProposerService:
             stream.send_status(*core.status())
             await stream.wait_closed()
             self.log.warning("replication stream ended", term=core.term)
+        except repl.TimelineEnded as e:
+            self.log.warning("the primary's timeline ended; starting a new term", term=core.term,
+                             next_timeline=e.next_tli, switch_lsn=format_lsn(e.next_lsn))
         except (repl.ReplicationError, psycopg.Error, OSError) as e:
             self.log.warning("replication stream failed", term=core.term, error=str(e).strip())
+        except Exception:
+            self.log.exception("replication stream failed unexpectedly", term=core.term)
         finally:
             if core is self.core:
                 self._term_over.set()

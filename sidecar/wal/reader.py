@@ -14,13 +14,17 @@ from sidecar.lsn import DEFAULT_SEGMENT_SIZE, WAL_PAGE_SIZE, format_lsn, maxalig
 from sidecar.wal.format import (
     MAX_RECORD_LENGTH,
     RECORD_HEADER,
+    RM_MAX_BUILTIN_ID,
+    RM_MIN_CUSTOM_ID,
+    RM_XLOG_ID,
     SizeOfXLogLongPHD,
     SizeOfXLogRecord,
     SizeOfXLogShortPHD,
     XLP_LONG_HEADER,
+    XLOG_OVERWRITE_CONTRECORD,
+    XLOG_SWITCH,
     PageHeader,
     RecordHeader,
-    XLOG_SWITCH,
     WalFormatError,
     main_data,
     parse_page_header,
@@ -104,17 +108,15 @@ class SegmentDirSource:
         return b"".join(parts)
 
 
+@dataclass(frozen=True, slots=True)
 class _Aborted:
-    """Marker: the record being assembled was aborted; an OVERWRITE_CONTRECORD page starts at page_lsn."""
+    """The record being assembled was aborted; the page at page_lsn carries XLP_FIRST_IS_OVERWRITE_CONTRECORD."""
 
-    __slots__ = ("page_lsn",)
-
-    def __init__(self, page_lsn: int) -> None:
-        self.page_lsn = page_lsn
+    page_lsn: int
 
 
 # lsn, end_lsn, tot_len, xid, prev, info, rmid, crc, data
-_RawRecord = tuple[int, int, int, int, int, int, int, int, "bytes | None"]
+_RawRecord = tuple[int, int, int, int, int, int, int, int, bytes | None]
 
 
 class WalReader:
@@ -263,7 +265,6 @@ class WalReader:
     ) -> _RawRecord | _Aborted | None:
         """Reassemble a record that continues on later pages; None (stop_reason set) if it is not valid."""
         page = lsn - lsn % _PAGE
-        off = lsn - page
         if self._load(page) < _PAGE:
             self._stop(f"end of stored WAL in record at {format_lsn(lsn)}")
             return None
@@ -322,7 +323,7 @@ class WalReader:
         crc = _crc_extend(crc, head[:20])
         tot_len, xid, xl_prev, info, rmid, xl_crc = header
         if crc != xl_crc:
-            self._stop(f"CRC mismatch at {format_lsn(lsn)}: computed {crc:08X}, xl_crc {xl_crc:08X}")
+            self._stop(f"CRC mismatch at {format_lsn(lsn)}")
             return None
         end = page + hsz + maxalign(ph.rem_len)
         return (lsn, end, tot_len, xid, xl_prev, info, rmid, xl_crc, b"".join(parts) if keep else None)
@@ -403,7 +404,7 @@ class WalReader:
                     if (
                         tot_len < SizeOfXLogRecord
                         or tot_len > MAX_RECORD_LENGTH
-                        or 21 < rmid < 128
+                        or RM_MAX_BUILTIN_ID < rmid < RM_MIN_CUSTOM_ID
                         or (xl_prev >= pos if prev is None else xl_prev != prev)
                     ):
                         self._stop(self._header_problem(pos, tot_len, rmid, xl_prev, prev) or "invalid record header")
@@ -417,7 +418,7 @@ class WalReader:
                         self._stop(f"CRC mismatch at {format_lsn(pos)}")
                         return
                     end = pos + ((tot_len + 7) & ~7)
-                    if rmid == 0 or overwritten is not None:
+                    if rmid == RM_XLOG_ID or overwritten is not None:
                         break
                     last_lsn = pos
                     last_end = end
@@ -459,7 +460,7 @@ class WalReader:
                         self._stop(problem)
                         return
                     overwritten = None
-                if rmid == 0 and info & 0xF0 == XLOG_SWITCH:
+                if rmid == RM_XLOG_ID and info & 0xF0 == XLOG_SWITCH:
                     # The rest of the segment is padding; XLogDecodeNextRecord pretends the record covers it.
                     end = end + seg_size - 1
                     end -= end % seg_size
@@ -478,7 +479,7 @@ def _overwrite_problem(rec: _RawRecord, overwritten: int) -> str | None:
     """Why rec is not the XLOG_OVERWRITE_CONTRECORD record for the aborted record at overwritten, or None."""
     lsn, _, _, _, _, info, rmid, _, data = rec
     where = format_lsn(lsn)
-    if rmid != 0 or info & 0xF0 != 0xD0:
+    if rmid != RM_XLOG_ID or info & 0xF0 != XLOG_OVERWRITE_CONTRECORD:
         return (
             f"overwrite contrecord mismatch at {where}: expected an OVERWRITE_CONTRECORD record for the"
             f" aborted record at {format_lsn(overwritten)}, found rmid {rmid} info {info:02X}"

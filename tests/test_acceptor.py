@@ -1,0 +1,344 @@
+"""The safekeeper acceptor state machine, one PROTOCOL.md rule per test."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from sidecar.consensus.acceptor import (
+    Acceptor, AcceptorAction, AcceptorError, Persist, RecordEnd, Reply, Truncate, Write,
+)
+from sidecar.consensus.messages import (
+    PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply,
+    Message, TermEntry, TermHistory, TimelineEntry, VoteReply, VoteRequest,
+)
+from sidecar.consensus.state import AcceptorState
+
+SYSID = 7_300_000_000_000_000_001
+SEG = 16 * 1024 * 1024
+PGV = 16
+
+
+def h(*pairs: tuple[int, int]) -> TermHistory:
+    return tuple(TermEntry(t, s) for t, s in pairs)
+
+
+def greeting(**kw: int) -> Greeting:
+    fields: dict[str, int] = dict(protocol_version=PROTOCOL_VERSION, system_id=SYSID, timeline=1,
+                                  wal_seg_size=SEG, pg_version=PGV)
+    fields.update(kw)
+    return Greeting(proposer_id="p", **fields)  # type: ignore[arg-type]
+
+
+def configured(term: int = 0, history: TermHistory = (), commit: int = 0) -> AcceptorState:
+    return AcceptorState(system_id=SYSID, wal_seg_size=SEG, pg_version=PGV, timeline=1,
+                         term=term, term_history=history, commit_lsn=commit)
+
+
+def replies(actions: list[AcceptorAction]) -> list[Message]:
+    return [a.message for a in actions if isinstance(a, Reply)]
+
+
+def only_reply(actions: list[AcceptorAction]) -> Message:
+    msgs = replies(actions)
+    assert len(msgs) == 1, actions
+    return msgs[0]
+
+
+def elected_acceptor(term: int = 3, start: int = 1000, history: TermHistory | None = None) -> Acceptor:
+    """An acceptor that voted for `term` and applied its Elected at `start` (empty store)."""
+    a = Acceptor(1, configured(term=term - 1), 0)
+    a.on_vote(VoteRequest(term), RecordEnd(0))
+    hist = history if history is not None else h((term, start))
+    acts = a.on_elected(Elected(term, start, hist), RecordEnd(0))
+    assert Truncate(start) in acts
+    return a
+
+
+# ---- greeting -------------------------------------------------------------------------------
+
+def test_first_greeting_adopts_the_cluster_identity_and_persists_it() -> None:
+    a = Acceptor(5, AcceptorState(), 0)
+    acts = a.on_greeting(greeting(timeline=3))
+    assert isinstance(acts[0], Persist)
+    persisted = acts[0].state
+    assert (persisted.system_id, persisted.wal_seg_size, persisted.pg_version) == (SYSID, SEG, PGV)
+    assert persisted.timeline == 3
+    assert a.state == persisted
+    assert acts.index(acts[0]) < acts.index(next(x for x in acts if isinstance(x, Reply)))
+    assert only_reply(acts) == GreetingReply(5, 0)
+
+
+def test_later_matching_greeting_reports_the_term_without_persisting() -> None:
+    a = Acceptor(5, configured(term=9), 0)
+    acts = a.on_greeting(greeting())
+    assert not any(isinstance(x, Persist) for x in acts)
+    assert only_reply(acts) == GreetingReply(5, 9)
+
+
+@pytest.mark.parametrize(("field", "value", "words"), [
+    ("system_id", SYSID + 1, "system id"),
+    ("wal_seg_size", SEG * 2, "segment size"),
+    ("pg_version", PGV - 1, "version"),
+    ("protocol_version", PROTOCOL_VERSION + 1, "protocol version"),
+])
+def test_mismatching_greeting_is_refused_and_changes_nothing(field: str, value: int, words: str) -> None:
+    state = configured(term=4, history=h((4, 1000)), commit=1500)
+    a = Acceptor(5, state, 2000)
+    before = (a.state, a.write_lsn, a.flush_lsn, a.elected_term)
+    with pytest.raises(AcceptorError, match=words):
+        a.on_greeting(greeting(**{field: value}))
+    assert (a.state, a.write_lsn, a.flush_lsn, a.elected_term) == before
+
+
+def test_protocol_version_mismatch_is_refused_even_on_first_contact() -> None:
+    a = Acceptor(5, AcceptorState(), 0)
+    with pytest.raises(AcceptorError):
+        a.on_greeting(greeting(protocol_version=PROTOCOL_VERSION + 1))
+    assert a.state == AcceptorState()
+
+
+# ---- votes ----------------------------------------------------------------------------------
+
+def test_vote_granted_iff_term_above_current() -> None:
+    for asked, current, granted in [(5, 4, True), (9, 4, True), (4, 4, False), (3, 4, False)]:
+        a = Acceptor(1, configured(term=current), 0)
+        reply = only_reply(a.on_vote(VoteRequest(asked), RecordEnd(0)))
+        assert isinstance(reply, VoteReply)
+        assert reply.granted is granted, (asked, current)
+        assert a.state.term == (asked if granted else current)
+
+
+def test_granted_vote_persists_the_term_before_replying() -> None:
+    a = Acceptor(1, configured(term=4), 0)
+    acts = a.on_vote(VoteRequest(6), RecordEnd(0))
+    kinds = [type(x) for x in acts]
+    assert kinds == [Persist, Reply]
+    assert isinstance(acts[0], Persist) and acts[0].state.term == 6
+    reply = only_reply(acts)
+    assert isinstance(reply, VoteReply) and reply.term == 6 and reply.granted
+
+
+def test_refused_vote_reports_the_higher_term_and_persists_nothing() -> None:
+    a = Acceptor(1, configured(term=8), 0)
+    acts = a.on_vote(VoteRequest(6), RecordEnd(0))
+    assert not any(isinstance(x, Persist) for x in acts)
+    reply = only_reply(acts)
+    assert isinstance(reply, VoteReply)
+    assert (reply.term, reply.granted) == (8, False)
+    assert a.state.term == 8
+
+
+def test_same_term_vote_is_not_granted_and_reports_that_term() -> None:
+    a = Acceptor(1, configured(term=6), 0)
+    reply = only_reply(a.on_vote(VoteRequest(6), RecordEnd(0)))
+    assert isinstance(reply, VoteReply)
+    assert (reply.term, reply.granted) == (6, False)
+
+
+def test_vote_reply_carries_the_record_end_and_history_cut_there() -> None:
+    timelines = (TimelineEntry(1, 0x5000),)
+    state = replace(configured(term=3, history=h((1, 100), (2, 800), (3, 1200))),
+                    timeline_history=timelines)
+    a = Acceptor(1, state, 1500)
+    reply = only_reply(a.on_vote(VoteRequest(4), RecordEnd(1000, tail_lsn=960, tail_crc=0xABCD)))
+    assert isinstance(reply, VoteReply)
+    assert reply.flush_lsn == 1000
+    assert reply.term_history == h((1, 100), (2, 800))
+    assert reply.timeline_history == timelines
+    assert (reply.tail_lsn, reply.tail_crc) == (960, 0xABCD)
+
+
+# ---- Elected --------------------------------------------------------------------------------
+
+def test_elected_truncates_a_stale_tail_at_the_divergence_point() -> None:
+    # Term 2's WAL from 800 was never acknowledged; term 4 starts at 700 on term 1's WAL.
+    a = Acceptor(1, configured(term=3, history=h((1, 100), (2, 800))), 1500)
+    a.on_vote(VoteRequest(4), RecordEnd(1500))
+    proposer = h((1, 100), (4, 700))
+    acts = a.on_elected(Elected(4, 700, proposer), RecordEnd(1500))
+    assert [type(x) for x in acts] == [Truncate, Persist, Reply]
+    assert acts[0] == Truncate(700)
+    assert isinstance(acts[1], Persist) and acts[1].state.term_history == proposer
+    assert only_reply(acts) == ElectedReply(4, 700)
+    assert a.state.term_history == proposer
+    assert (a.write_lsn, a.flush_lsn, a.elected_term) == (700, 700, 4)
+
+
+def test_elected_keeps_a_lagging_safekeeper_at_its_flush() -> None:
+    a = Acceptor(1, configured(term=1, history=h((1, 100))), 400)
+    a.on_vote(VoteRequest(2), RecordEnd(400))
+    acts = a.on_elected(Elected(2, 900, h((1, 100), (2, 900))), RecordEnd(400))
+    assert Truncate(400) in acts
+    assert only_reply(acts) == ElectedReply(2, 400)
+    assert a.state.term_history == h((1, 100), (2, 900))
+    assert a.write_lsn == 400
+
+
+def test_elected_never_truncates_above_the_stored_wal() -> None:
+    # No term in common and the proposer's history starts above this safekeeper's WAL:
+    # the cut is min(flush, divergence point), i.e. the flush.
+    a = Acceptor(1, configured(term=1, history=h((1, 100))), 400)
+    a.on_vote(VoteRequest(2), RecordEnd(400))
+    acts = a.on_elected(Elected(2, 900, h((2, 900))), RecordEnd(400))
+    assert acts[0] == Truncate(400)
+    assert only_reply(acts) == ElectedReply(2, 400)
+
+
+def test_elected_with_no_common_term_cuts_at_the_proposer_history_start() -> None:
+    a = Acceptor(1, configured(term=1, history=h((1, 100))), 4000)
+    a.on_vote(VoteRequest(2), RecordEnd(4000))
+    acts = a.on_elected(Elected(2, 100, h((2, 100))), RecordEnd(4000))
+    assert acts[0] == Truncate(100)
+    assert only_reply(acts) == ElectedReply(2, 100)
+
+
+def test_elected_cuts_the_commit_hint_to_the_truncation_point() -> None:
+    a = Acceptor(1, configured(term=1, history=h((1, 100)), commit=1400), 1500)
+    a.on_vote(VoteRequest(2), RecordEnd(1500))
+    acts = a.on_elected(Elected(2, 1200, h((1, 100), (2, 1200))), RecordEnd(1500))
+    assert isinstance(acts[1], Persist) and acts[1].state.commit_lsn == 1200
+    assert a.state.commit_lsn == 1200
+
+
+def test_elected_on_an_empty_store_starts_it_at_the_term_start() -> None:
+    a = Acceptor(1, configured(term=0), 0)
+    a.on_vote(VoteRequest(1), RecordEnd(0))
+    acts = a.on_elected(Elected(1, 0x1000000, h((1, 0x1000000))), RecordEnd(0))
+    assert acts[0] == Truncate(0x1000000)
+    assert only_reply(acts) == ElectedReply(1, 0x1000000)
+
+
+def test_elected_with_a_lower_term_is_answered_with_the_higher_term() -> None:
+    a = Acceptor(1, configured(term=7, history=h((1, 100))), 500)
+    acts = a.on_elected(Elected(5, 300, h((1, 100), (5, 300))), RecordEnd(500))
+    assert not any(isinstance(x, (Truncate, Persist, Write)) for x in acts)
+    reply = only_reply(acts)
+    assert isinstance(reply, ElectedReply) and reply.term == 7
+    assert a.state.term_history == h((1, 100))
+
+
+def test_elected_without_a_vote_for_that_term_is_refused() -> None:
+    a = Acceptor(1, configured(term=4, history=h((1, 100))), 500)
+    with pytest.raises(AcceptorError, match="without a vote"):
+        a.on_elected(Elected(6, 500, h((1, 100), (6, 500))), RecordEnd(500))
+    assert a.state == configured(term=4, history=h((1, 100)))
+    assert a.elected_term == 0
+
+
+def test_elected_whose_history_does_not_end_with_its_term_is_refused() -> None:
+    a = Acceptor(1, configured(term=4, history=h((1, 100))), 500)
+    with pytest.raises(AcceptorError):
+        a.on_elected(Elected(4, 500, h((1, 100), (3, 500))), RecordEnd(500))
+    assert a.state.term_history == h((1, 100))
+
+
+def test_elected_with_a_contradicting_history_is_refused() -> None:
+    a = Acceptor(1, configured(term=3, history=h((1, 100), (2, 300))), 900)
+    before = a.state
+    with pytest.raises(AcceptorError, match="term 2"):
+        a.on_elected(Elected(3, 800, h((1, 100), (2, 350), (3, 800))), RecordEnd(900))
+    assert a.state == before
+    assert a.elected_term == 0
+
+
+def test_elected_again_in_the_same_term_keeps_what_was_written() -> None:
+    a = elected_acceptor(term=3, start=1000)
+    a.on_append(Append(3, 1000, 0, 0, b"x" * 300))
+    a.on_flushed(1300)
+    acts = a.on_elected(Elected(3, 1000, h((3, 1000))), RecordEnd(1300))
+    assert Truncate(1300) in acts
+    assert only_reply(acts) == ElectedReply(3, 1300)
+
+
+# ---- Append ---------------------------------------------------------------------------------
+
+def test_stale_append_is_refused_with_the_safekeepers_term() -> None:
+    a = elected_acceptor(term=3, start=1000)
+    a.on_vote(VoteRequest(5), RecordEnd(1000))
+    acts = a.on_append(Append(3, 1000, 0, 0, b"old"))
+    assert not any(isinstance(x, Write) for x in acts)
+    reply = only_reply(acts)
+    assert isinstance(reply, AppendReply) and reply.term == 5
+    assert a.write_lsn == 1000
+
+
+def test_append_before_elected_is_refused() -> None:
+    a = Acceptor(1, configured(term=2), 0)
+    a.on_vote(VoteRequest(3), RecordEnd(0))
+    with pytest.raises(AcceptorError, match="before Elected"):
+        a.on_append(Append(3, 0, 0, 0, b"abc"))
+    with pytest.raises(AcceptorError):
+        a.on_append(Append(3, 0, 0, 0, b""))
+    assert a.write_lsn == 0
+
+
+def test_append_for_a_term_above_the_promise_is_refused() -> None:
+    a = elected_acceptor(term=3, start=1000)
+    with pytest.raises(AcceptorError):
+        a.on_append(Append(4, 1000, 0, 0, b"abc"))
+    assert a.state.term == 3 and a.write_lsn == 1000
+
+
+@pytest.mark.parametrize("begin", [999, 1001, 1004, 2000])
+def test_non_contiguous_append_is_refused_and_changes_nothing(begin: int) -> None:
+    a = elected_acceptor(term=3, start=1000)
+    a.on_append(Append(3, 1000, 0, 0, b"abc"))
+    before = (a.state, a.write_lsn, a.flush_lsn)
+    with pytest.raises(AcceptorError, match="does not continue"):
+        a.on_append(Append(3, begin, 1002, 0, b"zz"))
+    assert (a.state, a.write_lsn, a.flush_lsn) == before
+
+
+def test_append_writes_then_replies_after_flush() -> None:
+    a = elected_acceptor(term=3, start=1000)
+    acts = a.on_append(Append(3, 1000, 0, 0, b"hello"))
+    assert Write(1000, b"hello") in acts
+    assert not replies(acts)  # nothing is acknowledged before it is durable
+    acts = a.on_append(Append(3, 1005, 0, 0, b"world"))
+    assert Write(1005, b"world") in acts and not replies(acts)
+    assert only_reply(a.on_flushed(1005)) == AppendReply(3, 1005, 0)
+    assert only_reply(a.on_flushed(1010)) == AppendReply(3, 1010, 0)
+
+
+def test_flush_is_capped_at_what_was_written_and_never_decreases() -> None:
+    a = elected_acceptor(term=3, start=1000)
+    a.on_append(Append(3, 1000, 0, 0, b"12345"))
+    reply = only_reply(a.on_flushed(5000))
+    assert isinstance(reply, AppendReply) and reply.flush_lsn == 1005
+    reply = only_reply(a.on_flushed(1002))
+    assert isinstance(reply, AppendReply) and reply.flush_lsn == 1005
+
+
+def test_heartbeat_is_answered_at_once_and_carries_commit() -> None:
+    a = elected_acceptor(term=3, start=1000)
+    a.on_append(Append(3, 1000, 0, 0, b"abcdef"))
+    a.on_flushed(1006)
+    acts = a.on_append(Append(3, 1006, 1004, 0, b""))
+    assert not any(isinstance(x, Write) for x in acts)
+    assert only_reply(acts) == AppendReply(3, 1006, 1004)
+    assert a.state.commit_lsn == 1004
+
+
+def test_commit_learned_never_exceeds_the_written_wal_nor_decreases() -> None:
+    a = elected_acceptor(term=3, start=1000)
+    a.on_append(Append(3, 1000, 5000, 0, b"abcdef"))
+    assert a.state.commit_lsn == 1006
+    a.on_append(Append(3, 1006, 1003, 0, b""))
+    assert a.state.commit_lsn == 1006
+
+
+def test_commit_hint_is_persisted_lazily_once_a_segment_of_progress() -> None:
+    a = elected_acceptor(term=3, start=0x1000000)
+    lsn = 0x1000000
+    persisted: list[int] = []
+    chunk = b"\0" * (1024 * 1024)
+    for _ in range(40):
+        acts = a.on_append(Append(3, lsn, lsn, 0, chunk))
+        persisted += [x.state.commit_lsn for x in acts if isinstance(x, Persist)]
+        lsn += len(chunk)
+    assert persisted, "commit_lsn was never persisted"
+    assert len(persisted) <= 3
+    assert all(b - a_ >= SEG for a_, b in zip(persisted, persisted[1:]))
+    assert persisted == sorted(persisted)

@@ -1,0 +1,657 @@
+"""The proposer state machine, one PROTOCOL.md rule per test."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Sequence
+
+import pytest
+
+from sidecar.consensus.history import donor_key
+from sidecar.consensus.messages import (
+    Append, AppendReply, Elected, ElectedReply, GreetingReply, TermEntry, TermHistory,
+    VoteReply, VoteRequest,
+)
+from sidecar.consensus.proposer import (
+    Action, FetchWal, Phase, Proposer, ProposerConfig, ReportStatus, Send, StartStreaming,
+    TermLost, VerifyPrimary,
+)
+
+from consensus_harness import Cluster
+
+PEERS = ("a", "b", "c")
+BOOT = 0x1000000
+
+
+def h(*pairs: tuple[int, int]) -> TermHistory:
+    return tuple(TermEntry(t, s) for t, s in pairs)
+
+
+def config(peers: tuple[str, ...] = PEERS, **kw: int) -> ProposerConfig:
+    return ProposerConfig(proposer_id="p1", peers=peers, quorum=len(peers) // 2 + 1,
+                          system_id=42, timeline=1, wal_seg_size=16 * 1024 * 1024, pg_version=16,
+                          bootstrap_lsn=BOOT, **kw)
+
+
+def sends(actions: Sequence[Action], kind: type | None = None) -> list[Send]:
+    return [a for a in actions if isinstance(a, Send) and (kind is None or isinstance(a.message, kind))]
+
+
+def of(actions: Sequence[Action], kind: type) -> list:  # type: ignore[type-arg]
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def greet(p: Proposer, terms: dict[str, int]) -> list[Action]:
+    out: list[Action] = []
+    for name, term in terms.items():
+        out += p.peer_connected(name)
+        out += p.peer_message(name, GreetingReply(ord(name), term))
+    return out
+
+
+def grant(term: int, flush: int = 0, history: TermHistory = ()) -> VoteReply:
+    return VoteReply(term=term, granted=True, flush_lsn=flush, term_history=history, timeline_history=())
+
+
+def streaming(peers: tuple[str, ...] = PEERS, **kw: int) -> tuple[Proposer, list[Action]]:
+    """A proposer elected for term 1 from empty safekeepers, streaming, every peer joined at BOOT."""
+    p = Proposer(config(peers, **kw))
+    greet(p, {n: 0 for n in peers})
+    for n in peers:
+        p.peer_message(n, grant(1))
+    out = p.primary_verified()
+    for n in peers:
+        out += p.peer_message(n, ElectedReply(1, BOOT))
+    assert p.phase is Phase.STREAMING and p.term == 1
+    return p, out
+
+
+def appends_to(actions: Sequence[Action], peer: str) -> list[Append]:
+    return [s.message for s in sends(actions, Append) if s.peer == peer]  # type: ignore[misc]
+
+
+# ---- election ---------------------------------------------------------------------------------
+
+def test_campaign_waits_for_a_quorum_of_greetings() -> None:
+    p = Proposer(config())
+    out = greet(p, {"a": 3})
+    assert not sends(out, VoteRequest)
+    assert p.phase is Phase.GREETING
+    out = greet(p, {"b": 5})
+    votes = sends(out, VoteRequest)
+    assert {s.peer for s in votes} == {"a", "b"}
+    assert all(s.message == VoteRequest(6) for s in votes)
+    assert p.phase is Phase.VOTING and p.term == 6
+
+
+def test_campaign_term_is_above_min_term() -> None:
+    p = Proposer(config(), min_term=10)
+    out = greet(p, {"a": 3, "b": 5})
+    assert {s.message for s in sends(out, VoteRequest)} == {VoteRequest(11)}
+    p2 = Proposer(config(), min_term=2)
+    out = greet(p2, {"a": 3, "b": 5})
+    assert {s.message for s in sends(out, VoteRequest)} == {VoteRequest(6)}
+
+
+def test_late_greeting_during_voting_gets_a_vote_request() -> None:
+    p = Proposer(config())
+    greet(p, {"a": 1, "b": 1})
+    out = greet(p, {"c": 0})
+    assert [(s.peer, s.message) for s in sends(out, VoteRequest)] == [("c", VoteRequest(2))]
+
+
+def test_elected_by_a_quorum_of_grants_only() -> None:
+    p = Proposer(config())
+    greet(p, {"a": 0, "b": 0, "c": 0})
+    assert not of(p.peer_message("a", grant(1)), VerifyPrimary)
+    # A refusal at the same term does not count.
+    refused = VoteReply(1, False, 0, (), ())
+    assert not of(p.peer_message("b", refused), VerifyPrimary)
+    assert p.phase is Phase.VOTING
+    assert of(p.peer_message("c", grant(1)), VerifyPrimary)
+    assert p.phase is Phase.VERIFYING
+
+
+def test_higher_term_vote_reply_restarts_the_campaign_above_it() -> None:
+    p = Proposer(config())
+    greet(p, {"a": 0, "b": 0, "c": 0})
+    p.peer_message("a", grant(1))
+    out = p.peer_message("b", VoteReply(7, False, 0, (), ()))
+    assert p.phase is Phase.VOTING and p.term == 8
+    assert {s.message for s in sends(out, VoteRequest)} == {VoteRequest(8)}
+    assert {s.peer for s in sends(out, VoteRequest)} == set(PEERS)
+    # The old grant no longer counts: one grant for term 8 is not a quorum.
+    assert not of(p.peer_message("a", grant(1)), VerifyPrimary)
+    assert not of(p.peer_message("a", grant(8)), VerifyPrimary)
+    assert of(p.peer_message("c", grant(8)), VerifyPrimary)
+    assert p.term == 8
+
+
+def test_election_timeout_campaigns_one_term_higher() -> None:
+    p = Proposer(config())
+    greet(p, {"a": 2, "b": 2})
+    out = p.election_timeout()
+    assert p.term == 4
+    assert {s.message for s in sends(out, VoteRequest)} == {VoteRequest(4)}
+
+
+def test_donor_newer_term_beats_longer_log() -> None:
+    p = Proposer(config())
+    greet(p, {"a": 3, "b": 3, "c": 3})
+    long_stale = grant(4, 9000, h((1, 100), (2, 500)))
+    short_new = VoteReply(4, True, 700, h((1, 100), (3, 600)), (), tail_lsn=650, tail_crc=99)
+    p.peer_message("a", long_stale)
+    out = p.peer_message("b", short_new)
+    [verify] = of(out, VerifyPrimary)
+    assert (verify.term, verify.start_lsn, verify.donor) == (4, 700, "b")
+    assert (verify.tail_lsn, verify.tail_crc) == (650, 99)
+    assert p.term_start == 700
+    assert p.history == h((1, 100), (3, 600), (4, 700))
+
+
+def test_donor_same_last_term_longest_log_wins_and_history_is_cut_at_e() -> None:
+    p = Proposer(config())
+    greet(p, {"a": 3, "b": 3, "c": 3})
+    # The donor's history may name terms above its flush position: they are cut at E.
+    p.peer_message("a", grant(4, 800, h((1, 100), (2, 500))))
+    p.peer_message("b", grant(4, 650, h((1, 100), (2, 500))))
+    out = p.peer_message("c", grant(4, 900, h((1, 100), (2, 500))))
+    assert not of(out, VerifyPrimary)  # already elected by a and b
+    assert p.term_start == 800
+    assert p.history == h((1, 100), (2, 500), (4, 800))
+
+
+def test_bootstrap_when_every_voter_is_empty() -> None:
+    p = Proposer(config())
+    greet(p, {"a": 0, "b": 0})
+    p.peer_message("a", grant(1))
+    out = p.peer_message("b", grant(1))
+    [verify] = of(out, VerifyPrimary)
+    assert verify.start_lsn == BOOT
+    assert p.history == h((1, BOOT))
+
+
+def test_nothing_streams_before_the_primary_is_verified() -> None:
+    p = Proposer(config())
+    greet(p, {"a": 0, "b": 0})
+    p.peer_message("a", grant(1))
+    out = p.peer_message("b", grant(1))
+    assert not sends(out, Elected) and not of(out, StartStreaming)
+    out = p.primary_verified()
+    assert of(out, StartStreaming) == [StartStreaming(BOOT)]
+    assert {(s.peer, s.message) for s in sends(out, Elected)} == {
+        ("a", Elected(1, BOOT, h((1, BOOT)))), ("b", Elected(1, BOOT, h((1, BOOT))))}
+
+
+def test_primary_refused_stops_the_proposer() -> None:
+    p = Proposer(config())
+    greet(p, {"a": 0, "b": 0})
+    p.peer_message("a", grant(1))
+    p.peer_message("b", grant(1))
+    p.primary_refused("the primary lacks quorum-committed WAL")
+    assert p.phase is Phase.STOPPED
+    assert p.primary_verified() == []
+    assert p.peer_message("a", ElectedReply(1, BOOT)) == []
+
+
+# ---- higher terms while elected -----------------------------------------------------------
+
+@pytest.mark.parametrize("reply", [AppendReply(5, BOOT, 0), ElectedReply(5, BOOT),
+                                   VoteReply(5, False, BOOT, (), ())])
+def test_higher_term_while_streaming_loses_the_term(reply: object) -> None:
+    p, _ = streaming()
+    out = p.peer_message("b", reply)  # type: ignore[arg-type]
+    [lost] = of(out, TermLost)
+    assert lost.term == 5
+    assert p.phase is Phase.STOPPED
+    assert p.heartbeat() == []
+    assert p.peer_message("a", AppendReply(1, BOOT, 0)) == []
+
+
+def test_higher_term_greeting_from_a_reconnecting_safekeeper_loses_the_term() -> None:
+    p, _ = streaming()
+    p.peer_disconnected("c")
+    p.peer_connected("c")
+    out = p.peer_message("c", GreetingReply(3, 9))
+    assert [x.term for x in of(out, TermLost)] == [9]
+    assert p.phase is Phase.STOPPED
+
+
+def test_reconnecting_safekeeper_is_sent_elected_again() -> None:
+    p, _ = streaming()
+    p.wal_received(BOOT, b"w" * 100)
+    p.peer_message("c", AppendReply(1, BOOT + 40, 0))
+    p.peer_disconnected("c")
+    out = p.peer_connected("c")
+    out = p.peer_message("c", GreetingReply(3, 1))
+    assert [(s.peer, s.message) for s in sends(out)] == [("c", VoteRequest(1))]
+    out = p.peer_message("c", VoteReply(1, False, BOOT + 40, h((1, BOOT)), ()))
+    assert [(s.peer, s.message) for s in sends(out)] == [("c", Elected(1, BOOT, h((1, BOOT))))]
+    out = p.peer_message("c", ElectedReply(1, BOOT + 40))
+    [app] = appends_to(out, "c")
+    assert (app.begin_lsn, app.data) == (BOOT + 40, b"w" * 60)
+
+
+def test_no_appends_to_a_peer_before_its_elected_reply() -> None:
+    p = Proposer(config())
+    greet(p, {"a": 0, "b": 0, "c": 0})
+    p.peer_message("a", grant(1))
+    p.peer_message("b", grant(1))
+    p.primary_verified()
+    out = p.wal_received(BOOT, b"abc")
+    assert not sends(out, Append)
+    out = p.peer_message("a", ElectedReply(1, BOOT))
+    assert [(m.begin_lsn, m.data) for m in appends_to(out, "a")] == [(BOOT, b"abc")]
+    assert appends_to(out, "b") == []
+
+
+# ---- streaming ---------------------------------------------------------------------------
+
+def test_appends_carry_the_term_and_are_contiguous_per_peer() -> None:
+    p, _ = streaming()
+    out: list[Action] = []
+    lsn = BOOT
+    for size in (10, 1, 300, 7):
+        out += p.wal_received(lsn, bytes([size % 256]) * size)
+        lsn += size
+    for peer in PEERS:
+        apps = appends_to(out, peer)
+        assert all(a.term == 1 for a in apps)
+        pos = BOOT
+        for a in apps:
+            assert a.begin_lsn == pos
+            pos = a.end_lsn
+        assert pos == lsn
+
+
+def test_inflight_window_is_respected() -> None:
+    p, _ = streaming(max_inflight=100)
+    out: list[Action] = []
+    lsn = BOOT
+    for _ in range(50):
+        out += p.wal_received(lsn, b"z" * 10)
+        lsn += 10
+    apps = appends_to(out, "a")
+    assert apps, "nothing was sent"
+    # No Append starts at or past max_inflight beyond the acknowledged flush.
+    assert all(a.begin_lsn < BOOT + 100 for a in apps)
+    sent = apps[-1].end_lsn
+    assert sent - BOOT >= 100
+    # An acknowledgement opens the window by what it acknowledged, and no more.
+    out = p.peer_message("a", AppendReply(1, BOOT + 50, 0))
+    more = appends_to(out, "a")
+    assert more and more[0].begin_lsn == sent
+    assert all(a.begin_lsn < BOOT + 150 for a in more)
+    assert more[-1].end_lsn >= BOOT + 150
+
+
+def test_commit_counts_only_positions_at_or_above_the_term_start() -> None:
+    p = Proposer(config())
+    greet(p, {"a": 1, "b": 1, "c": 1})
+    # a is the donor at 1000 (term 1); b and c lag in term 1.
+    p.peer_message("a", grant(2, 1000, h((1, 100))))
+    p.peer_message("b", grant(2, 600, h((1, 100))))
+    p.peer_message("c", grant(2, 700, h((1, 100))))
+    assert p.term_start == 1000
+    out = p.primary_verified()
+    out += p.peer_message("b", ElectedReply(2, 600))
+    out += p.peer_message("c", ElectedReply(2, 700))
+    # Two safekeepers hold term 1's WAL up to 600/700: nothing is committed (or even
+    # counted as written) in term 2.
+    assert p.commit_lsn == 0
+    assert of(out, ReportStatus) == []
+    out = p.peer_message("a", ElectedReply(2, 1000))
+    assert p.commit_lsn == 0  # only one safekeeper holds the term start
+    assert of(out, ReportStatus) == [ReportStatus(1000, 0, 0)]
+    p.wal_received(1000, b"q" * 500)
+    out = p.peer_message("a", AppendReply(2, 1500, 0))
+    assert p.commit_lsn == 0
+    out = p.catchup_data("b", 600, b"q" * 400) + p.catchup_done("b")
+    out = p.peer_message("b", AppendReply(2, 1200, 0))
+    assert p.commit_lsn == 1200
+    assert of(out, ReportStatus)[-1].flush_lsn == 1200
+
+
+def test_report_status_write_max_flush_commit_apply_min() -> None:
+    p, out = streaming()
+    assert of(out, ReportStatus)[-1] == ReportStatus(BOOT, BOOT, BOOT)
+    p.wal_received(BOOT, b"x" * 1000)
+    out = p.peer_message("a", AppendReply(1, BOOT + 900, 0))
+    # Only one safekeeper has it: write moves, commit does not.
+    assert of(out, ReportStatus) == [ReportStatus(BOOT + 900, BOOT, BOOT)]
+    out = p.peer_message("b", AppendReply(1, BOOT + 500, 0))
+    assert of(out, ReportStatus) == [ReportStatus(BOOT + 900, BOOT + 500, BOOT)]
+    out = p.peer_message("c", AppendReply(1, BOOT + 300, 0))
+    assert of(out, ReportStatus) == [ReportStatus(BOOT + 900, BOOT + 500, BOOT + 300)]
+    # Nothing moved: no report.
+    assert of(p.peer_message("c", AppendReply(1, BOOT + 300, 0)), ReportStatus) == []
+    out = p.peer_message("c", AppendReply(1, BOOT + 1000, 0))
+    assert of(out, ReportStatus) == [ReportStatus(BOOT + 1000, BOOT + 900, BOOT + 500)]
+
+
+def test_apply_waits_for_every_safekeeper_even_a_missing_one() -> None:
+    p = Proposer(config())
+    greet(p, {"a": 0, "b": 0})
+    p.peer_message("a", grant(1))
+    p.peer_message("b", grant(1))
+    p.primary_verified()
+    p.peer_message("a", ElectedReply(1, BOOT))
+    p.peer_message("b", ElectedReply(1, BOOT))
+    p.wal_received(BOOT, b"x" * 100)
+    p.peer_message("a", AppendReply(1, BOOT + 100, 0))
+    out = p.peer_message("b", AppendReply(1, BOOT + 100, 0))
+    write, flush, apply = p.status()
+    assert (write, flush) == (BOOT + 100, BOOT + 100)
+    assert apply < BOOT  # c never joined this term
+    assert of(out, ReportStatus)[-1] == ReportStatus(write, flush, apply)
+
+
+def test_commit_never_decreases_within_a_term() -> None:
+    p, _ = streaming()
+    p.wal_received(BOOT, b"x" * 1000)
+    p.peer_message("a", AppendReply(1, BOOT + 800, 0))
+    p.peer_message("b", AppendReply(1, BOOT + 800, 0))
+    assert p.commit_lsn == BOOT + 800
+    # b reconnects and re-joins at a lower position (it answers Elected with its flush).
+    p.peer_disconnected("b")
+    p.peer_connected("b")
+    p.peer_message("b", GreetingReply(2, 1))
+    p.peer_message("b", VoteReply(1, False, BOOT + 800, h((1, BOOT)), ()))
+    p.peer_disconnected("a")
+    out = p.peer_message("b", ElectedReply(1, BOOT + 800))
+    assert p.commit_lsn == BOOT + 800
+    assert all(r.flush_lsn >= BOOT + 800 for r in of(out, ReportStatus))
+    # Acknowledgements below the committed position never pull it back.
+    out = p.peer_message("c", AppendReply(1, BOOT + 100, 0))
+    assert p.commit_lsn == BOOT + 800
+    reports = [r.flush_lsn for r in of(out, ReportStatus)]
+    assert all(f >= BOOT + 800 for f in reports)
+
+
+def test_commit_does_not_follow_a_safekeeper_that_rejoins_lower() -> None:
+    p, _ = streaming()
+    p.wal_received(BOOT, b"x" * 1000)
+    p.peer_message("a", AppendReply(1, BOOT + 800, 0))
+    p.peer_message("b", AppendReply(1, BOOT + 800, 0))
+    p.peer_message("c", AppendReply(1, BOOT + 100, 0))
+    assert p.commit_lsn == BOOT + 800
+    p.peer_disconnected("b")
+    p.peer_connected("b")
+    p.peer_message("b", GreetingReply(2, 1))
+    p.peer_message("b", VoteReply(1, False, BOOT + 300, h((1, BOOT)), ()))
+    out = p.peer_message("b", ElectedReply(1, BOOT + 300))
+    assert p.commit_lsn == BOOT + 800
+    assert all(r.flush_lsn == BOOT + 800 for r in of(out, ReportStatus))
+    # It is fed again from where it says it is.
+    assert appends_to(out, "b")[0].begin_lsn == BOOT + 300
+
+
+def test_appends_carry_commit_and_heartbeat_reaches_idle_peers() -> None:
+    p, _ = streaming()
+    p.wal_received(BOOT, b"x" * 100)
+    p.peer_message("a", AppendReply(1, BOOT + 100, 0))
+    p.peer_message("b", AppendReply(1, BOOT + 100, 0))
+    out = p.heartbeat()
+    beats = {s.peer: s.message for s in sends(out, Append)}
+    assert set(beats) == set(PEERS)
+    for peer, m in beats.items():
+        assert isinstance(m, Append) and m.data == b"" and m.commit_lsn == BOOT + 100
+        assert m.begin_lsn == BOOT + 100
+
+
+def test_fetch_wal_for_a_safekeeper_below_the_buffer_start() -> None:
+    p = Proposer(config())
+    greet(p, {"a": 1, "b": 1, "c": 1})
+    p.peer_message("a", grant(2, 5000, h((1, 100))))
+    p.peer_message("b", grant(2, 5000, h((1, 100))))
+    p.primary_verified()
+    p.peer_message("a", ElectedReply(2, 5000))
+    p.wal_received(5000, b"n" * 100)
+    p.peer_message("c", grant(2, 3000, h((1, 100))))
+    out = p.peer_message("c", ElectedReply(2, 3000))
+    assert of(out, FetchWal) == [FetchWal("c", 3000, 5000)]
+    assert appends_to(out, "c") == []
+    # Heartbeats skip it while it catches up.
+    assert "c" not in {s.peer for s in sends(p.heartbeat())}
+    out = p.catchup_data("c", 3000, b"o" * 1200)
+    assert [(m.begin_lsn, len(m.data), m.term) for m in appends_to(out, "c")] == [(3000, 1200, 2)]
+    assert p.catchup_data("c", 3000, b"o" * 10) == []  # not where it left off
+    out = p.catchup_data("c", 4200, b"o" * 800) + p.catchup_done("c")
+    assert [(m.begin_lsn, m.end_lsn) for m in appends_to(out, "c")] == [(4200, 5000), (5000, 5100)]
+    assert not of(out, FetchWal)
+
+
+def test_buffer_trimmed_once_every_safekeeper_has_flushed() -> None:
+    p, _ = streaming()
+    for i in range(10):
+        p.wal_received(BOOT + i * 100, b"x" * 100)
+    buf = p.buffer
+    assert buf is not None
+    p.peer_message("a", AppendReply(1, BOOT + 1000, 0))
+    p.peer_message("b", AppendReply(1, BOOT + 1000, 0))
+    assert buf.start == BOOT  # c still needs everything
+    p.peer_message("c", AppendReply(1, BOOT + 450, 0))
+    assert BOOT + 400 == buf.start  # the chunk holding c's flush stays
+    p.peer_message("c", AppendReply(1, BOOT + 1000, 0))
+    assert buf.start == buf.end == BOOT + 1000
+
+
+def test_disconnected_in_term_peer_keeps_its_wal_in_the_buffer() -> None:
+    p, _ = streaming()
+    for i in range(10):
+        p.wal_received(BOOT + i * 100, b"x" * 100)
+    p.peer_message("c", AppendReply(1, BOOT + 200, 0))
+    p.peer_disconnected("c")
+    p.peer_message("a", AppendReply(1, BOOT + 1000, 0))
+    p.peer_message("b", AppendReply(1, BOOT + 1000, 0))
+    assert p.buffer is not None and p.buffer.start == BOOT + 200
+
+
+def test_buffer_limit_trims_and_a_lagging_peer_fetches() -> None:
+    p, _ = streaming(buffer_limit=300, max_inflight=1 << 30)
+    for i in range(10):
+        p.wal_received(BOOT + i * 100, b"x" * 100)
+    p.peer_message("a", AppendReply(1, BOOT + 1000, 0))
+    out = p.peer_message("b", AppendReply(1, BOOT + 1000, 0))
+    assert p.buffer is not None and p.buffer.start == BOOT + 700
+    p.peer_disconnected("c")
+    p.peer_connected("c")
+    p.peer_message("c", GreetingReply(3, 1))
+    p.peer_message("c", VoteReply(1, False, BOOT, h((1, BOOT)), ()))
+    out = p.peer_message("c", ElectedReply(1, BOOT))
+    assert of(out, FetchWal) == [FetchWal("c", BOOT, BOOT + 700)]
+
+
+# ---- end to end through the in-memory harness -------------------------------------------------
+
+def stored(cluster: Cluster, name: str) -> tuple[int, bytes]:
+    st = cluster.nodes[name].store
+    return st.start, bytes(st.data)
+
+
+def test_end_to_end_two_terms_with_a_lagging_and_a_stale_safekeeper() -> None:
+    rng = random.Random(1234)
+    cluster = Cluster(Proposer(config()), PEERS, primary_start=BOOT, seed=99)
+    for n in PEERS:
+        cluster.connect(n)
+    cluster.run()
+    p1 = cluster.proposer
+    assert p1.phase is Phase.STREAMING and p1.term == 1
+    assert [v.start_lsn for v in cluster.verify] == [BOOT]
+
+    # Term 1: 1000 random-size chunks, delivered and acknowledged in a random order.
+    for _ in range(1000):
+        cluster.produce(rng.randbytes(rng.randint(1, 3000)))
+        for _ in range(rng.randint(0, 6)):
+            if steps := cluster.pending():
+                cluster.step(*rng.choice(steps))
+    cluster.run()
+    end1 = cluster.primary_end
+    assert p1.commit_lsn == end1
+    cluster.execute(p1.heartbeat())
+    cluster.run()
+    for n in PEERS:
+        assert stored(cluster, n) == (BOOT, bytes(cluster.primary)), n
+        assert cluster.nodes[n].acceptor.state.commit_lsn == end1
+    flushes = [r.flush_lsn for r in cluster.reports]
+    assert flushes == sorted(flushes) and flushes[-1] == end1
+    assert cluster.primary_refusals == []
+    assert cluster.reports[-1] == ReportStatus(end1, end1, end1)
+    assert not any(node.refusals for node in cluster.nodes.values())
+
+    # a drops out; b and c commit more of term 1.
+    cluster.disconnect("a")
+    for _ in range(100):
+        cluster.produce(rng.randbytes(rng.randint(1, 3000)))
+    cluster.run()
+    end2 = cluster.primary_end
+    assert p1.commit_lsn == end2
+    # b drops out too: c alone receives a tail that no quorum ever acknowledges.
+    cluster.disconnect("b")
+    for _ in range(50):
+        cluster.produce(rng.randbytes(rng.randint(1, 3000)))
+    cluster.run()
+    end3 = cluster.primary_end
+    assert p1.commit_lsn == end2
+    assert cluster.nodes["c"].store.end == end3
+    assert cluster.nodes["a"].store.end == end1 < end2
+
+    # The primary crashes: it loses the unacknowledged tail and writes new WAL from E = end2.
+    cluster.primary_rewrite_from(end2)
+    p2 = Proposer(config(), min_term=p1.term)
+    cluster.new_proposer(p2)
+    term1_reports = len(cluster.reports)
+    cluster.connect("a")
+    cluster.connect("b")
+    cluster.run()
+    assert p2.phase is Phase.STREAMING and p2.term == 2
+    assert cluster.verify[-1].start_lsn == end2 and cluster.verify[-1].donor == "b"
+    assert p2.history == h((1, BOOT), (2, end2))
+    # a lagged below E and was caught up from the primary's WAL.
+    assert [(f.peer, f.start, f.end) for f in cluster.fetches] == [("a", end1, end2)]
+    assert cluster.nodes["a"].store.end == end2
+
+    for _ in range(300):
+        cluster.produce(rng.randbytes(rng.randint(1, 3000)))
+        for _ in range(rng.randint(0, 6)):
+            if steps := cluster.pending():
+                cluster.step(*rng.choice(steps))
+    cluster.run()
+
+    # c comes back with its stale term-1 tail: it is cut at E and fed term 2's WAL.
+    assert cluster.nodes["a"].truncations[-1] == end1
+    cluster.connect("c")
+    cluster.run()
+    assert cluster.nodes["c"].truncations[-1] == end2
+    final = cluster.primary_end
+    assert p2.commit_lsn == final
+    cluster.execute(p2.heartbeat())
+    cluster.run()
+    source = bytes(cluster.primary)
+    for n in PEERS:
+        node = cluster.nodes[n]
+        assert stored(cluster, n) == (BOOT, source), n
+        assert node.persisted.term == 2
+        assert node.persisted.term_history == h((1, BOOT), (2, end2))
+        assert node.acceptor.state.commit_lsn == final
+        assert not node.refusals
+    assert cluster.reports[-1] == ReportStatus(final, final, final)
+    term2 = [r.flush_lsn for r in cluster.reports[term1_reports:]]
+    assert term2 == sorted(term2)
+    assert not cluster.term_lost
+
+
+def durable_view(cluster: Cluster, name: str) -> tuple[TermHistory, int]:
+    node = cluster.nodes[name]
+    flush = 0 if node.store.empty else node.store.durable
+    return node.persisted.term_history, flush
+
+
+def check_any_quorum_recovers(cluster: Cluster, committed: int, quorum: int) -> None:
+    """Invariant 1: the donor any quorum would elect holds every acknowledged position."""
+    for voters in itertools.combinations(cluster.nodes, quorum):
+        donor = max(voters, key=lambda n: donor_key(*durable_view(cluster, n)))
+        _, flush = durable_view(cluster, donor)
+        assert flush >= committed, (voters, donor, flush, committed)
+
+
+def check_bytes_match_primary(cluster: Cluster) -> None:
+    for name, node in cluster.nodes.items():
+        st = node.store
+        if not st.empty:
+            assert bytes(st.data) == cluster.primary_read(st.start, st.end), name
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_randomized_terms_with_disconnects_and_crashes(seed: int) -> None:
+    rng = random.Random(seed)
+    cluster = Cluster(Proposer(config()), PEERS, primary_start=BOOT, seed=seed)
+    quorum = config().quorum
+    acknowledged = 0  # the highest commit position ever reported to the primary
+    reported = 0
+    proposers = 1
+    for tick in range(6000):
+        p = cluster.proposer
+        r = rng.random()
+        if p.phase is Phase.STOPPED or r < 0.002:
+            p = Proposer(config(), min_term=p.term)
+            cluster.new_proposer(p)
+            reported = len(cluster.reports)
+            proposers += 1
+            for n in PEERS:
+                if rng.random() < 0.8:
+                    cluster.connect(n)
+        elif r < 0.01:
+            cluster.crash(rng.choice(PEERS))
+        elif r < 0.03:
+            name = rng.choice(PEERS)
+            if cluster.nodes[name].connected:
+                cluster.disconnect(name)
+            else:
+                cluster.connect(name)
+        elif r < 0.04:
+            cluster.execute(p.heartbeat())
+        elif r < 0.045:
+            cluster.execute(p.election_timeout())
+        elif r < 0.25:
+            cluster.produce(rng.randbytes(rng.randint(1, 2000)))
+        elif steps := cluster.pending():
+            cluster.step(*rng.choice(steps))
+        # Invariant 4: the reported flush never decreases within one proposer's stream.
+        flushes = [x.flush_lsn for x in cluster.reports[reported:]]
+        assert flushes == sorted(flushes)
+        if flushes:
+            acknowledged = max(acknowledged, flushes[-1])
+        assert p.commit_lsn <= cluster.primary_end
+        if tick % 50 == 0:
+            check_any_quorum_recovers(cluster, acknowledged, quorum)
+            check_bytes_match_primary(cluster)
+    assert proposers > 1
+
+    # Heal everything: a final proposer must bring all three to the primary's end.
+    final = Proposer(config(), min_term=cluster.proposer.term)
+    cluster.new_proposer(final)
+    for n in PEERS:
+        cluster.connect(n)
+    cluster.run()
+    for _ in range(5):
+        if final.phase is Phase.STREAMING:
+            break
+        cluster.execute(final.election_timeout())
+        cluster.run()
+    assert final.phase is Phase.STREAMING
+    for _ in range(20):
+        cluster.produce(rng.randbytes(rng.randint(1, 2000)))
+    cluster.run()
+    cluster.execute(final.heartbeat())
+    cluster.run()
+    end = cluster.primary_end
+    assert final.commit_lsn == end >= acknowledged
+    check_bytes_match_primary(cluster)
+    for name, node in cluster.nodes.items():
+        assert node.store.end == end, name
+        assert node.acceptor.state.commit_lsn == end, name
+        assert node.persisted.term == final.term
+    # The primary never lost WAL here, so every donor's WAL up to E was found on it.
+    assert cluster.primary_refusals == []
