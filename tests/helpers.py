@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
-from typing import Callable, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -41,3 +43,24 @@ def wait_for(
             detail = f" (last error: {last_exc!r})" if last_exc is not None else ""
             raise AssertionError(f"timed out waiting for {what}{detail}") from last_exc
         time.sleep(interval)
+
+
+def run(coro: Coroutine[Any, Any, T], timeout: float = 60) -> T:
+    """Run a coroutine to completion on a fresh event loop, with a time limit."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def until(
+    predicate: Callable[[], Awaitable[T] | T], what: str, timeout: float = 20, interval: float = 0.02
+) -> T:
+    """Poll `predicate` (sync or async) until it returns something truthy."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return result  # type: ignore[return-value]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(interval)

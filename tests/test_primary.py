@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 import psycopg
 import pytest
 
 from backends import PgServer
+from helpers import run, until
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE, format_lsn, parse_lsn
 from sidecar.proposer.primary import (
     AdvisoryLock,
@@ -28,30 +28,9 @@ from sidecar.proposer.primary import (
     standby_names_warnings,
 )
 
-T = TypeVar("T")
 APP = "walsidecar"
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def run(coro: Coroutine[Any, Any, T], timeout: float = 60) -> T:
-    return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-async def until(
-    predicate: Callable[[], Awaitable[T] | T], what: str, timeout: float = 20, interval: float = 0.02
-) -> T:
-    """Poll `predicate` (sync or async) until it returns something truthy."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return result  # type: ignore[return-value]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(interval)
 
 
 async def connect(pg: PgServer, **kwargs: Any) -> psycopg.AsyncConnection:

@@ -14,7 +14,7 @@ import psycopg
 import pytest
 
 from backends import PgServer
-from deployment import APP, Deployment, Writer, read_wal, wal_matches_primary
+from deployment import APP, Deployment, Writer, wal_matches_primary
 from helpers import wait_for
 from procs import ProcessTracker
 from sidecar.pgcluster import find_bin_dir

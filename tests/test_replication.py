@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import psycopg
 import pytest
 
 from backends import PgServer
+from helpers import run, until
 from sidecar.consensus.messages import TimelineEntry
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE, format_lsn, parse_lsn, segment_file_name, segment_start
 from sidecar.proposer.primary import ensure_slot
@@ -25,31 +26,10 @@ from sidecar.proposer.replication import (
     timeline_history,
 )
 
-T = TypeVar("T")
 APP = "walsidecar"
 SLOT = "walsidecar_slot"
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def run(coro: Coroutine[Any, Any, T], timeout: float = 60) -> T:
-    return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-async def until(
-    predicate: Callable[[], Awaitable[T] | T], what: str, timeout: float = 20, interval: float = 0.02
-) -> T:
-    """Poll `predicate` (sync or async) until it returns something truthy."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return result  # type: ignore[return-value]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(interval)
 
 
 async def admin(pg: PgServer) -> psycopg.AsyncConnection:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-from dataclasses import replace
 from pathlib import Path
 
 import google_crc32c
