@@ -342,3 +342,17 @@ def test_commit_hint_is_persisted_lazily_once_a_segment_of_progress() -> None:
     assert len(persisted) <= 3
     assert all(b - a_ >= SEG for a_, b in zip(persisted, persisted[1:]))
     assert persisted == sorted(persisted)
+
+
+def test_a_probe_vote_request_persists_and_grants_nothing() -> None:
+    from sidecar.consensus.acceptor import Acceptor, Persist, RecordEnd, Reply
+    from sidecar.consensus.messages import VoteReply, VoteRequest
+    from sidecar.consensus.state import AcceptorState
+    for term in (0, 4):
+        a = Acceptor(1, AcceptorState(system_id=1, wal_seg_size=16 << 20, timeline=1, term=term), 0)
+        actions = a.on_vote(VoteRequest(0), RecordEnd(123, 100, 9))
+        assert not [x for x in actions if isinstance(x, Persist)]
+        [reply] = [x.message for x in actions if isinstance(x, Reply)]
+        assert isinstance(reply, VoteReply) and not reply.granted and reply.term == term
+        assert (reply.flush_lsn, reply.tail_lsn, reply.tail_crc) == (123, 100, 9)
+        assert a.state.term == term

@@ -42,12 +42,23 @@ def of(actions: Sequence[Action], kind: type) -> list:  # type: ignore[type-arg]
     return [a for a in actions if isinstance(a, kind)]
 
 
+# A probe answer whose fingerprint no vote in these tests carries, so that the election
+# after it must verify the primary again (the probe-skip case has a test of its own).
+PROBED = dict(flush_lsn=0, term_history=(), timeline_history=(), tail_lsn=1, tail_crc=0xDEAD)
+
+
 def greet(p: Proposer, terms: dict[str, int]) -> list[Action]:
+    """Greet, answer the pre-vote probes and pass the pre-check: the proposer then campaigns."""
     out: list[Action] = []
     for name, term in terms.items():
         out += p.peer_connected(name)
         out += p.peer_message(name, GreetingReply(ord(name), term))
-    return out
+    for s in sends(out, VoteRequest):
+        if s.message == VoteRequest(0) and p.phase is Phase.PROBING:
+            out += p.peer_message(s.peer, VoteReply(term=terms.get(s.peer, 0), granted=False, **PROBED))
+    if p.phase is Phase.PRECHECK:
+        out += p.primary_verified()
+    return [a for a in out if not (isinstance(a, Send) and a.message == VoteRequest(0))]
 
 
 def grant(term: int, flush: int = 0, history: TermHistory = ()) -> VoteReply:
@@ -655,3 +666,71 @@ def test_randomized_terms_with_disconnects_and_crashes(seed: int) -> None:
         assert node.persisted.term == final.term
     # The primary never lost WAL here, so every donor's WAL up to E was found on it.
     assert cluster.primary_refusals == []
+
+
+# ---- the pre-vote probe -----------------------------------------------------------------------
+
+def probe_reply(term: int, flush: int = 0, tail: tuple[int, int] = (0, 0)) -> VoteReply:
+    return VoteReply(term=term, granted=False, flush_lsn=flush, term_history=h((1, BOOT)) if flush else (),
+                     timeline_history=(), tail_lsn=tail[0], tail_crc=tail[1])
+
+
+def probed(p: Proposer, flush: int = 0, tail: tuple[int, int] = (0, 0)) -> list[Action]:
+    out: list[Action] = []
+    for n in PEERS:
+        out += p.peer_connected(n)
+        out += p.peer_message(n, GreetingReply(ord(n), 1))
+    for n in PEERS:
+        out += p.peer_message(n, probe_reply(1, flush, tail))
+    return out
+
+
+def test_a_quorum_of_greetings_starts_a_probe_that_promises_nothing() -> None:
+    p = Proposer(config())
+    out = greet_only(p, ("a", "b"))
+    assert {s.message for s in sends(out, VoteRequest)} == {VoteRequest(0)}
+    assert p.phase is Phase.PROBING and p.term == 0
+
+
+def greet_only(p: Proposer, names: tuple[str, ...]) -> list[Action]:
+    out: list[Action] = []
+    for n in names:
+        out += p.peer_connected(n)
+        out += p.peer_message(n, GreetingReply(ord(n), 1))
+    return out
+
+
+def test_a_primary_refused_by_the_probe_never_sees_a_campaign() -> None:
+    p = Proposer(config())
+    out = probed(p, flush=BOOT + 500, tail=(BOOT + 100, 77))
+    [check] = of(out, VerifyPrimary)
+    assert (check.start_lsn, check.tail_lsn, check.tail_crc) == (BOOT + 500, BOOT + 100, 77)
+    assert p.phase is Phase.PRECHECK
+    out = p.primary_refused("stale primary")
+    assert p.phase is Phase.STOPPED
+    assert not [s for s in sends(out, VoteRequest) if s.message.term > 0]
+    # Late replies change nothing either.
+    assert not sends(p.peer_message("a", probe_reply(1)), VoteRequest)
+
+
+def test_an_election_on_the_probed_log_skips_the_second_check() -> None:
+    p = Proposer(config())
+    probed(p, flush=BOOT + 500, tail=(BOOT + 100, 77))
+    out = p.primary_verified()
+    assert {s.message for s in sends(out, VoteRequest)} == {VoteRequest(2)}
+    vote = VoteReply(2, True, BOOT + 500, h((1, BOOT)), (), BOOT + 100, 77)
+    out = p.peer_message("a", vote) + p.peer_message("b", vote)
+    assert not of(out, VerifyPrimary)
+    assert of(out, StartStreaming) == [StartStreaming(BOOT + 500)]
+    assert p.phase is Phase.STREAMING
+
+
+def test_an_election_on_a_different_log_checks_the_primary_again() -> None:
+    p = Proposer(config())
+    probed(p, flush=BOOT + 500, tail=(BOOT + 100, 77))
+    p.primary_verified()
+    moved = VoteReply(2, True, BOOT + 900, h((1, BOOT)), (), BOOT + 600, 78)
+    out = p.peer_message("a", moved) + p.peer_message("b", moved)
+    [check] = of(out, VerifyPrimary)
+    assert (check.term, check.start_lsn) == (2, BOOT + 900)
+    assert p.phase is Phase.VERIFYING and not of(out, StartStreaming)

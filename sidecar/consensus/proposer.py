@@ -95,6 +95,8 @@ Action = Send | VerifyPrimary | StartStreaming | ReportStatus | FetchWal | TermL
 
 class Phase(enum.Enum):
     GREETING = "greeting"
+    PROBING = "probing"  # collecting logs with VoteRequest(0): promises nothing, persists nothing
+    PRECHECK = "precheck"  # checking the primary against the probed donor before any vote
     VOTING = "voting"
     VERIFYING = "verifying"
     STREAMING = "streaming"
@@ -108,6 +110,7 @@ class PeerState:
     greeted_term: int | None = None
     node_id: int | None = None
     vote: VoteReply | None = None
+    probe: VoteReply | None = None
     elected: bool = False  # Elected acknowledged on the current connection
     flush_lsn: int = 0  # flushed, as acknowledged in this term
     sent_lsn: int = 0
@@ -126,6 +129,8 @@ class Proposer:
         self.commit_lsn = 0
         self.buffer: WalBuffer | None = None
         self._reported = (0, 0, 0)
+        self._checked: tuple[int, int, int] | None = None  # (start, tail_lsn, tail_crc) the primary passed
+        self._precheck: tuple[int, int, int] | None = None
 
     # ---- events -------------------------------------------------------------------------
 
@@ -165,8 +170,15 @@ class Proposer:
         return self._campaign(self.term + 1)
 
     def primary_verified(self) -> list[Action]:
+        if self.phase is Phase.PRECHECK:
+            self._checked = self._precheck
+            greeted = [q.greeted_term for q in self.peers.values() if q.greeted_term is not None]
+            return self._campaign(max(max(greeted), self.min_term) + 1)
         if self.phase is not Phase.VERIFYING:
             return []
+        return self._start_streaming()
+
+    def _start_streaming(self) -> list[Action]:
         self.phase = Phase.STREAMING
         self.buffer = WalBuffer(self.term_start)
         actions: list[Action] = [Note("streaming", {"term": self.term, "start_lsn": self.term_start}),
@@ -218,10 +230,14 @@ class Proposer:
     def _on_greeting(self, p: PeerState, msg: GreetingReply) -> list[Action]:
         p.greeted_term, p.node_id = msg.term, msg.node_id
         if self.phase is Phase.GREETING:
-            greeted = [q.greeted_term for q in self.peers.values() if q.greeted_term is not None]
-            if len(greeted) >= self.config.quorum:
-                return self._campaign(max(max(greeted), self.min_term) + 1)
+            if sum(q.greeted_term is not None for q in self.peers.values()) >= self.config.quorum:
+                self.phase = Phase.PROBING
+                return [Send(q.name, VoteRequest(0)) for q in self.peers.values() if q.greeted_term is not None]
             return []
+        if self.phase is Phase.PROBING:
+            return [Send(p.name, VoteRequest(0))]
+        if self.phase is Phase.PRECHECK:
+            return []  # the campaign that follows asks every greeted safekeeper
         if msg.term > self.term:
             return self._higher_term(msg.term, p.name)
         return [Send(p.name, VoteRequest(self.term))]
@@ -240,6 +256,10 @@ class Proposer:
         return [TermLost(term, f"safekeeper {peer} is at term {term}, above our term {self.term}")]
 
     def _on_vote(self, p: PeerState, msg: VoteReply) -> list[Action]:
+        if self.phase is Phase.PROBING:
+            return self._on_probe(p, msg)
+        if self.phase is Phase.PRECHECK:
+            return []
         if msg.term > self.term:
             return self._higher_term(msg.term, p.name)
         if msg.term < self.term:
@@ -255,23 +275,35 @@ class Proposer:
         p.vote = msg
         return [self._elected_msg(p)] if self.phase is Phase.STREAMING else []
 
+    def _on_probe(self, p: PeerState, msg: VoteReply) -> list[Action]:
+        """A quorum of logs, gathered without promises: check the primary before any vote."""
+        p.probe = msg
+        probed = {q.name: q.probe for q in self.peers.values() if q.probe is not None}
+        if len(probed) < self.config.quorum:
+            return []
+        donor, reply, start = self._donor(probed)
+        self._checked = None
+        self._precheck = (start, reply.tail_lsn, reply.tail_crc)
+        self.phase = Phase.PRECHECK
+        return [VerifyPrimary(0, start, donor, reply.tail_lsn, reply.tail_crc, reply.timeline_history)]
+
+    def _donor(self, replies: dict[str, VoteReply]) -> tuple[str, VoteReply, int]:
+        """The most advanced log by (last log term, flush), and where a new term would start."""
+        name = max(replies, key=lambda n: hist.donor_key(replies[n].term_history, replies[n].flush_lsn))
+        reply = replies[name]
+        return name, reply, reply.flush_lsn or self.config.bootstrap_lsn
+
     def _elect(self) -> list[Action]:
-        voters = [q for q in self.peers.values() if q.vote is not None]
-        donor = max(voters, key=lambda q: hist.donor_key(q.vote.term_history, q.vote.flush_lsn))  # type: ignore[union-attr]
-        dv = donor.vote
-        assert dv is not None
-        if dv.flush_lsn == 0:
-            start, base = self.config.bootstrap_lsn, ()
-        else:
-            start, base = dv.flush_lsn, dv.term_history
+        votes = {q.name: q.vote for q in self.peers.values() if q.vote is not None}
+        donor, dv, start = self._donor(votes)
         self.term_start = start
-        self.history = hist.extend(base, self.term, start)
+        self.history = hist.extend(dv.term_history if dv.flush_lsn else (), self.term, start)
         self.phase = Phase.VERIFYING
-        return [
-            Note("elected", {"term": self.term, "donor": donor.name, "start_lsn": start,
-                             "voters": sorted(q.name for q in voters)}),
-            VerifyPrimary(self.term, start, donor.name, dv.tail_lsn, dv.tail_crc, dv.timeline_history),
-        ]
+        actions: list[Action] = [Note("elected", {"term": self.term, "donor": donor, "start_lsn": start,
+                                                  "voters": sorted(votes)})]
+        if self._checked == (start, dv.tail_lsn, dv.tail_crc):
+            return actions + self._start_streaming()  # the probe already checked this very log
+        return actions + [VerifyPrimary(self.term, start, donor, dv.tail_lsn, dv.tail_crc, dv.timeline_history)]
 
     def _elected_msg(self, p: PeerState) -> Send:
         return Send(p.name, Elected(self.term, self.term_start, self.history))
@@ -279,6 +311,8 @@ class Proposer:
     # ---- streaming ------------------------------------------------------------------------
 
     def _on_elected_reply(self, p: PeerState, msg: ElectedReply) -> list[Action]:
+        if self.term == 0:
+            return []  # a late reply to an earlier proposer on this connection
         if msg.term > self.term:
             return self._higher_term(msg.term, p.name)
         if msg.term < self.term or self.phase is not Phase.STREAMING:
@@ -289,6 +323,8 @@ class Proposer:
             + self._progress() + self._pump(p)
 
     def _on_append_reply(self, p: PeerState, msg: AppendReply) -> list[Action]:
+        if self.term == 0:
+            return []  # a late reply to an earlier proposer on this connection
         if msg.term > self.term:
             return self._higher_term(msg.term, p.name)
         if not p.elected or msg.term != self.term:
@@ -347,7 +383,7 @@ class Proposer:
 
     def _reset(self, name: str) -> PeerState:
         p = self.peers[name]
-        p.connected, p.greeted_term, p.node_id, p.vote = False, None, None, None
+        p.connected, p.greeted_term, p.node_id, p.vote, p.probe = False, None, None, None, None
         p.elected, p.fetching = False, False
         p.sent_lsn = p.flush_lsn
         return p
