@@ -74,6 +74,7 @@ def start(pg_dsn: str, safekeepers: str, quorum: int | None, application_name: s
           wal_buffer_mb: int, allow_primary_mismatch: bool, log_format: str, log_level: str) -> None:
     """Run the WAL proposer attached to a primary."""
     from sidecar.consensus.quorum import QuorumError, validate_quorum
+    from sidecar.proposer.primary import PrimaryConfigError
     from sidecar.proposer.service import PrimaryMismatch, ProposerService, StartOptions
     from sidecar.runtime import run_until_signal
 
@@ -96,6 +97,8 @@ def start(pg_dsn: str, safekeepers: str, quorum: int | None, application_name: s
         run_until_signal(service.run())
     except PrimaryMismatch as e:
         raise click.ClickException(f"refusing to stream: {e}") from e
+    except PrimaryConfigError as e:
+        raise click.ClickException(str(e)) from e
 
 
 @main.command()

@@ -196,3 +196,35 @@ def test_safekeeper_behind_the_buffer_catches_up_from_the_primary(pg_factory, pr
     wait_for(lambda: wal_matches_primary(d, 3, start, end), timeout=120,
              what="safekeeper 3 to catch up from the primary's pg_wal")
     assert "catching up safekeeper" in d.proposer.log_text()
+
+
+def advisory_lock_holders(d: Deployment) -> int:
+    with d.sql() as c:
+        return c.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted").fetchone()[0]
+
+
+def test_sidecar_reattaches_after_the_primary_restarts(deployment: Deployment) -> None:
+    d = deployment
+    assert advisory_lock_holders(d) == 1
+    d.pg.stop()
+    d.pg.start()
+    d.wait_sync()
+    wait_for(lambda: advisory_lock_holders(d) == 1, timeout=30, what="the sidecar to take its lock again")
+    with d.sql() as c:
+        lsn = commit_lsn_of(c, "INSERT INTO load VALUES (4, 'after restart')")
+    assert d.flush_lsn() >= lsn
+    assert d.proposer.is_running()
+
+
+def test_sidecar_waits_for_a_primary_that_is_down(pg_factory, procs: ProcessTracker, test_dir: Path) -> None:
+    pg: PgServer = pg_factory(settings={"synchronous_standby_names": APP})
+    d = Deployment(pg, procs, test_dir)
+    pg.stop()
+    for i in (1, 2, 3):
+        d.start_safekeeper(i)
+    d.start_proposer()
+    wait_for(lambda: "primary unreachable" in d.proposer.log_text(), timeout=30,
+             what="the sidecar to report the primary unreachable")
+    assert d.proposer.is_running()
+    pg.start()
+    d.wait_sync()

@@ -23,6 +23,7 @@ from sidecar.proposer.peers import PeerLink
 ELECTION_TIMEOUT = 5.0
 HEARTBEAT_INTERVAL = 1.0
 HORIZON_INTERVAL = 5.0
+RECONNECT_MIN, RECONNECT_MAX = 0.5, 5.0
 
 
 @dataclass(frozen=True)
@@ -67,33 +68,48 @@ class ProposerService:
     # ---- lifecycle -----------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Prepare the primary, then run terms until cancelled."""
-        sql = await psycopg.AsyncConnection.connect(self.opts.pg_dsn, autocommit=True)
+        """Attach to the primary and run terms until cancelled; reattach after losing it."""
+        links = [self._spawn(link.run()) for link in self.links.values()]
+        delay = RECONNECT_MIN
         try:
+            while True:
+                try:
+                    await self._attached()
+                    delay = RECONNECT_MIN
+                except (psycopg.OperationalError, OSError) as e:
+                    self.log.warning("primary unreachable; retrying", retry_in=delay, error=str(e).strip())
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, RECONNECT_MAX)
+        finally:
+            for t in links:
+                t.cancel()
+            await self._end_term()
+            await self._cancel_all()
+
+    async def _attached(self) -> None:
+        """One session with the primary: checks, the advisory lock, slots, then terms while the lock holds."""
+        async with await psycopg.AsyncConnection.connect(self.opts.pg_dsn, autocommit=True) as sql:
             for warning in await pg.check_settings(sql, self.opts.application_name):
                 self.log.warning(warning)
-            lock = pg.AdvisoryLock(self.opts.pg_dsn, self.opts.slot)
-            await lock.acquire(wait=True)
+            lock = pg.AdvisoryLock(self.opts.pg_dsn, self.opts.slot, application_name=self.opts.application_name)
             try:
+                await lock.acquire(wait=True)
                 info = await pg.read_primary_info(sql)
                 self._seg_size, self._pg_version = info.wal_seg_size, info.pg_version
                 await pg.ensure_slot(sql, self.opts.slot)
                 await pg.ensure_slot(sql, self.opts.horizon_slot)
-                link_tasks = [self._spawn(link.run()) for link in self.links.values()]
-                self._spawn(self._horizon_loop(sql))
+                horizon = self._spawn(self._horizon_loop(sql))
                 try:
-                    await self._terms()
+                    await self._terms(lock)
                 finally:
-                    for t in link_tasks:
-                        t.cancel()
+                    horizon.cancel()
             finally:
                 await lock.close()
-        finally:
-            await self._cancel_all()
-            await sql.close()
 
-    async def _terms(self) -> None:
-        while True:
+    async def _terms(self, lock: pg.AdvisoryLock) -> None:
+        # A primary restart drops the lock's session: stop and take the lock again before the
+        # next term, so that a second sidecar cannot slip in between.
+        while await lock.verify():
             try:
                 await self._one_term()
             except PrimaryMismatch:
@@ -102,6 +118,7 @@ class ProposerService:
                 self.log.warning("term ended", term=self.last_term, error=str(e).strip())
             await self._end_term()
             await asyncio.sleep(0.5)
+        self.log.warning("lost the advisory lock on the primary; reconnecting")
 
     async def _one_term(self) -> None:
         conn = await repl.connect_replication(self.opts.pg_dsn, self.opts.application_name)
