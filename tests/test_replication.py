@@ -477,3 +477,29 @@ def test_primary_shutdown_waits_for_ack_and_ends_stream(pg: PgServer) -> None:
             await stream.close()
 
     run(main())
+
+
+def test_paused_stream_delivers_nothing_until_resumed(pg: PgServer) -> None:
+    async def main() -> None:
+        a = await admin(pg)
+        conn = await connect_replication(pg.dsn(), APP)
+        _, timeline, xlogpos = await identify_system(conn)
+        got = Collector(xlogpos)
+        stream = ReplicationStream(conn, start_lsn=xlogpos, timeline=timeline, slot=None, on_wal=got.on_wal,
+                                   on_batch_end=got.on_batch_end)
+        await stream.start()
+        try:
+            stream.pause()
+            await a.execute("CREATE TABLE p AS SELECT i FROM generate_series(1, 20000) i")
+            target = await server_flush(a)
+            # Bounded: while paused nothing may arrive, however long we look.
+            await asyncio.sleep(1.0)
+            assert stream.received_lsn == xlogpos and got.end == xlogpos
+            stream.resume()
+            await until(lambda: stream.received_lsn >= target, "the WAL written while paused")
+            assert bytes(got.data) == read_pg_wal(pg, timeline, got.start, got.end)
+        finally:
+            await stream.close()
+            await a.close()
+
+    run(main())

@@ -206,6 +206,7 @@ class ReplicationStream:
         self._copy_end_sent = False  # CopyDone requested (it may still wait in _copy_end_pending)
         self._copy_end_pending = False
         self._next_timeline: tuple[int, int] | None = None
+        self._paused = False
 
     # --- public API ------------------------------------------------------------------------
 
@@ -252,6 +253,20 @@ class ReplicationStream:
         # libpq may already hold messages that arrived with the CopyBothResponse; the socket
         # will not report them as readable.
         self._loop.call_soon(self._process, False)
+
+    def pause(self) -> None:
+        """Stop reading WAL (backpressure); keepalive answers and status messages go on."""
+        self._paused = True
+        if self._loop is not None and self._reading:
+            self._loop.remove_reader(self._fd)
+            self._reading = False
+
+    def resume(self) -> None:
+        self._paused = False
+        if self._loop is not None and self._state is _State.STREAMING and not self._reading:
+            self._loop.add_reader(self._fd, self._on_readable)
+            self._reading = True
+            self._loop.call_soon(self._process, False)  # messages libpq already buffered
 
     def send_status(self, write: int, flush: int, apply: int, reply_requested: bool = False) -> None:
         """Send a Standby Status Update now; later periodic and keepalive replies repeat these positions.
@@ -463,7 +478,7 @@ class ReplicationStream:
         deliver = self._state is _State.STREAMING
         received_before = self.messages_received
         n = 0
-        while self._state is not _State.DONE:
+        while self._state is not _State.DONE and not self._paused:
             n, buf = pg.get_copy_data(1)
             if n == 0:
                 break

@@ -24,6 +24,7 @@ ELECTION_TIMEOUT = 5.0
 HEARTBEAT_INTERVAL = 1.0
 HORIZON_INTERVAL = 5.0
 RECONNECT_MIN, RECONNECT_MAX = 0.5, 5.0
+CATCHUP_BACKLOG = 16 * 1024 * 1024  # bytes queued to one safekeeper before catch-up reading pauses
 
 
 @dataclass(frozen=True)
@@ -315,8 +316,12 @@ class ProposerService:
         await self._copy_primary(start, end, timeline, lambda lsn, data: parts.append(data))
         return b"".join(parts)
 
-    async def _copy_primary(self, start: int, end: int, timeline: int, sink) -> None:
-        """Stream WAL [start, end) from the primary without a slot, under a reader's name."""
+    async def _copy_primary(self, start: int, end: int, timeline: int, sink,
+                            link: PeerLink | None = None) -> None:
+        """Stream WAL [start, end) from the primary without a slot, under a reader's name.
+
+        With `link`, reading pauses while that safekeeper's socket has a backlog.
+        """
         conn = await repl.connect_replication(self.opts.pg_dsn, f"{self.opts.application_name}_reader")
         done = asyncio.Event()
         got = start
@@ -332,7 +337,17 @@ class ProposerService:
             if got >= end:
                 done.set()
 
-        stream = repl.ReplicationStream(conn, start_lsn=start, timeline=timeline, slot=None, on_wal=on_wal)
+        def on_batch_end() -> None:
+            if link is not None and link.buffered() > CATCHUP_BACKLOG:
+                stream.pause()
+                self._spawn(resume_when_drained())
+
+        async def resume_when_drained() -> None:
+            await link.drain()  # type: ignore[union-attr]
+            stream.resume()
+
+        stream = repl.ReplicationStream(conn, start_lsn=start, timeline=timeline, slot=None, on_wal=on_wal,
+                                        on_batch_end=on_batch_end)
         try:
             await stream.start()
             closed = asyncio.ensure_future(stream.wait_closed())
@@ -357,7 +372,7 @@ class ProposerService:
             self._run(core.catchup_data(a.peer, lsn, data))
 
         try:
-            await self._copy_primary(a.start, a.end, self._timeline, sink)
+            await self._copy_primary(a.start, a.end, self._timeline, sink, link)
         except (repl.ReplicationError, psycopg.Error, OSError) as e:
             self.log.error("catch-up failed; will retry after reconnect", peer=a.peer, error=str(e).strip())
             link.drop()
