@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install what walsidecar needs on Debian 12: PostgreSQL 15 server/client and the package itself.
+# Install what walsidecar needs on Debian 12: PostgreSQL 15 server/client, a Java 17 runtime for the WAL
+# analytics (PySpark), and the package itself with its analytics and test extras.
 # Idempotent; when everything is already present it only runs a few quick checks.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -30,6 +31,18 @@ elif command -v pg_lsclusters >/dev/null && pg_lsclusters -h 2>/dev/null | awk '
     echo "install.sh: note: Debian cluster '15 main' is running on its port; walsidecar does not use it" >&2
 fi
 
+# PySpark 4 (WAL analytics) runs on a Java 17+ runtime.
+java_ok() {
+    command -v java >/dev/null 2>&1 &&
+        java -version 2>&1 | awk -F'"' '/version/ { split($2, v, "."); found = 1; exit !(v[1] >= 17) } END { if (!found) exit 1 }'
+}
+if ! java_ok; then
+    echo "install.sh: no Java 17+ runtime; installing openjdk-17-jre-headless" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    as_root apt-get update -q
+    as_root apt-get install -y -q --no-install-recommends openjdk-17-jre-headless
+fi
+
 if ! id -u postgres >/dev/null 2>&1; then
     as_root useradd --system --home-dir /var/lib/postgresql --create-home --shell /bin/bash postgres
 fi
@@ -42,13 +55,15 @@ installed_ok() {
     [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] || return 1
     python3 - "$REPO" <<'PY' 2>/dev/null
 import importlib.metadata, os, sys
-import sidecar, psycopg, psycopg_pool, click, tenacity, google_crc32c, structlog, pytest, pytest_timeout
+import sidecar, psycopg, psycopg_pool, click, tenacity, google_crc32c, structlog, pytest, pytest_timeout, prometheus_client, pydantic_settings
+import pyspark, pyarrow, pandas, matplotlib, boto3, lz4, zstandard, moto.server
+import testcontainers, docker
 importlib.metadata.version("walsidecar")
 sys.exit(0 if os.path.realpath(sidecar.__file__).startswith(sys.argv[1] + os.sep) else 1)
 PY
 }
 if ! installed_ok; then
-    PIP_DISABLE_PIP_VERSION_CHECK=1 python3 -m pip install -q --root-user-action=ignore -e ".[test]"
+    PIP_DISABLE_PIP_VERSION_CHECK=1 python3 -m pip install -q --root-user-action=ignore -e ".[test,analytics]"
     mkdir -p "$stamp_dir"
     printf '%s\n' "$want" > "$stamp"
 fi

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
+import socket
 import time
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import psycopg
 
 from sidecar.logs import get_logger
 from sidecar.pgcluster import LocalCluster
+from sidecar.processes import Child
 
 APP = "walsidecar"
 SAFEKEEPERS = 3
@@ -25,12 +25,15 @@ class ChildDied(RuntimeError):
 class Embedded:
     """Supervise the embedded default until SIGINT/SIGTERM, then stop everything it started."""
 
-    def __init__(self, base_dir: Path, pg_port: int, sk_port: int, log_format: str = "plain") -> None:
+    def __init__(self, base_dir: Path, pg_port: int, sk_port: int, log_format: str = "plain",
+                 metrics_port: int = 7610) -> None:
         self.base = base_dir.absolute()
         self.cluster = LocalCluster(self.base / "pg", pg_port, log_file=self.base / "postgres.log")
         self.sk_addrs = [f"127.0.0.1:{sk_port + i}" for i in range(SAFEKEEPERS)]
+        # Proposer first, then one per safekeeper.
+        self.metrics = [f"127.0.0.1:{p}" for p in metrics_ports(metrics_port, SAFEKEEPERS + 1)]
         self.log_format = log_format
-        self.children: dict[str, subprocess.Popen[bytes]] = {}
+        self.children: dict[str, Child] = {}
         self.log = get_logger(role="up")
 
     def run(self) -> None:
@@ -41,9 +44,14 @@ class Embedded:
         try:
             self._start()
             dsn = self.cluster.dsn()
+            config = self._write_config(dsn)
             (self.base / "ready").write_text(dsn + "\n")
             print(f"\nwalsidecar is up: commits on this primary wait for {SAFEKEEPERS // 2 + 1} of "
                   f"{SAFEKEEPERS} safekeepers.\n  psql \"{dsn}\"\n  logs: {self.base}/*.log\n"
+                  f"  status:  walsidecar status --config {config}   (add --watch 2 to follow it)\n"
+                  f"  check:   walsidecar check --config {config}\n"
+                  f"  metrics: http://{self.metrics[0]}/metrics (proposer), "
+                  + ", ".join(f"http://{m}/metrics" for m in self.metrics[1:]) + " (safekeepers)\n"
                   "Press Ctrl-C to stop.\n", flush=True)
             while not stop():
                 self._check_children()
@@ -57,23 +65,20 @@ class Embedded:
     def _start(self) -> None:
         if not (self.cluster.data_dir / "PG_VERSION").exists():
             self.log.info("initdb", data_dir=str(self.cluster.data_dir))
-            self.cluster.init({"synchronous_standby_names": APP})
+            self.cluster.init({"synchronous_standby_names": APP, "max_slot_wal_keep_size": "10GB"})
         self.cluster.start()
         for i, addr in enumerate(self.sk_addrs, start=1):
             self._spawn(f"safekeeper{i}", "safekeeper", "--id", str(i), "--listen", addr,
-                        "--data-dir", str(self.base / f"safekeeper{i}"))
+                        "--data-dir", str(self.base / f"safekeeper{i}"), "--metrics", self.metrics[i])
         self._spawn("proposer", "start", "--pg-dsn", self.cluster.dsn(), "--safekeepers", ",".join(self.sk_addrs),
-                    "--application-name", APP)
+                    "--application-name", APP, "--metrics", self.metrics[0])
         self._wait_sync()
 
     def _spawn(self, name: str, *args: str) -> None:
-        log = open(self.base / f"{name}.log", "ab")
         # A session of its own: Ctrl-C reaches only `up`, which stops children in the right order.
-        self.children[name] = subprocess.Popen(
-            [sys.executable, "-m", "sidecar", *args, "--log-format", self.log_format],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
-        self.log.info("started", process=name, pid=self.children[name].pid)
+        child = Child.sidecar(name, args, self.base / f"{name}.log", self.log_format).start()
+        self.children[name] = child
+        self.log.info("started", process=name, pid=child.pid)
 
     def _wait_sync(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
@@ -89,25 +94,51 @@ class Embedded:
                         f"see {self.base}/proposer.log")
 
     def _check_children(self) -> None:
-        for name, proc in self.children.items():
-            if proc.poll() is not None:
-                raise ChildDied(f"{name} exited with code {proc.returncode}; see {self.base}/{name}.log")
+        for name, child in self.children.items():
+            if child.returncode is not None:
+                raise ChildDied(f"{name} exited with code {child.returncode}; see {self.base}/{name}.log")
 
     def _stop(self) -> None:
         # The primary's shutdown checkpoint waits for the sidecar, so stop it while the quorum is up.
         if self.cluster.is_running():
             self.cluster.stop()
         for name in ["proposer"] + [n for n in self.children if n != "proposer"]:
-            proc = self.children.get(name)
-            if proc is None or proc.poll() is not None:
+            child = self.children.get(name)
+            if child is None or not child.running:
                 continue
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            self.log.info("stopped", process=name, pid=proc.pid)
+            child.stop(timeout=15)
+            self.log.info("stopped", process=name, pid=child.pid)
+
+    def _write_config(self, dsn: str) -> Path:
+        """A --config file for `walsidecar status` and `walsidecar check` against this cluster."""
+        path = self.base / "walsidecar.toml"
+        path.write_text(
+            "# Written by `walsidecar up`: walsidecar status --config THIS_FILE\n"
+            f"pg_dsn = {_toml_str(dsn)}\n"
+            f"safekeepers = {_toml_str(','.join(self.sk_addrs))}\n"
+            f"application_name = {_toml_str(APP)}\n"
+            f"proposer_metrics = {_toml_str(self.metrics[0])}\n")
+        return path
+
+
+def metrics_ports(first: int, n: int) -> list[int]:
+    """`n` consecutive ports from `first`, or `n` free ones when `first` is 0."""
+    if first:
+        return [first + i for i in range(n)]
+    socks = []
+    try:
+        for _ in range(n):  # all open at once, so the ports are distinct
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _toml_str(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _stop_on_signals():

@@ -4,8 +4,33 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 
 import structlog
+
+# key -> function(value) giving extra fields for any line carrying that key (see set_context_provider).
+_providers: dict[str, Callable[[object], dict[str, object]]] = {}
+
+
+def set_context_provider(key: str, provider: Callable[[object], dict[str, object]]) -> None:
+    """Lines with field `key` also get `provider(value)`'s fields (without overriding explicit ones).
+
+    The proposer uses it so that every line about a safekeeper (`peer=`) names its id, term and
+    flush LSN, whichever code logged it.
+    """
+    _providers[key] = provider
+
+
+def _add_context(logger: object, method: str, event: dict) -> dict:
+    for key, provider in list(_providers.items()):
+        if key in event:
+            try:
+                extra = provider(event[key])
+            except Exception:  # a context lookup must never lose the line itself
+                continue
+            for k, v in extra.items():
+                event.setdefault(k, v)
+    return event
 
 
 def configure(fmt: str = "plain", level: str = "info") -> None:
@@ -18,6 +43,7 @@ def configure(fmt: str = "plain", level: str = "info") -> None:
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            _add_context,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,

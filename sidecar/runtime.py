@@ -3,9 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
+
+
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop when WALSIDECAR_EVENT_LOOP=uvloop (the `uvloop` extra), else asyncio's own."""
+    choice = os.environ.get("WALSIDECAR_EVENT_LOOP", "asyncio").strip().lower()
+    if choice == "asyncio":
+        return None
+    if choice != "uvloop":
+        raise SystemExit(f"WALSIDECAR_EVENT_LOOP={choice!r}: expected asyncio or uvloop")
+    try:
+        import uvloop
+    except ImportError:
+        raise SystemExit("WALSIDECAR_EVENT_LOOP=uvloop but uvloop is not installed "
+                         "(pip install 'walsidecar[uvloop]')") from None
+    return uvloop.new_event_loop
 
 
 def run_until_signal(main: Coroutine[Any, Any, None]) -> None:
@@ -21,4 +37,5 @@ def run_until_signal(main: Coroutine[Any, Any, None]) -> None:
         except asyncio.CancelledError:
             pass
 
-    asyncio.run(wrapper())
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        runner.run(wrapper())

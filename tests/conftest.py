@@ -11,7 +11,13 @@ from typing import Callable, Iterator, Mapping
 
 import pytest
 
-from backends import BACKENDS, BackendUnavailable, LocalPgServer, PgServer, make_backend
+# testcontainers reads these at import time (tests/containers, --pg-backend container): no reaper
+# (its image cannot be pulled) and containers reached on 127.0.0.1 only.
+os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
+os.environ.setdefault("TC_HOST", "127.0.0.1")
+os.environ.setdefault("TESTCONTAINERS_CONNECTION_MODE", "docker_host")
+
+from backends import BACKENDS, BackendUnavailable, PgServer, make_backend
 from procs import ProcessTracker
 
 _failed_key = pytest.StashKey[bool]()
@@ -22,7 +28,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--pg-backend",
         choices=BACKENDS,
         default=os.environ.get("WALSIDECAR_PG_BACKEND", "local"),
-        help="where test PostgreSQL servers run (only 'local' is available now)",
+        help="where test PostgreSQL servers run: 'local' (pg_ctl on this machine) or 'container' "
+        "(the walsidecar/postgres image on the host network; see scripts/build-images.sh)",
     )
 
 
@@ -68,14 +75,15 @@ def pg_factory(
 ) -> Iterator[Callable[..., PgServer]]:
     """Factory: make(name="pg", settings=None, start=True) -> an initialised server.
 
-    Every server made is stopped at teardown, by its own pg_ctl or postmaster PID.
+    Every server made is stopped at teardown: by its own pg_ctl or postmaster PID (local), or by
+    removing its container (container).
     """
     kind = request.config.getoption("--pg-backend")
     try:
         backend = make_backend(kind, test_dir / "pg")
     except BackendUnavailable as exc:
         pytest.skip(str(exc))
-    servers: list[LocalPgServer] = []
+    servers: list = []
 
     def make(name: str = "pg", settings: Mapping[str, str] | None = None, start: bool = True) -> PgServer:
         taken = {s.name for s in servers}

@@ -38,10 +38,10 @@ class Deployment:
     def sk_dir(self, i: int) -> Path:
         return self.base / f"sk{i}"
 
-    def start_safekeeper(self, i: int) -> ManagedProcess:
+    def start_safekeeper(self, i: int, *extra: str) -> ManagedProcess:
         proc = self.procs.start(
             [sys.executable, "-m", "sidecar", "safekeeper", "--id", str(i), "--listen", self.addresses[i - 1],
-             "--data-dir", str(self.sk_dir(i))], name=f"safekeeper{i}")
+             "--data-dir", str(self.sk_dir(i)), *extra], name=f"safekeeper{i}")
         self.safekeepers[i] = proc
         return proc
 

@@ -17,7 +17,7 @@ def walsidecar(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[s
 
 
 def test_every_command_has_help() -> None:
-    for cmd in ((), ("safekeeper",), ("start",), ("up",)):
+    for cmd in ((), ("safekeeper",), ("start",), ("up",), ("analyze",), ("verify-archive",)):
         out = walsidecar(*cmd, "--help")
         assert out.returncode == 0 and "Usage:" in out.stdout, (cmd, out.stderr)
 

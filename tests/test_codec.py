@@ -27,6 +27,8 @@ from sidecar.consensus.messages import (
     ElectedReply,
     Greeting,
     GreetingReply,
+    InfoReply,
+    InfoRequest,
     Message,
     Refusal,
     TermEntry,
@@ -68,6 +70,9 @@ SAMPLES: list[Message] = [
     AppendReply(U64, U64, U64),
     Refusal(""),
     Refusal("system_id mismatch: réfusé ✗"),
+    InfoRequest(),
+    InfoReply(2, 7301234567890123456, 16 * 1024 * 1024, 15, 1, 6, 6, 0x3000100, 0x3000000, True),
+    InfoReply(0, 0, 0, 0, 0, 0, 0, 0, 0, False),
 ]
 
 
@@ -304,7 +309,8 @@ def test_declared_length_over_maximum() -> None:
         dec.feed(header[3:])
 
 
-FIXED = [GreetingReply(1, 2), VoteRequest(3), ElectedReply(4, 5), AppendReply(6, 7, 8)]
+FIXED = [GreetingReply(1, 2), VoteRequest(3), ElectedReply(4, 5), AppendReply(6, 7, 8),
+         InfoReply(1, 2, 3, 4, 5, 6, 7, 8, 9, True)]
 VARIABLE = [
     SAMPLES[0],
     VoteReply(5, False, 0x3000000, TERMS, TIMELINES, 1, 2),

@@ -12,7 +12,7 @@ import pytest
 from sidecar.consensus.messages import TermEntry, TimelineEntry
 from sidecar.consensus.state import AcceptorState
 from sidecar.safekeeper.control import (
-    CONTROL_FILE, ControlData, ControlFileError, load_control, save_control,
+    CONTROL_FILE, ControlData, ControlFileError, load_control, remove_leftovers, save_control,
 )
 
 SAMPLE = ControlData(
@@ -145,15 +145,18 @@ def test_unknown_field_is_rejected(tmp_path: Path) -> None:
         load_control(tmp_path)
 
 
-def test_leftover_tmp_from_interrupted_save_is_removed(tmp_path: Path) -> None:
+def test_leftover_tmp_from_interrupted_save_is_ignored_and_removed_by_its_owner(tmp_path: Path) -> None:
     save_control(tmp_path, SAMPLE)
     tmp = tmp_path / (CONTROL_FILE + ".tmp")
     tmp.write_bytes(b"WSKC half-written")
     assert load_control(tmp_path) == SAMPLE
+    assert tmp.exists(), "a reader must not remove the temp file: it may be a save in progress"
+    remove_leftovers(tmp_path)
     assert not tmp.exists()
 
 
 def test_leftover_tmp_without_control_file_is_still_fresh(tmp_path: Path) -> None:
     (tmp_path / (CONTROL_FILE + ".tmp")).write_bytes(reframe(b"{}"))
     assert load_control(tmp_path) is None
+    remove_leftovers(tmp_path)
     assert list(tmp_path.iterdir()) == []

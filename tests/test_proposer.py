@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import itertools
-import random
 from collections.abc import Sequence
 
 import pytest
 
-from sidecar.consensus.history import donor_key
 from sidecar.consensus.messages import (
     Append, AppendReply, Elected, ElectedReply, GreetingReply, TermEntry, TermHistory,
     VoteReply, VoteRequest,
 )
 from sidecar.consensus.proposer import (
-    Action, FetchWal, Phase, Proposer, ProposerConfig, ReportStatus, Send, StartStreaming,
+    Action, FetchWal, Note, Phase, Proposer, ProposerConfig, ReportStatus, Send, StartStreaming,
     TermLost, VerifyPrimary,
 )
-
-from consensus_harness import Cluster
 
 PEERS = ("a", "b", "c")
 BOOT = 0x1000000
@@ -474,200 +469,6 @@ def test_buffer_limit_trims_and_a_lagging_peer_fetches() -> None:
     assert of(out, FetchWal) == [FetchWal("c", BOOT, BOOT + 700)]
 
 
-# ---- end to end through the in-memory harness -------------------------------------------------
-
-def stored(cluster: Cluster, name: str) -> tuple[int, bytes]:
-    st = cluster.nodes[name].store
-    return st.start, bytes(st.data)
-
-
-def test_end_to_end_two_terms_with_a_lagging_and_a_stale_safekeeper() -> None:
-    rng = random.Random(1234)
-    cluster = Cluster(Proposer(config()), PEERS, primary_start=BOOT, seed=99)
-    for n in PEERS:
-        cluster.connect(n)
-    cluster.run()
-    p1 = cluster.proposer
-    assert p1.phase is Phase.STREAMING and p1.term == 1
-    assert [v.start_lsn for v in cluster.verify] == [BOOT]
-
-    # Term 1: 1000 random-size chunks, delivered and acknowledged in a random order.
-    for _ in range(1000):
-        cluster.produce(rng.randbytes(rng.randint(1, 3000)))
-        for _ in range(rng.randint(0, 6)):
-            if steps := cluster.pending():
-                cluster.step(*rng.choice(steps))
-    cluster.run()
-    end1 = cluster.primary_end
-    assert p1.commit_lsn == end1
-    cluster.execute(p1.heartbeat())
-    cluster.run()
-    for n in PEERS:
-        assert stored(cluster, n) == (BOOT, bytes(cluster.primary)), n
-        assert cluster.nodes[n].acceptor.state.commit_lsn == end1
-    flushes = [r.flush_lsn for r in cluster.reports]
-    assert flushes == sorted(flushes) and flushes[-1] == end1
-    assert cluster.primary_refusals == []
-    assert cluster.reports[-1] == ReportStatus(end1, end1, end1)
-    assert not any(node.refusals for node in cluster.nodes.values())
-
-    # a drops out; b and c commit more of term 1.
-    cluster.disconnect("a")
-    for _ in range(100):
-        cluster.produce(rng.randbytes(rng.randint(1, 3000)))
-    cluster.run()
-    end2 = cluster.primary_end
-    assert p1.commit_lsn == end2
-    # b drops out too: c alone receives a tail that no quorum ever acknowledges.
-    cluster.disconnect("b")
-    for _ in range(50):
-        cluster.produce(rng.randbytes(rng.randint(1, 3000)))
-    cluster.run()
-    end3 = cluster.primary_end
-    assert p1.commit_lsn == end2
-    assert cluster.nodes["c"].store.end == end3
-    assert cluster.nodes["a"].store.end == end1 < end2
-
-    # The primary crashes: it loses the unacknowledged tail and writes new WAL from E = end2.
-    cluster.primary_rewrite_from(end2)
-    p2 = Proposer(config(), min_term=p1.term)
-    cluster.new_proposer(p2)
-    term1_reports = len(cluster.reports)
-    cluster.connect("a")
-    cluster.connect("b")
-    cluster.run()
-    assert p2.phase is Phase.STREAMING and p2.term == 2
-    assert cluster.verify[-1].start_lsn == end2 and cluster.verify[-1].donor == "b"
-    assert p2.history == h((1, BOOT), (2, end2))
-    # a lagged below E and was caught up from the primary's WAL.
-    assert [(f.peer, f.start, f.end) for f in cluster.fetches] == [("a", end1, end2)]
-    assert cluster.nodes["a"].store.end == end2
-
-    for _ in range(300):
-        cluster.produce(rng.randbytes(rng.randint(1, 3000)))
-        for _ in range(rng.randint(0, 6)):
-            if steps := cluster.pending():
-                cluster.step(*rng.choice(steps))
-    cluster.run()
-
-    # c comes back with its stale term-1 tail: it is cut at E and fed term 2's WAL.
-    assert cluster.nodes["a"].truncations[-1] == end1
-    cluster.connect("c")
-    cluster.run()
-    assert cluster.nodes["c"].truncations[-1] == end2
-    final = cluster.primary_end
-    assert p2.commit_lsn == final
-    cluster.execute(p2.heartbeat())
-    cluster.run()
-    source = bytes(cluster.primary)
-    for n in PEERS:
-        node = cluster.nodes[n]
-        assert stored(cluster, n) == (BOOT, source), n
-        assert node.persisted.term == 2
-        assert node.persisted.term_history == h((1, BOOT), (2, end2))
-        assert node.acceptor.state.commit_lsn == final
-        assert not node.refusals
-    assert cluster.reports[-1] == ReportStatus(final, final, final)
-    term2 = [r.flush_lsn for r in cluster.reports[term1_reports:]]
-    assert term2 == sorted(term2)
-    assert not cluster.term_lost
-
-
-def durable_view(cluster: Cluster, name: str) -> tuple[TermHistory, int]:
-    node = cluster.nodes[name]
-    flush = 0 if node.store.empty else node.store.durable
-    return node.persisted.term_history, flush
-
-
-def check_any_quorum_recovers(cluster: Cluster, committed: int, quorum: int) -> None:
-    """Invariant 1: the donor any quorum would elect holds every acknowledged position."""
-    for voters in itertools.combinations(cluster.nodes, quorum):
-        donor = max(voters, key=lambda n: donor_key(*durable_view(cluster, n)))
-        _, flush = durable_view(cluster, donor)
-        assert flush >= committed, (voters, donor, flush, committed)
-
-
-def check_bytes_match_primary(cluster: Cluster) -> None:
-    for name, node in cluster.nodes.items():
-        st = node.store
-        if not st.empty:
-            assert bytes(st.data) == cluster.primary_read(st.start, st.end), name
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_randomized_terms_with_disconnects_and_crashes(seed: int) -> None:
-    rng = random.Random(seed)
-    cluster = Cluster(Proposer(config()), PEERS, primary_start=BOOT, seed=seed)
-    quorum = config().quorum
-    acknowledged = 0  # the highest commit position ever reported to the primary
-    reported = 0
-    proposers = 1
-    for tick in range(6000):
-        p = cluster.proposer
-        r = rng.random()
-        if p.phase is Phase.STOPPED or r < 0.002:
-            p = Proposer(config(), min_term=p.term)
-            cluster.new_proposer(p)
-            reported = len(cluster.reports)
-            proposers += 1
-            for n in PEERS:
-                if rng.random() < 0.8:
-                    cluster.connect(n)
-        elif r < 0.01:
-            cluster.crash(rng.choice(PEERS))
-        elif r < 0.03:
-            name = rng.choice(PEERS)
-            if cluster.nodes[name].connected:
-                cluster.disconnect(name)
-            else:
-                cluster.connect(name)
-        elif r < 0.04:
-            cluster.execute(p.heartbeat())
-        elif r < 0.045:
-            cluster.execute(p.election_timeout())
-        elif r < 0.25:
-            cluster.produce(rng.randbytes(rng.randint(1, 2000)))
-        elif steps := cluster.pending():
-            cluster.step(*rng.choice(steps))
-        # Invariant 4: the reported flush never decreases within one proposer's stream.
-        flushes = [x.flush_lsn for x in cluster.reports[reported:]]
-        assert flushes == sorted(flushes)
-        if flushes:
-            acknowledged = max(acknowledged, flushes[-1])
-        assert p.commit_lsn <= cluster.primary_end
-        if tick % 50 == 0:
-            check_any_quorum_recovers(cluster, acknowledged, quorum)
-            check_bytes_match_primary(cluster)
-    assert proposers > 1
-
-    # Heal everything: a final proposer must bring all three to the primary's end.
-    final = Proposer(config(), min_term=cluster.proposer.term)
-    cluster.new_proposer(final)
-    for n in PEERS:
-        cluster.connect(n)
-    cluster.run()
-    for _ in range(5):
-        if final.phase is Phase.STREAMING:
-            break
-        cluster.execute(final.election_timeout())
-        cluster.run()
-    assert final.phase is Phase.STREAMING
-    for _ in range(20):
-        cluster.produce(rng.randbytes(rng.randint(1, 2000)))
-    cluster.run()
-    cluster.execute(final.heartbeat())
-    cluster.run()
-    end = cluster.primary_end
-    assert final.commit_lsn == end >= acknowledged
-    check_bytes_match_primary(cluster)
-    for name, node in cluster.nodes.items():
-        assert node.store.end == end, name
-        assert node.acceptor.state.commit_lsn == end, name
-        assert node.persisted.term == final.term
-    # The primary never lost WAL here, so every donor's WAL up to E was found on it.
-    assert cluster.primary_refusals == []
-
-
 # ---- the pre-vote probe -----------------------------------------------------------------------
 
 def probe_reply(term: int, flush: int = 0, tail: tuple[int, int] = (0, 0)) -> VoteReply:
@@ -734,3 +535,15 @@ def test_an_election_on_a_different_log_checks_the_primary_again() -> None:
     [check] = of(out, VerifyPrimary)
     assert (check.term, check.start_lsn) == (2, BOOT + 900)
     assert p.phase is Phase.VERIFYING and not of(out, StartStreaming)
+
+
+def test_a_precheck_that_outlives_every_connection_still_campaigns() -> None:
+    # Found by the simulation: every peer disconnected while the primary was being checked.
+    p = Proposer(config())
+    probed(p, flush=BOOT + 500, tail=(BOOT + 100, 77))
+    for n in PEERS:
+        p.peer_disconnected(n)
+    assert p.primary_verified() == [Note("campaign", {"term": 1})]
+    assert p.phase is Phase.VOTING
+    out = p.peer_connected("a") + p.peer_message("a", GreetingReply(1, 3))
+    assert sends(out, VoteRequest)[-1].message == VoteRequest(4)  # a higher term restarts the campaign

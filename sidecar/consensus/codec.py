@@ -25,6 +25,8 @@ from sidecar.consensus.messages import (
     ElectedReply,
     Greeting,
     GreetingReply,
+    InfoReply,
+    InfoRequest,
     Message,
     Refusal,
     TermEntry,
@@ -60,6 +62,8 @@ TAG_ELECTED_REPLY = ord("E")
 TAG_APPEND = ord("a")
 TAG_APPEND_REPLY = ord("A")
 TAG_REFUSAL = ord("x")
+TAG_INFO_REQUEST = ord("i")
+TAG_INFO_REPLY = ord("I")
 
 TAGS: MappingProxyType[type, int] = MappingProxyType({
     Greeting: TAG_GREETING,
@@ -71,6 +75,8 @@ TAGS: MappingProxyType[type, int] = MappingProxyType({
     Append: TAG_APPEND,
     AppendReply: TAG_APPEND_REPLY,
     Refusal: TAG_REFUSAL,
+    InfoRequest: TAG_INFO_REQUEST,
+    InfoReply: TAG_INFO_REPLY,
 })
 
 _U32 = Struct(">I")
@@ -90,6 +96,9 @@ _ELECTED_REPLY = Struct(">QQ")  # term, flush_lsn
 _APPEND = Struct(">QQQQ")  # term, begin_lsn, commit_lsn, peer_horizon_lsn; data follows
 _APPEND_REPLY = Struct(">QQQ")  # term, flush_lsn, commit_lsn
 _REFUSAL = Struct(">H")  # len(reason)
+# node_id, system_id, wal_seg_size, pg_version, timeline, term, last_log_term, flush_lsn,
+# commit_lsn, proposer_connected
+_INFO_REPLY = Struct(">QQIIIQQQQB")
 
 # Whole frames of fixed-size messages, so that encoding one is a single pack() call.
 _GREETING_REPLY_FRAME = Struct(">IB" + _GREETING_REPLY.format[1:])
@@ -188,6 +197,16 @@ def _encode_refusal(m: Refusal) -> bytes:
     return _framed(TAG_REFUSAL, _REFUSAL.pack(len(reason)) + reason)
 
 
+def _encode_info_request(m: InfoRequest) -> bytes:
+    return _FRAME.pack(1, TAG_INFO_REQUEST)
+
+
+def _encode_info_reply(m: InfoReply) -> bytes:
+    body = _INFO_REPLY.pack(m.node_id, m.system_id, m.wal_seg_size, m.pg_version, m.timeline, m.term,
+                            m.last_log_term, m.flush_lsn, m.commit_lsn, 1 if m.proposer_connected else 0)
+    return _framed(TAG_INFO_REPLY, body)
+
+
 _ENCODERS: MappingProxyType[type, Callable[[Any], bytes]] = MappingProxyType({
     Greeting: _encode_greeting,
     GreetingReply: _encode_greeting_reply,
@@ -198,6 +217,8 @@ _ENCODERS: MappingProxyType[type, Callable[[Any], bytes]] = MappingProxyType({
     Append: _encode_append,
     AppendReply: _encode_append_reply,
     Refusal: _encode_refusal,
+    InfoRequest: _encode_info_request,
+    InfoReply: _encode_info_reply,
 })
 
 
@@ -354,6 +375,17 @@ def _decode_refusal(body: Body) -> Refusal:
     return Refusal(_text(body, _REFUSAL.size, length, "reason", "Refusal"))
 
 
+def _decode_info_request(body: Body) -> InfoRequest:
+    _need_exact(body, 0, "InfoRequest")
+    return InfoRequest()
+
+
+def _decode_info_reply(body: Body) -> InfoReply:
+    _need_exact(body, _INFO_REPLY.size, "InfoReply")
+    *fields, connected = _INFO_REPLY.unpack_from(body)
+    return InfoReply(*fields, proposer_connected=_bool(connected, "proposer_connected", "InfoReply"))
+
+
 _DECODERS: MappingProxyType[int, Callable[[Body], Message]] = MappingProxyType({
     TAG_GREETING: _decode_greeting,
     TAG_GREETING_REPLY: _decode_greeting_reply,
@@ -364,6 +396,8 @@ _DECODERS: MappingProxyType[int, Callable[[Body], Message]] = MappingProxyType({
     TAG_APPEND: _decode_append,
     TAG_APPEND_REPLY: _decode_append_reply,
     TAG_REFUSAL: _decode_refusal,
+    TAG_INFO_REQUEST: _decode_info_request,
+    TAG_INFO_REPLY: _decode_info_reply,
 })
 
 

@@ -108,7 +108,28 @@ class Refusal:
     reason: str
 
 
+@dataclass(frozen=True)
+class InfoRequest:
+    """A read-only question from operator tooling; allowed before a Greeting and changes nothing."""
+
+
+@dataclass(frozen=True)
+class InfoReply:
+    """What a safekeeper is: identity (0 until its first proposer) and positions, for `check`/`status`."""
+
+    node_id: int
+    system_id: int
+    wal_seg_size: int
+    pg_version: int
+    timeline: int
+    term: int
+    last_log_term: int
+    flush_lsn: int
+    commit_lsn: int
+    proposer_connected: bool
+
+
 Message = (
     Greeting | GreetingReply | VoteRequest | VoteReply | Elected | ElectedReply
-    | Append | AppendReply | Refusal
+    | Append | AppendReply | Refusal | InfoRequest | InfoReply
 )

@@ -83,6 +83,17 @@ class TermLost:
 
 
 @dataclass(frozen=True)
+class GreetingsRefused:
+    """So many safekeepers refuse our greeting that no quorum can form: stop and say why.
+
+    A refused greeting is a static mismatch (another cluster's primary, another segment size,
+    major version or protocol version); retrying does not fix it, an operator must.
+    """
+
+    reasons: dict[str, str]  # peer -> the safekeeper's reason
+
+
+@dataclass(frozen=True)
 class Note:
     """Something worth a log line."""
 
@@ -90,7 +101,7 @@ class Note:
     fields: dict[str, Any] = field(default_factory=dict)
 
 
-Action = Send | VerifyPrimary | StartStreaming | ReportStatus | FetchWal | TermLost | Note
+Action = Send | VerifyPrimary | StartStreaming | ReportStatus | FetchWal | TermLost | GreetingsRefused | Note
 
 
 class Phase(enum.Enum):
@@ -115,6 +126,7 @@ class PeerState:
     flush_lsn: int = 0  # flushed, as acknowledged in this term
     sent_lsn: int = 0
     fetching: bool = False
+    refused: str | None = None  # why it refused our greeting; survives reconnects, cleared by a reply
 
 
 class Proposer:
@@ -160,7 +172,7 @@ class Proposer:
             case AppendReply():
                 return self._on_append_reply(p, msg)
             case Refusal():
-                return [Note("safekeeper refused", {"peer": name, "reason": msg.reason})]
+                return self._on_refusal(p, msg)
         return [Note("unexpected message", {"peer": name, "message": type(msg).__name__})]
 
     def election_timeout(self) -> list[Action]:
@@ -172,8 +184,10 @@ class Proposer:
     def primary_verified(self) -> list[Action]:
         if self.phase is Phase.PRECHECK:
             self._checked = self._precheck
+            # Every peer may have disconnected during the check: campaign anyway; a peer that
+            # greets again is asked for its vote then (and a higher term restarts the campaign).
             greeted = [q.greeted_term for q in self.peers.values() if q.greeted_term is not None]
-            return self._campaign(max(max(greeted), self.min_term) + 1)
+            return self._campaign(max(max(greeted, default=0), self.min_term) + 1)
         if self.phase is not Phase.VERIFYING:
             return []
         return self._start_streaming()
@@ -227,8 +241,19 @@ class Proposer:
 
     # ---- election -------------------------------------------------------------------------
 
+    def _on_refusal(self, p: PeerState, msg: Refusal) -> list[Action]:
+        """The safekeeper closes the connection (the service logs the reason as an error)."""
+        if p.greeted_term is not None:
+            return []  # a refusal later in the conversation: the link reconnects and greets again
+        p.refused = msg.reason
+        refused = {q.name: q.refused for q in self.peers.values() if q.refused is not None}
+        if len(self.peers) - len(refused) >= self.config.quorum:
+            return []  # a quorum can still greet us
+        self.phase = Phase.STOPPED
+        return [GreetingsRefused(refused)]
+
     def _on_greeting(self, p: PeerState, msg: GreetingReply) -> list[Action]:
-        p.greeted_term, p.node_id = msg.term, msg.node_id
+        p.greeted_term, p.node_id, p.refused = msg.term, msg.node_id, None
         if self.phase is Phase.GREETING:
             if sum(q.greeted_term is not None for q in self.peers.values()) >= self.config.quorum:
                 self.phase = Phase.PROBING

@@ -50,6 +50,8 @@ class WalBuffer:
         lsn = min(lsn, self.end)
         i = bisect.bisect_right(self._lsns, lsn, lo=self._first) - 1
         if i > self._first:
+            for j in range(self._first, i):
+                self._chunks[j] = b""  # free the WAL now; the lists themselves shrink in bulk below
             self._first = i
             self.start = self._lsns[i]
         if self._first > 1024 and self._first * 2 > len(self._lsns):

@@ -9,9 +9,14 @@ from collections.abc import Callable
 
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
+from sidecar import framing
 from sidecar.consensus import codec
-from sidecar.consensus.messages import Message
+from sidecar.consensus.messages import Append, Message, Refusal
 from sidecar.logs import get_logger
+
+
+REFUSED_PAUSE_MIN, REFUSED_PAUSE_MAX = 0.05, 5.0
+SPLIT_WRITE_AT = 64 * 1024  # Append data this long is written after its header instead of copied behind it
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -38,7 +43,15 @@ class PeerLink:
         return self._writer is not None
 
     def send(self, msg: Message) -> None:
-        if self._writer is not None:
+        if self._writer is None:
+            return
+        if isinstance(msg, Append) and len(msg.data) >= SPLIT_WRITE_AT:
+            # The header goes first and the WAL after it, without copying it into one frame.
+            header, data = codec.encode_append_parts(msg.term, msg.begin_lsn, msg.commit_lsn,
+                                                     msg.peer_horizon_lsn, msg.data)
+            self._writer.write(header)
+            self._writer.write(data)
+        else:
             self._writer.write(codec.encode(msg))
 
     def buffered(self) -> int:
@@ -56,15 +69,25 @@ class PeerLink:
 
     async def run(self) -> None:
         """Connect forever: backoff between attempts (reset after each success), a callback per message."""
+        pause = REFUSED_PAUSE_MIN
         while True:
             async for attempt in AsyncRetrying(wait=wait_exponential(multiplier=0.05, max=2),
                                                retry=retry_if_exception_type(OSError)):
                 with attempt:
-                    reader, writer = await asyncio.open_connection(self.host, self.port)
-            await self._serve(reader, writer)
-            await asyncio.sleep(0.05)  # a refused greeting must not turn into a tight reconnect loop
+                    reader, writer = await framing.open_connection(self.host, self.port)
+            if await self._serve(reader, writer):
+                # Refused before any other answer, e.g. a greeting from another cluster's primary:
+                # retrying soon rarely helps, so back off instead of reconnecting (and logging the
+                # refusal) 20 times a second.
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, REFUSED_PAUSE_MAX)
+            else:
+                pause = REFUSED_PAUSE_MIN
+                await asyncio.sleep(REFUSED_PAUSE_MIN)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, reader: framing.FrameReader, writer: asyncio.StreamWriter) -> bool:
+        """Serve one connection; True if the safekeeper refused before answering anything else."""
+        answered = refused = False
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -73,7 +96,10 @@ class PeerLink:
         try:
             self._on_up(self.name)
             while True:
-                self._on_message(self.name, await codec.read_message(reader))
+                msg = await reader.read_message()
+                refused = refused or (isinstance(msg, Refusal) and not answered)
+                answered = answered or not isinstance(msg, Refusal)
+                self._on_message(self.name, msg)
         except (asyncio.IncompleteReadError, ConnectionError):
             self.log.warning("connection lost")
         except codec.ProtocolError as e:
@@ -83,3 +109,4 @@ class PeerLink:
             self.reconnects += 1
             writer.close()
             self._on_down(self.name)
+        return refused

@@ -9,15 +9,16 @@ from dataclasses import dataclass
 import google_crc32c
 import psycopg
 
-from sidecar.consensus.messages import Message, TimelineHistory
+from sidecar.consensus.messages import Message, Refusal, TimelineHistory
 from sidecar.consensus.proposer import (
-    Action, FetchWal, Note, Proposer, ProposerConfig, ReportStatus, Send, StartStreaming,
-    TermLost, VerifyPrimary,
+    Action, FetchWal, GreetingsRefused, Note, Proposer, ProposerConfig, ReportStatus, Send, StartStreaming,
+    TermLost, VerifyPrimary, MAX_APPEND,
 )
 from sidecar.lsn import format_lsn, segment_start
 from sidecar.logs import get_logger
 from sidecar.proposer import primary as pg
 from sidecar.proposer import replication as repl
+from sidecar.proposer.monitor import ProposerMonitor
 from sidecar.proposer.peers import PeerLink
 
 ELECTION_TIMEOUT = 5.0
@@ -25,6 +26,9 @@ HEARTBEAT_INTERVAL = 1.0
 HORIZON_INTERVAL = 5.0
 RECONNECT_MIN, RECONNECT_MAX = 0.5, 5.0
 CATCHUP_BACKLOG = 16 * 1024 * 1024  # bytes queued to one safekeeper before catch-up reading pauses
+# How long a status that moves only write or apply may wait to be sent (see _report); commits
+# with synchronous_commit = remote_write or remote_apply may wait this much longer.
+STATUS_DELAY = 0.01
 
 
 @dataclass(frozen=True)
@@ -46,9 +50,14 @@ class PrimaryMismatch(Exception):
     """The primary lacks WAL that a quorum of safekeepers committed."""
 
 
+class SafekeepersRefused(PrimaryMismatch):
+    """Too many safekeepers refuse this primary's greeting (another cluster, ...) for a quorum."""
+
+
 class ProposerService:
-    def __init__(self, opts: StartOptions) -> None:
+    def __init__(self, opts: StartOptions, monitor: ProposerMonitor | None = None) -> None:
         self.opts = opts
+        self.monitor = monitor if monitor is not None else ProposerMonitor()
         self.log = get_logger(role="proposer")
         self.core: Proposer | None = None
         self.links = {name: PeerLink(name, self._peer_up, self._peer_message, self._peer_down)
@@ -62,15 +71,21 @@ class ProposerService:
         self._refusal: PrimaryMismatch | None = None
         self._seg_size = 0
         self._pending: list[memoryview] = []
+        self._status: tuple[repl.ReplicationStream, ReportStatus] | None = None  # latest, not yet sent
+        self._status_handle: asyncio.Handle | None = None  # when it goes out
+        self._status_urgent = False  # it moves flush: out at the end of this event loop pass
+        self._sent_flush = 0  # flush of the last status sent to the current stream
         self._pending_lsn = 0
         self._pg_version = 0
         self.last_term = 0
+        self.monitor.attach(self)
 
     # ---- lifecycle -----------------------------------------------------------------------
 
     async def run(self) -> None:
         """Attach to the primary and run terms until cancelled; reattach after losing it."""
         links = [self._spawn(link.run()) for link in self.links.values()]
+        links.append(self._spawn(self.monitor.run()))
         delay = RECONNECT_MIN
         try:
             while True:
@@ -193,6 +208,9 @@ class ProposerService:
             self._run(self.core.peer_connected(name))
 
     def _peer_message(self, name: str, msg: Message) -> None:
+        self.monitor.peer_contact(name)
+        if isinstance(msg, Refusal):
+            self.log.error("safekeeper refused us and closed the connection", peer=name, reason=msg.reason)
         if self.core is not None:
             self._run(self.core.peer_message(name, msg))
 
@@ -222,15 +240,47 @@ class ProposerService:
                     self.log.warning("term lost", term=self.core.term if self.core else 0,
                                      higher_term=a.term, reason=a.reason)
                     self.last_term = max(self.last_term, a.term)
+                    self.monitor.term_lost()
                     self._term_over.set()
+                case GreetingsRefused():
+                    reasons = "; ".join(f"safekeeper {peer}: {why}" for peer, why in sorted(a.reasons.items()))
+                    self._fatal(SafekeepersRefused(
+                        f"{len(a.reasons)} of {len(self.links)} safekeepers refuse this primary, so no quorum "
+                        f"of {self.opts.quorum} can form ({reasons}); point the sidecar at the safekeepers of "
+                        "this primary's cluster"))
+                    self.log.critical("safekeepers refuse this primary", reason=str(self._refusal))
                 case Note():
+                    self.monitor.note(a.event, a.fields)
                     self.log.info(a.event, **{k: _fmt(k, v) for k, v in a.fields.items()})
 
     def _report(self, a: ReportStatus) -> None:
+        self.monitor.committed(a.flush_lsn)
         if self.stream is None:
             return
+        # Commits wait for flush: a status that moves it goes out right after this pass of the event
+        # loop (replies from several safekeepers handled in it make one message). One that moves
+        # only write or apply waits up to STATUS_DELAY for the next one that moves flush, which
+        # spares the walsender a wake-up for every safekeeper's reply.
+        self._status = (self.stream, a)
+        loop = asyncio.get_running_loop()
+        if a.flush_lsn != self._sent_flush:
+            if not self._status_urgent:
+                if self._status_handle is not None:
+                    self._status_handle.cancel()
+                self._status_handle = loop.call_soon(self._send_status)
+                self._status_urgent = True
+        elif self._status_handle is None:
+            self._status_handle = loop.call_later(STATUS_DELAY, self._send_status)
+
+    def _send_status(self) -> None:
+        pending, self._status = self._status, None
+        self._status_handle, self._status_urgent = None, False
+        if pending is None or pending[0] is not self.stream:
+            return  # the stream it was for has ended
+        stream, a = pending
         try:
-            self.stream.send_status(a.write_lsn, a.flush_lsn, a.apply_lsn)
+            stream.send_status(a.write_lsn, a.flush_lsn, a.apply_lsn)
+            self._sent_flush = a.flush_lsn
         except ValueError as e:
             # The stream refuses a flush it never sent or one going backwards: never tell the
             # primary that. It means a bug; end the term rather than report it.
@@ -247,7 +297,9 @@ class ProposerService:
         self.stream = stream
         try:
             await stream.start()
-            stream.send_status(*core.status())
+            status = core.status()
+            stream.send_status(*status)
+            self._sent_flush = status[1]
             await stream.wait_closed()
             self.log.warning("replication stream ended", term=core.term)
         except repl.TimelineEnded as e:
@@ -271,6 +323,7 @@ class ProposerService:
         if self._pending and self.core is not None:
             data = b"".join(self._pending)
             self._pending.clear()
+            self.monitor.wal_received(self._pending_lsn + len(data), len(data))
             self._run(self.core.wal_received(self._pending_lsn, data))
 
     async def _verify(self, a: VerifyPrimary) -> None:
@@ -312,7 +365,7 @@ class ProposerService:
                     f"safekeeper {a.donor}'s: it is a different or stale primary")
 
     async def _read_primary(self, start: int, end: int, timeline: int) -> bytes:
-        parts: list[bytes] = []
+        parts: list[bytes | memoryview] = []
         await self._copy_primary(start, end, timeline, lambda lsn, data: parts.append(data))
         return b"".join(parts)
 
@@ -325,19 +378,33 @@ class ProposerService:
         conn = await repl.connect_replication(self.opts.pg_dsn, f"{self.opts.application_name}_reader")
         done = asyncio.Event()
         got = start
+        pieces: list[memoryview] = []  # received, not yet handed to sink: [got - size, got)
+        size = 0
+
+        def hand_over() -> None:
+            nonlocal size
+            if pieces:
+                sink(got - size, pieces[0] if len(pieces) == 1 else b"".join(pieces))
+                pieces.clear()
+                size = 0
 
         def on_wal(lsn: int, data: memoryview) -> None:
-            nonlocal got
+            nonlocal got, size
             if lsn >= end:
                 done.set()
                 return
-            piece = bytes(data[: end - lsn])
-            sink(lsn, piece)
+            piece = data[: end - lsn]
+            pieces.append(piece)
+            size += len(piece)
             got = lsn + len(piece)
+            if size >= MAX_APPEND:
+                hand_over()
             if got >= end:
+                hand_over()
                 done.set()
 
         def on_batch_end() -> None:
+            hand_over()  # the messages of one drained batch make one Append
             if link is not None and link.buffered() > CATCHUP_BACKLOG:
                 stream.pause()
                 self._spawn(resume_when_drained())
@@ -368,7 +435,7 @@ class ProposerService:
         self.log.info("catching up safekeeper", peer=a.peer, term=core.term,
                       start_lsn=format_lsn(a.start), end_lsn=format_lsn(a.end))
 
-        def sink(lsn: int, data: bytes) -> None:
+        def sink(lsn: int, data: bytes | memoryview) -> None:
             self._run(core.catchup_data(a.peer, lsn, data))
 
         try:

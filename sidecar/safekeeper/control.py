@@ -44,9 +44,12 @@ def control_path(data_dir: Path) -> Path:
 
 
 def load_control(data_dir: Path) -> ControlData | None:
-    """Read the control file; None for a fresh safekeeper (no file), ControlFileError if bad."""
+    """Read the control file; None for a fresh safekeeper (no file), ControlFileError if bad.
+
+    Only reads: tools and tests call it while the safekeeper runs, and removing the temp file
+    here once deleted a save in progress under the safekeeper's feet (see remove_leftovers).
+    """
     path = control_path(data_dir)
-    path.with_name(CONTROL_FILE + ".tmp").unlink(missing_ok=True)  # an interrupted save
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -56,6 +59,12 @@ def load_control(data_dir: Path) -> ControlData | None:
         return _decode(json.loads(body.decode("utf-8")))
     except (UnicodeDecodeError, json.JSONDecodeError, ValueError, TypeError) as e:
         raise ControlFileError(f"{path}: unreadable contents ({e}): {_CORRUPT_HINT}") from e
+
+
+def remove_leftovers(data_dir: Path) -> None:
+    """Remove the temp file of a save a crash interrupted. Only the safekeeper that owns
+    `data_dir` may call this, before it serves (the leftover is harmless: saves truncate it)."""
+    control_path(data_dir).with_name(CONTROL_FILE + ".tmp").unlink(missing_ok=True)
 
 
 def save_control(data_dir: Path, data: ControlData) -> None:

@@ -4,23 +4,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
+import struct
+import termios
+import time
 from pathlib import Path
 
 import google_crc32c
 
+from sidecar import framing
 from sidecar.consensus import codec
 from sidecar.consensus.acceptor import (
     Acceptor, AcceptorAction, AcceptorError, Persist, RecordEnd, Reply, Truncate, Write,
 )
-from sidecar.consensus.messages import Append, Elected, Greeting, Message, Refusal, VoteRequest
+from sidecar.consensus.messages import Append, Elected, Greeting, InfoRequest, Message, Refusal, VoteRequest
 from sidecar.consensus.state import AcceptorState
 from sidecar.lsn import format_lsn, segment_start
 from sidecar.logs import get_logger
-from sidecar.safekeeper.control import ControlData, load_control, save_control
+from sidecar.metrics import SafekeeperMetrics
+from sidecar.safekeeper.control import ControlData, load_control, remove_leftovers, save_control
+from sidecar.safekeeper.monitor import info_reply
 from sidecar.safekeeper.storage import WalStorage
 from sidecar.wal.reader import find_end_of_wal
 
 TAIL_FINGERPRINT = 1024 * 1024  # bytes before flush_lsn whose CRC a vote reports
+# A batch this small is fdatasync'ed on the event loop when no more WAL is waiting: the hop to a
+# thread and back costs more CPU and latency than the sync itself. Otherwise the sync runs in a
+# thread while reading goes on.
+INLINE_FLUSH_MAX = 256 * 1024
+_FIONREAD = struct.Struct("i")
 
 
 class Safekeeper:
@@ -35,16 +47,26 @@ class Safekeeper:
         self.acceptor: Acceptor | None = None
         self._server: asyncio.Server | None = None
         self._flush_lock = asyncio.Lock()
+        self._persist_lock = asyncio.Lock()  # see _execute
         self._flush_wanted = asyncio.Event()
         self._stream: asyncio.StreamWriter | None = None  # connection of the elected proposer
         self._tasks: set[asyncio.Task[None]] = set()
         self.fatal: BaseException | None = None
+        self.stats = SafekeeperMetrics(node_id)
+
+    def proposer_address(self) -> str | None:
+        """HOST:PORT of the elected proposer streaming to this safekeeper, if any."""
+        if self._stream is None:
+            return None
+        peer = self._stream.get_extra_info("peername")
+        return "%s:%s" % peer[:2] if peer else "unknown"
 
     # ---- start-up ---------------------------------------------------------------------------
 
     def open(self) -> None:
         """Load the control file and find the end of valid WAL (ControlFileError if corrupt)."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(self.data_dir)
         control = load_control(self.data_dir)
         if control is not None and control.node_id != self.node_id:
             raise SystemExit(
@@ -62,25 +84,27 @@ class Safekeeper:
                       commit_lsn=format_lsn(state.commit_lsn), data_dir=str(self.data_dir))
 
     def _scan(self, state: AcceptorState) -> RecordEnd:
-        """End of the last complete record with a valid CRC, and a fingerprint of its tail."""
+        """End of the last complete record with a valid CRC, and a fingerprint of its bytes."""
         st = self.storage
         if st is None or not st.segments():
             return RecordEnd(0)
         seg = state.wal_seg_size
-        first = st.segments()[0][1] * seg
-        known = [e.start_lsn for e in state.term_history if e.start_lsn <= st.write_lsn]
-        term_start = known[-1] if known else first
-        # Completed segments were fsynced before their rename, so starting a segment or two
-        # back from the tail bounds the scan without trusting unsynced bytes.
-        back = segment_start(max(st.write_lsn - 1, 0), seg) - seg
-        start = max(term_start, first, back)
+        segments = st.segments()
+        first = segments[0][1] * seg
+        # Only a completed segment is known durable (fsynced before its rename), so the walk
+        # starts in the last one. A term start is no such anchor: a safekeeper that crashed
+        # while catching up below it may hold torn bytes on both sides of it.
+        durable = [segno for _, segno, partial in segments if not partial]
+        start = durable[-1] * seg if durable else first
         while True:
             end, last = find_end_of_wal(st, start, seg_size=seg, system_id=state.system_id or None)
-            if last is not None or start <= max(term_start, first):
+            if last is not None or start <= first:
                 break
-            start = max(start - seg, term_start, first)
+            start = max(start - seg, first)  # no record begins here: one spans the whole segment
         if last is None:
-            return RecordEnd(start if start == term_start else 0)
+            return RecordEnd(first)
+        # Fingerprint the last record wherever it lies, even before the last term's start:
+        # after a term that wrote nothing it is still what a stale primary must match.
         tail = max(last, end - TAIL_FINGERPRINT)
         return RecordEnd(end, tail, google_crc32c.value(st.read(tail, end - tail)))
 
@@ -88,7 +112,7 @@ class Safekeeper:
 
     async def serve(self) -> None:
         """Listen and serve until cancelled."""
-        self._server = await asyncio.start_server(self._connection, self.host, self.port)
+        self._server = await framing.start_server(self._connection, self.host, self.port)
         self.log.info("listening", address=f"{self.host}:{self.port}")
         flusher = asyncio.create_task(self._flusher())
         try:
@@ -101,13 +125,18 @@ class Safekeeper:
             if self.storage is not None:
                 self.storage.close()
 
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _connection(self, reader: framing.FrameReader, writer: asyncio.StreamWriter) -> None:
         peer = "%s:%s" % writer.get_extra_info("peername")[:2]
         log = self.log.bind(peer=peer)
         greeted = False
+        self.stats.connections.inc()
         try:
             while True:
-                msg = await codec.read_message(reader)
+                msg = await reader.read_message()
+                if isinstance(msg, InfoRequest):  # operator tooling: read-only, no Greeting needed
+                    writer.write(codec.encode(info_reply(self)))
+                    await writer.drain()
+                    continue
                 if not greeted and not isinstance(msg, Greeting):
                     raise AcceptorError(f"the first message must be a Greeting, not {type(msg).__name__}")
                 greeted = True
@@ -144,33 +173,43 @@ class Safekeeper:
             case VoteRequest():
                 end = await self._flushed_record_end()
                 actions = acc.on_vote(msg, end)
-                log.info("vote", term=msg.term, granted=acc.state.term == msg.term and isinstance(actions[0], Persist),
-                         flush_lsn=format_lsn(end.flush_lsn))
+                granted = acc.state.term == msg.term and isinstance(actions[0], Persist)
+                log.info("vote", term=msg.term, granted=granted, flush_lsn=format_lsn(end.flush_lsn))
+                if msg.term:  # term 0 is the proposer's pre-vote probe, not a vote
+                    (self.stats.votes_granted if granted else self.stats.votes_refused).inc()
                 return actions
             case Elected():
                 end = await self._flushed_record_end()
                 actions = acc.on_elected(msg, end)
                 if acc.elected_term == msg.term:
                     self._stream = writer
+                    self.stats.elections.inc()
                     log.info("elected", term=msg.term, start_lsn=format_lsn(msg.start_lsn),
                              truncate_lsn=format_lsn(acc.write_lsn))
                 return actions
         raise AcceptorError(f"unexpected {type(msg).__name__} from a proposer")
 
     async def _execute(self, actions: list[AcceptorAction], writer: asyncio.StreamWriter) -> None:
-        for a in actions:
-            match a:
-                case Write():
-                    self._storage_for_write().write(a.lsn, a.data)
-                    self._flush_wanted.set()
-                case Persist():
-                    await asyncio.to_thread(save_control, self.data_dir, ControlData(self.node_id, a.state))
-                case Truncate():
-                    async with self._flush_lock:
-                        st = self._storage_for_write()
-                        await asyncio.to_thread(st.truncate if st.segments() else st.open_at, a.lsn)
-                case Reply():
-                    writer.write(codec.encode(a.message))
+        # A batch that saves state or cuts WAL runs whole under the persist lock, queued in the
+        # order the acceptor produced the batches (nothing yields in between). So when two
+        # proposers' connections interleave, an older state is never saved over a newer one, saves
+        # never share the temp file, and an Elected's cut precedes any save of its history.
+        stateful = any(isinstance(a, (Persist, Truncate)) for a in actions)
+        async with self._persist_lock if stateful else contextlib.nullcontext():
+            for a in actions:
+                match a:
+                    case Write():
+                        self._storage_for_write().write(a.lsn, a.data)
+                        self.stats.wal_written.inc(len(a.data))
+                        self._flush_wanted.set()
+                    case Persist():
+                        await asyncio.to_thread(save_control, self.data_dir, ControlData(self.node_id, a.state))
+                    case Truncate():
+                        async with self._flush_lock:
+                            st = self._storage_for_write()
+                            await asyncio.to_thread(st.truncate if st.segments() else st.open_at, a.lsn)
+                    case Reply():
+                        writer.write(codec.encode(a.message))
         if writer.transport.get_write_buffer_size() > 1 << 20:
             await writer.drain()
 
@@ -187,6 +226,16 @@ class Safekeeper:
             await asyncio.to_thread(self.storage.flush)
             return await asyncio.to_thread(self._scan, self.acceptor.state)  # type: ignore[union-attr]
 
+    def _more_wal_waiting(self) -> bool:
+        """True if the elected proposer's socket holds bytes not read yet."""
+        sock = self._stream.get_extra_info("socket") if self._stream is not None else None
+        if sock is None:
+            return False
+        try:
+            return _FIONREAD.unpack(fcntl.ioctl(sock.fileno(), termios.FIONREAD, bytes(_FIONREAD.size)))[0] > 0
+        except OSError:
+            return False
+
     async def _flusher(self) -> None:
         """Group commit: one fdatasync covers everything written while the previous one ran."""
         while True:
@@ -196,7 +245,12 @@ class Safekeeper:
                 st, acc = self.storage, self.acceptor
                 if st is None or acc is None or st.flush_lsn >= acc.write_lsn:
                     continue
-                flushed = await asyncio.to_thread(st.flush)
+                began = time.perf_counter()
+                if st.write_lsn - st.flush_lsn <= INLINE_FLUSH_MAX and not self._more_wal_waiting():
+                    flushed = st.flush()
+                else:
+                    flushed = await asyncio.to_thread(st.flush)
+                self.stats.fsync.observe(time.perf_counter() - began)
             if self._stream is not None:
                 for a in acc.on_flushed(flushed):
                     if isinstance(a, Reply):

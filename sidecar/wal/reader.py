@@ -166,6 +166,13 @@ class WalReader:
         for lsn, end, tot_len, xid, prev, info, rmid, crc, data in self._scan():
             yield WalRecord(lsn, end, RecordHeader(tot_len, xid, prev, info, rmid, crc), data)
 
+    def tuples(self) -> Iterator[tuple[int, int, int, int, int, int, int, int, bytes | None]]:
+        """Like iterating, but each record as a plain (lsn, end_lsn, tot_len, xid, prev, info, rmid, crc, data) tuple.
+
+        For bulk decoding, where building a WalRecord per record would cost more than reading it.
+        """
+        return self._scan()
+
     # ----- page access -----
 
     def _load(self, page: int) -> int:

@@ -1,0 +1,867 @@
+#!/usr/bin/env python3
+"""Benchmark walsidecar against PostgreSQL's own ways of keeping remote WAL copies.
+
+Every configuration runs on this machine, on 127.0.0.1, each with its own directories on
+the same disk and fsync on everywhere:
+
+* async          no synchronous standby (the upper bound)
+* receivewal-1   one `pg_receivewal --synchronous` as the synchronous standby
+* native-quorum  three `pg_receivewal --synchronous`, `ANY 2 (r1, r2, r3)`
+* walsidecar     three safekeepers, quorum 2
+
+Rounds are interleaved (A B C D, A B C D, ...); each configuration starts from a fresh copy
+of one template cluster. Workloads: pgbench TPC-B with 1 client (latency) and 16 clients
+(TPS), bulk ingest (WAL MB/s from the LSN difference over wall time, plus the receivers'
+CPU seconds per GB and peak RSS), and catch-up (one receiver down while WAL is written, with
+CPU and RSS measured meanwhile, then restarted: MB/s until it is level again).
+
+Writes results.json (every round), results.md (medians and ratios) and chart.png to --out.
+MB means 10^6 bytes, GB 10^9 bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sidecar.lsn import parse_lsn  # noqa: E402
+from sidecar.pgcluster import ClusterError, LocalCluster, find_bin_dir  # noqa: E402
+from sidecar.processes import Child  # noqa: E402
+
+CONFIGS = ("async", "receivewal-1", "native-quorum", "walsidecar")
+WORKLOADS = ("pgbench-1", "pgbench-16", "bulk", "catchup")
+CATCHUP_CONFIGS = ("native-quorum", "walsidecar")  # a receiver can be down without stopping commits
+SIDECAR_APP = "walsidecar"
+MB, GB = 1_000_000, 1_000_000_000
+BULK_ROW_PAD = 1000  # bytes of text per bulk row: about 1.1 kB of WAL
+BULK_BATCH_BYTES = 128 * MB  # WAL per bulk INSERT statement (one commit each)
+PRIMARY_SETTINGS = {
+    "fsync": "on",
+    "synchronous_commit": "on",
+    "shared_buffers": "256MB",
+    "max_wal_size": "8GB",  # keeps checkpoints out of the measured bulk writes
+    "checkpoint_timeout": "30min",
+    "max_wal_senders": "10",
+    "max_replication_slots": "10",
+    "wal_sender_timeout": "60s",
+}
+STANDBY_NAMES = {
+    "async": "",
+    "receivewal-1": "r1",
+    "native-quorum": "ANY 2 (r1, r2, r3)",
+    "walsidecar": SIDECAR_APP,
+}
+
+
+class BenchError(RuntimeError):
+    """A configuration could not be built or a workload failed."""
+
+
+@dataclass
+class Settings:
+    rounds: int = 3
+    duration: float = 30.0
+    scale: int = 20
+    bulk_bytes: int = 1 * GB
+    catchup_bytes: int = 1 * GB
+    configs: tuple[str, ...] = CONFIGS
+    workloads: tuple[str, ...] = WORKLOADS
+    out: Path = Path("bench-results")
+    workdir: Path | None = None
+    profile: str = ""  # "", "wall" or "gil"
+    fsync_floor: bool = True
+    keep: bool = False
+    quick: bool = False
+
+
+# ---- processes and /proc ---------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_times(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process (all its threads), from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def peak_rss_mb(pid: int) -> float:
+    """VmHWM: the process's peak resident set since it started or since reset_peak_rss()."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024 / MB
+    raise BenchError(f"no VmHWM for pid {pid}")
+
+
+def reset_peak_rss(pid: int) -> None:
+    """Start a new peak-RSS window (writing 5 to clear_refs resets VmHWM)."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    except OSError:
+        pass  # then the peak covers the whole life of the process
+
+
+class Meter:
+    """CPU seconds and peak RSS of a set of processes over one measured window."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        for pid in pids.values():
+            reset_peak_rss(pid)
+        self.cpu0 = {name: cpu_times(pid) for name, pid in pids.items()}
+
+    def finish(self) -> dict[str, dict[str, float]]:
+        out = {}
+        for name, pid in self.pids.items():
+            user, system = (now - then for now, then in zip(cpu_times(pid), self.cpu0[name]))
+            out[name] = {"cpu_s": round(user + system, 3), "cpu_user_s": round(user, 3),
+                         "cpu_sys_s": round(system, 3), "peak_rss_mb": round(peak_rss_mb(pid), 1)}
+        return out
+
+
+class Profiler:
+    """py-spy record on some processes (collapsed stacks), stopped with SIGINT so it writes its file."""
+
+    def __init__(self, pids: dict[str, int], prefix: Path, gil: bool = False) -> None:
+        self.procs: list[tuple[subprocess.Popen[bytes], Path]] = []
+        exe = shutil.which("py-spy")
+        if exe is None:
+            print("bench: --profile needs py-spy on PATH; not profiling", file=sys.stderr)
+            return
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        for name, pid in pids.items():
+            out = prefix.with_name(f"{prefix.name}-{name}.txt")
+            log = out.with_suffix(".log").open("wb")
+            argv = [exe, "record", "--pid", str(pid), "--format", "raw", "--rate", "200", "--nonblocking",
+                    "-o", str(out)] + (["--gil"] if gil else [])
+            p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 start_new_session=True)
+            log.close()
+            self.procs.append((p, out))
+
+    def stop(self) -> None:
+        for p, out in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        for p, out in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            if out.exists():
+                out.with_name(out.stem + "-top.txt").write_text(summarize_profile(out))
+
+
+def summarize_profile(path: Path, top: int = 25) -> str:
+    """Self and inclusive sample shares per function from py-spy's collapsed stacks."""
+    self_n: dict[str, int] = {}
+    incl_n: dict[str, int] = {}
+    total = 0
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        frames = [re.sub(r":\d+\)$", ")", f) for f in stack.split(";")]
+        self_n[frames[-1]] = self_n.get(frames[-1], 0) + n
+        for f in set(frames):
+            incl_n[f] = incl_n.get(f, 0) + n
+    if not total:
+        return "no samples\n"
+    lines = [f"{total} samples", "", "self %  function"]
+    lines += [f"{100 * n / total:6.1f}  {f}" for f, n in sorted(self_n.items(), key=lambda kv: -kv[1])[:top]]
+    lines += ["", "incl %  function"]
+    lines += [f"{100 * n / total:6.1f}  {f}" for f, n in sorted(incl_n.items(), key=lambda kv: -kv[1])[:top]]
+    return "\n".join(lines) + "\n"
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise BenchError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+# ---- one configuration ------------------------------------------------------------------------
+
+
+@dataclass
+class Receiver:
+    """A WAL receiver process of the configuration: pg_receivewal, a safekeeper or the proposer."""
+
+    name: str
+    child: Child
+
+    @property
+    def pid(self) -> int:
+        assert self.child.pid is not None
+        return self.child.pid
+
+
+class Setup:
+    """A primary copied from the template plus the configuration's receivers."""
+
+    def __init__(self, config: str, base: Path, template: Path, bin_dir: Path) -> None:
+        self.config = config
+        self.base = base
+        self.bin_dir = bin_dir
+        self.port = free_port()
+        self.cluster = LocalCluster(base / "pg", self.port, log_file=base / "postgres.log")
+        self.receivers: dict[str, Receiver] = {}
+        self.sk_addrs: list[str] = []
+        self.down: set[str] = set()  # receivers stopped on purpose
+        self._template = template
+
+    # -- building
+
+    def build(self) -> None:
+        self.base.mkdir(parents=True)
+        os.chmod(self.base, 0o755)
+        subprocess.run(["cp", "-a", str(self._template), str(self.cluster.data_dir)], check=True, timeout=300)
+        self.cluster.set({"port": str(self.port), "synchronous_standby_names": STANDBY_NAMES[self.config]})
+        self.cluster.start()
+        if self.config == "receivewal-1":
+            self._start_receivewal(["r1"])
+        elif self.config == "native-quorum":
+            self._start_receivewal(["r1", "r2", "r3"])
+        elif self.config == "walsidecar":
+            self._start_walsidecar()
+        self.wait_synchronous()
+
+    def _start_receivewal(self, names: list[str]) -> None:
+        with self.sql() as c:
+            for name in names:
+                c.execute("SELECT pg_create_physical_replication_slot(%s, true)", (name,))
+        for name in names:
+            (self.base / name).mkdir()
+            self.start_receiver(name)
+
+    def _start_walsidecar(self) -> None:
+        self.sk_addrs = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+        for i in range(1, 4):
+            self.start_receiver(f"safekeeper{i}")
+        args = ["start", "--pg-dsn", self.cluster.dsn(), "--safekeepers", ",".join(self.sk_addrs),
+                "--application-name", SIDECAR_APP]
+        child = Child.sidecar("proposer", args, self.base / "proposer.log")
+        self.receivers["proposer"] = Receiver("proposer", child.start())
+
+    def start_receiver(self, name: str) -> None:
+        """Start (or restart) one receiver by name: r1..r3 or safekeeper1..3."""
+        if name.startswith("safekeeper"):
+            i = int(name.removeprefix("safekeeper"))
+            args = ["safekeeper", "--id", str(i), "--listen", self.sk_addrs[i - 1], "--data-dir", str(self.base / name)]
+            child = Child.sidecar(name, args, self.base / f"{name}.log")
+        else:
+            dsn = f"host=127.0.0.1 port={self.port} user=postgres application_name={name}"
+            argv = [str(self.bin_dir / "pg_receivewal"), "-D", str(self.base / name), "--synchronous", "--no-loop",
+                    "--slot", name, "-d", dsn]
+            child = Child(name, argv, self.base / f"{name}.log")
+        old = self.receivers.get(name)
+        if old is not None and old.child.running:
+            raise BenchError(f"{name} is already running")
+        self.receivers[name] = Receiver(name, child.start())
+
+    def stop_receiver(self, name: str) -> None:
+        self.receivers[name].child.stop(timeout=15)
+
+    def standby_names(self) -> list[str]:
+        """application_name of each synchronous standby the configuration has."""
+        if self.config == "walsidecar":
+            return [SIDECAR_APP]
+        return [n for n in self.receivers if n.startswith("r")]
+
+    def wait_synchronous(self, timeout: float = 120) -> None:
+        wanted = set(self.standby_names())
+
+        def ready() -> bool:
+            self.check_alive()
+            with self.sql() as c:
+                rows = c.execute("SELECT application_name FROM pg_stat_replication "
+                                 "WHERE state = 'streaming' AND sync_state IN ('sync', 'quorum')").fetchall()
+            return wanted <= {r[0] for r in rows}
+
+        wait_until(ready, timeout, f"{', '.join(sorted(wanted)) or 'nothing'} to be synchronous", interval=0.2)
+
+    def check_alive(self) -> None:
+        for r in self.receivers.values():
+            if r.child.returncode is not None and r.name not in self.down:
+                raise BenchError(f"{r.name} exited with {r.child.returncode}:\n{r.child.log_tail(20)}")
+
+    def sql(self) -> psycopg.Connection:
+        """An autocommit connection to the primary."""
+        return psycopg.connect(self.cluster.dsn(), autocommit=True, connect_timeout=10)
+
+    def measured_pids(self) -> dict[str, int]:
+        """The processes whose CPU and memory the report shows."""
+        return {name: r.pid for name, r in self.receivers.items() if r.child.running}
+
+    # -- teardown
+
+    def teardown(self, keep: bool) -> None:
+        # The primary's shutdown checkpoint waits for its synchronous standbys: stop it first.
+        for mode in ("fast", "immediate"):
+            try:
+                self.cluster.stop(mode=mode, timeout=30)
+                break
+            except (ClusterError, OSError, subprocess.SubprocessError):
+                continue
+        else:
+            pid = self.cluster.postmaster_pid()
+            if pid is not None:
+                with suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        for name in ["proposer"] + [n for n in self.receivers if n != "proposer"]:
+            r = self.receivers.get(name)
+            if r is not None:
+                r.child.stop(timeout=15)
+        if not keep:
+            shutil.rmtree(self.base, ignore_errors=True)
+
+
+# ---- workloads --------------------------------------------------------------------------------
+
+
+def pgbench(setup: Setup, clients: int, duration: float, log_dir: Path) -> dict[str, Any]:
+    """TPC-B-like pgbench; per-transaction latencies from --log, the COMMIT's mean from -r."""
+    with setup.sql() as c:
+        c.execute("CHECKPOINT")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    prefix = log_dir / f"c{clients}"
+    argv = [str(setup.bin_dir / "pgbench"), "-n", "-r", "-c", str(clients), "-j", str(min(clients, 2)),
+            "-T", str(max(1, round(duration))), "--log", f"--log-prefix={prefix}",
+            "-h", "127.0.0.1", "-p", str(setup.port), "-U", "postgres", "postgres"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=duration + 120)
+    if proc.returncode != 0:
+        raise BenchError(f"pgbench failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    tps = re.search(r"^tps = ([\d.]+) \(without initial connection time\)", proc.stdout, re.M)
+    commit = re.search(r"^\s+([\d.]+)\s+END;", proc.stdout, re.M)
+    latencies: list[int] = []
+    for f in log_dir.glob(f"{prefix.name}.*"):
+        for line in f.read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 3 and parts[2].isdigit():
+                latencies.append(int(parts[2]))
+        f.unlink()
+    if tps is None or not latencies:
+        raise BenchError(f"cannot read pgbench's results:\n{proc.stdout[-2000:]}")
+    latencies.sort()
+    return {
+        "clients": clients,
+        "tps": float(tps.group(1)),
+        "transactions": len(latencies),
+        "latency_mean_ms": round(statistics.fmean(latencies) / 1000, 4),
+        "latency_p99_ms": round(latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] / 1000, 4),
+        "commit_mean_ms": float(commit.group(1)) if commit else None,
+    }
+
+
+@contextmanager
+def cancel_after(conn: psycopg.Connection, seconds: float, what: str) -> Iterator[None]:
+    """Cancel the running statement (also a commit waiting for standbys) after `seconds`."""
+    fired = threading.Event()
+
+    def fire() -> None:
+        fired.set()
+        conn.cancel_safe()
+
+    timer = threading.Timer(seconds, fire)
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        if fired.is_set():
+            raise BenchError(f"{what} did not finish within {seconds:.0f} s")
+
+
+def write_wal(setup: Setup, nbytes: int, timeout: float) -> dict[str, Any]:
+    """INSERT batches of wide rows until `nbytes` of WAL were written and committed."""
+    with setup.sql() as c:
+        c.execute("CHECKPOINT")
+        c.execute("DROP TABLE IF EXISTS bulk")
+        c.execute("CREATE TABLE bulk (id bigint, pad text)")
+        start = parse_lsn(c.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])
+        rows = max(1000, min(nbytes, BULK_BATCH_BYTES) // (BULK_ROW_PAD + 100))
+        lsn, first, batches = start, 0, 0
+        t0 = time.monotonic()
+        with cancel_after(c, timeout, f"writing {nbytes / MB:.0f} MB of WAL"):
+            while lsn - start < nbytes:
+                c.execute("INSERT INTO bulk SELECT g, repeat('x', %s::int) "
+                          "FROM generate_series(%s::bigint, %s::bigint) g", (BULK_ROW_PAD, first + 1, first + rows))
+                first += rows
+                batches += 1
+                lsn = parse_lsn(c.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])
+        elapsed = time.monotonic() - t0
+        c.execute("DROP TABLE bulk")
+    return {"wal_bytes": lsn - start, "seconds": round(elapsed, 3), "wal_mb_s": round((lsn - start) / MB / elapsed, 1),
+            "commits": batches, "end_lsn": lsn}
+
+
+def per_txn(result: dict[str, Any], usage: dict[str, dict[str, float]]) -> None:
+    """Add the receivers' CPU time per transaction (ms) to a pgbench result."""
+    if not usage:
+        return
+    n = max(result["transactions"], 1)
+    result["processes"] = {name: {**u, "cpu_ms_per_txn": round(1000 * u["cpu_s"] / n, 4)} for name, u in usage.items()}
+    result["receivers_cpu_ms_per_txn"] = round(1000 * sum(u["cpu_s"] for u in usage.values()) / n, 4)
+    if "proposer" in usage:
+        result["sidecar_cpu_ms_per_txn"] = result["processes"]["proposer"]["cpu_ms_per_txn"]
+
+
+def with_usage(result: dict[str, Any], usage: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """Add per-process CPU s, CPU s per GB of WAL and peak RSS to a WAL-writing result."""
+    gb = result["wal_bytes"] / GB
+    result["processes"] = {n: {**u, "cpu_s_per_gb": round(u["cpu_s"] / gb, 3)} for n, u in usage.items()}
+    receivers = [u for n, u in usage.items() if n != "proposer"]
+    if "proposer" in usage:
+        result["sidecar_cpu_s_per_gb"] = result["processes"]["proposer"]["cpu_s_per_gb"]
+        result["sidecar_peak_rss_mb"] = usage["proposer"]["peak_rss_mb"]
+    if receivers or "proposer" in usage:
+        result["all_receivers_cpu_s_per_gb"] = round(sum(u["cpu_s"] for u in usage.values()) / gb, 3)
+        result["max_receiver_peak_rss_mb"] = max(u["peak_rss_mb"] for u in usage.values())
+    return result
+
+
+def bulk(setup: Setup, nbytes: int, profile_prefix: Path | None, gil: bool = False) -> dict[str, Any]:
+    meter = Meter(setup.measured_pids())
+    prof = Profiler(setup.measured_pids(), profile_prefix, gil) if profile_prefix else None
+    try:
+        result = write_wal(setup, nbytes, timeout=600)
+    finally:
+        if prof:
+            prof.stop()
+    return with_usage(result, meter.finish())
+
+
+def standby_lsn(setup: Setup, name: str, column: str) -> int | None:
+    with setup.sql() as c:
+        row = c.execute(f"SELECT {column}::text FROM pg_stat_replication WHERE application_name = %s "
+                        "AND state = 'streaming'", (name,)).fetchone()
+    return parse_lsn(row[0]) if row and row[0] else None
+
+
+def catchup(setup: Setup, nbytes: int, timeout: float = 600) -> dict[str, Any]:
+    """One receiver down while `nbytes` of WAL are written (CPU and RSS measured), then restarted."""
+    if setup.config == "walsidecar":
+        victim, name, column = "safekeeper3", SIDECAR_APP, "replay_lsn"  # replay = flushed on every safekeeper
+    else:
+        victim, name, column = "r3", "r3", "flush_lsn"
+    with setup.sql() as c:
+        c.execute("CHECKPOINT")
+    setup.down.add(victim)
+    setup.stop_receiver(victim)
+    behind = standby_lsn(setup, SIDECAR_APP, column) if setup.config == "walsidecar" else None
+    meter = Meter(setup.measured_pids())
+    written = with_usage(write_wal(setup, nbytes, timeout=timeout), meter.finish())
+    if behind is None:
+        with setup.sql() as c:
+            row = c.execute("SELECT restart_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+                            (victim,)).fetchone()
+        behind = parse_lsn(row[0])
+    target = written["end_lsn"]
+    t0 = time.monotonic()
+    setup.start_receiver(victim)
+    setup.down.discard(victim)
+
+    def level() -> bool:
+        setup.check_alive()
+        lsn = standby_lsn(setup, name, column)
+        return lsn is not None and lsn >= target
+
+    wait_until(level, timeout, f"{victim} to catch up")
+    elapsed = time.monotonic() - t0
+    return {"victim": victim, "dead_run": written, "catchup_bytes": target - behind,
+            "catchup_seconds": round(elapsed, 3), "catchup_mb_s": round((target - behind) / MB / elapsed, 1),
+            "sidecar_cpu_s_per_gb_dead": written.get("sidecar_cpu_s_per_gb"),
+            "sidecar_peak_rss_mb_dead": written.get("sidecar_peak_rss_mb")}
+
+
+# ---- the run ----------------------------------------------------------------------------------
+
+
+def build_template(work: Path, scale: int, bin_dir: Path) -> Path:
+    cluster = LocalCluster(work / "template", free_port(), log_file=work / "template.log")
+    cluster.init(PRIMARY_SETTINGS)
+    cluster.start()
+    try:
+        proc = subprocess.run([str(bin_dir / "pgbench"), "-i", "-q", "-s", str(scale), "-h", "127.0.0.1",
+                               "-p", str(cluster.port), "-U", "postgres", "postgres"],
+                              capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            raise BenchError(f"pgbench -i failed:\n{proc.stderr[-2000:]}")
+        with psycopg.connect(cluster.dsn(), autocommit=True) as c:
+            c.execute("CHECKPOINT")
+    finally:
+        cluster.stop()
+    return cluster.data_dir
+
+
+def fsync_floor(work: Path, bin_dir: Path) -> dict[str, float] | None:
+    """pg_test_fsync's single 8 kB write + fdatasync rate on the benchmark's disk."""
+    try:
+        proc = subprocess.run([str(bin_dir / "pg_test_fsync"), "-s", "1", "-f", str(work / "pg_test_fsync.tmp")],
+                              capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"one 8kB write.*?fdatasync\s+([\d.]+) ops/sec\s+(\d+) usecs/op", proc.stdout, re.S)
+    return {"fdatasync_ops_s": float(m.group(1)), "fdatasync_us": float(m.group(2))} if m else None
+
+
+def run_config(s: Settings, config: str, rnd: int, work: Path, template: Path, bin_dir: Path,
+               log: Callable[[str], None], results: list[dict[str, Any]]) -> None:
+    """Build one configuration, run the workloads on it, append a row per workload to `results`."""
+    setup = Setup(config, work / f"r{rnd}-{config}", template, bin_dir)
+
+    def record(workload: str, data: dict[str, Any]) -> None:
+        row = {"round": rnd, "config": config, "workload": workload, **data}
+        results.append(row)
+        log(f"round {rnd} {config:14s} {workload:10s} {summary(row)}")
+
+    try:
+        t0 = time.monotonic()
+        setup.build()
+        log(f"round {rnd} {config:14s} built in {time.monotonic() - t0:.1f} s")
+        prof_dir = s.out / "profile" if s.profile and config == "walsidecar" else None
+        for clients in (1, 16):
+            if f"pgbench-{clients}" in s.workloads:
+                prof = Profiler(setup.measured_pids(), prof_dir / f"r{rnd}-pgbench{clients}",
+                                s.profile == "gil") if prof_dir else None
+                meter = Meter(setup.measured_pids())
+                try:
+                    data = pgbench(setup, clients, s.duration, setup.base / "pgbench")
+                finally:
+                    if prof:
+                        prof.stop()
+                setup.check_alive()
+                per_txn(data, meter.finish())
+                record(f"pgbench-{clients}", data)
+        if "bulk" in s.workloads:
+            data = bulk(setup, s.bulk_bytes, prof_dir / f"r{rnd}-bulk" if prof_dir else None, s.profile == "gil")
+            setup.check_alive()
+            record("bulk", data)
+        if "catchup" in s.workloads and config in CATCHUP_CONFIGS:
+            record("catchup", catchup(setup, s.catchup_bytes))
+    except (BenchError, psycopg.Error, ClusterError, OSError, subprocess.SubprocessError) as e:
+        results.append({"round": rnd, "config": config, "workload": "error", "error": str(e)})
+        log(f"round {rnd} {config}: FAILED: {e}")
+        log(f"--- tail of {setup.cluster.log_file} ---\n{setup.cluster.log_tail(15)}")
+    finally:
+        setup.teardown(s.keep)
+
+
+def summary(row: dict[str, Any]) -> str:
+    keys = ("tps", "latency_mean_ms", "latency_p99_ms", "commit_mean_ms", "receivers_cpu_ms_per_txn",
+            "sidecar_cpu_ms_per_txn", "wal_mb_s", "sidecar_cpu_s_per_gb",
+            "sidecar_peak_rss_mb", "all_receivers_cpu_s_per_gb", "catchup_mb_s", "sidecar_peak_rss_mb_dead")
+    return "  ".join(f"{k}={row[k]}" for k in keys if row.get(k) is not None)
+
+
+def run(s: Settings) -> dict[str, Any]:
+    bin_dir = find_bin_dir()
+    s.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="walsidecar-bench-", dir=s.workdir))
+    os.chmod(work, 0o755)
+    log_file = (s.out / "bench.log").open("w")
+
+    def log(msg: str) -> None:
+        line = f"{time.strftime('%H:%M:%S')} {msg}"
+        print(line, flush=True)
+        log_file.write(line + "\n")
+        log_file.flush()
+
+    started = time.time()
+    rows: list[dict[str, Any]] = []
+    meta: dict[str, Any] = {
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(s).items()},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "loadavg_at_start": os.getloadavg()},
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    try:
+        if s.fsync_floor:
+            meta["fsync_floor"] = fsync_floor(work, bin_dir)
+            log(f"fsync floor: {meta['fsync_floor']}")
+        t0 = time.monotonic()
+        template = build_template(work, s.scale, bin_dir)
+        log(f"template cluster (pgbench scale {s.scale}) built in {time.monotonic() - t0:.1f} s in {work}")
+        for rnd in range(1, s.rounds + 1):
+            for config in s.configs:
+                run_config(s, config, rnd, work, template, bin_dir, log, rows)
+    finally:
+        meta["seconds"] = round(time.time() - started, 1)
+        meta["machine"]["loadavg_at_end"] = os.getloadavg()
+        if not s.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        report = {**meta, "rounds": rows}
+        (s.out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+        table = markdown(report)
+        (s.out / "results.md").write_text(table)
+        chart(report, s.out / "chart.png", log)
+        log(f"done in {meta['seconds']:.0f} s; results in {s.out}\n\n{table}")
+        log_file.close()
+    return report
+
+
+# ---- reporting --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Metric:
+    label: str
+    workload: str
+    key: str
+    higher_is_better: bool
+    digits: int = 1
+    configs: tuple[str, ...] = CONFIGS
+
+
+METRICS = (
+    Metric("pgbench 1 client: mean latency (ms)", "pgbench-1", "latency_mean_ms", False, 3),
+    Metric("pgbench 1 client: p99 latency (ms)", "pgbench-1", "latency_p99_ms", False, 3),
+    Metric("pgbench 1 client: COMMIT mean (ms)", "pgbench-1", "commit_mean_ms", False, 3),
+    Metric("pgbench 1 client: TPS", "pgbench-1", "tps", True, 0),
+    Metric("pgbench 16 clients: TPS", "pgbench-16", "tps", True, 0),
+    Metric("pgbench 16 clients: mean latency (ms)", "pgbench-16", "latency_mean_ms", False, 2),
+    Metric("pgbench 16 clients: CPU ms per transaction, all receivers", "pgbench-16", "receivers_cpu_ms_per_txn",
+           False, 3, CONFIGS[1:]),
+    Metric("pgbench 16 clients: sidecar (proposer) CPU ms per transaction", "pgbench-16", "sidecar_cpu_ms_per_txn",
+           False, 3, ("walsidecar",)),
+    Metric("bulk ingest: WAL MB/s", "bulk", "wal_mb_s", True, 0),
+    Metric("bulk ingest: CPU s per GB, all receivers", "bulk", "all_receivers_cpu_s_per_gb", False, 2,
+           CONFIGS[1:]),
+    Metric("bulk ingest: sidecar (proposer) CPU s per GB", "bulk", "sidecar_cpu_s_per_gb", False, 2, ("walsidecar",)),
+    Metric("bulk ingest: sidecar peak RSS (MB)", "bulk", "sidecar_peak_rss_mb", False, 0, ("walsidecar",)),
+    Metric("one receiver down: WAL MB/s", "catchup", "dead_run.wal_mb_s", True, 0, CATCHUP_CONFIGS),
+    Metric("one safekeeper down: sidecar CPU s per GB", "catchup", "sidecar_cpu_s_per_gb_dead", False, 2,
+           ("walsidecar",)),
+    Metric("one safekeeper down: sidecar peak RSS (MB)", "catchup", "sidecar_peak_rss_mb_dead", False, 0,
+           ("walsidecar",)),
+    Metric("catch-up of the restarted receiver: MB/s", "catchup", "catchup_mb_s", True, 0, CATCHUP_CONFIGS),
+)
+
+
+def values(report: dict[str, Any], m: Metric, config: str) -> list[float]:
+    out = []
+    for row in report["rounds"]:
+        if row["config"] != config or row["workload"] != m.workload:
+            continue
+        v: Any = row
+        for part in m.key.split("."):
+            v = v.get(part) if isinstance(v, dict) else None
+        if isinstance(v, (int, float)):
+            out.append(float(v))
+    return out
+
+
+def median(report: dict[str, Any], m: Metric, config: str) -> float | None:
+    vs = values(report, m, config)
+    return statistics.median(vs) if vs else None
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """Medians over rounds; ratios are walsidecar's median over the other's."""
+    s = report["settings"]
+    configs = [c for c in CONFIGS if c in s["configs"]]
+    head = ["metric (median of rounds)", *configs]
+    ratio_to = [c for c in ("native-quorum", "receivewal-1") if c in configs and "walsidecar" in configs]
+    head += [f"walsidecar ÷ {c}" for c in ratio_to]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in METRICS:
+        meds = {c: median(report, m, c) if c in m.configs else None for c in configs}
+        if all(v is None for v in meds.values()):
+            continue
+        cells = [m.label] + [_num(meds[c], m.digits) for c in configs]
+        for c in ratio_to:
+            ours, theirs = meds.get("walsidecar"), meds.get(c)
+            cells.append(f"{ours / theirs:.2f}" if ours is not None and theirs else "–")
+        lines.append("| " + " | ".join(cells) + " |")
+    rounds = max((r["round"] for r in report["rounds"]), default=0)
+    errors = [r for r in report["rounds"] if r["workload"] == "error"]
+    floor = report.get("fsync_floor")
+    notes = [
+        "",
+        f"{rounds} interleaved round(s); pgbench TPC-B scale {s['scale']}, {s['duration']:g} s per pgbench run; "
+        f"bulk ingest {s['bulk_bytes'] / MB:.0f} MB of WAL; catch-up after {s['catchup_bytes'] / MB:.0f} MB; "
+        f"{report['machine']['cpus']} CPUs; load average {report['machine']['loadavg_at_start'][0]:.1f} at start. "
+        "MB = 10^6 bytes.",
+    ]
+    if floor:
+        notes.append(f"fsync floor (pg_test_fsync, one 8 kB write + fdatasync): {floor['fdatasync_us']:.0f} µs.")
+    notes += goals(report)
+    if errors:
+        notes += ["", "Failed rounds:"] + [f"* round {r['round']} {r['config']}: {r['error'].splitlines()[0]}"
+                                          for r in errors]
+    return "\n".join(lines + notes) + "\n"
+
+
+def goals(report: dict[str, Any]) -> list[str]:
+    """The targets of the benchmark, checked against this run's medians."""
+    by_label = {m.label: m for m in METRICS}
+
+    def med(label: str, config: str) -> float | None:
+        return median(report, by_label[label], config)
+
+    checks = [
+        ("16 clients: TPS ≥ 1.0 × native-quorum", med("pgbench 16 clients: TPS", "walsidecar"),
+         med("pgbench 16 clients: TPS", "native-quorum"), 1.0, True),
+        ("1 client: mean latency ≤ 1.2 × receivewal-1", med("pgbench 1 client: mean latency (ms)", "walsidecar"),
+         med("pgbench 1 client: mean latency (ms)", "receivewal-1"), 1.2, False),
+        ("bulk ingest: WAL MB/s ≥ 0.9 × async", med("bulk ingest: WAL MB/s", "walsidecar"),
+         med("bulk ingest: WAL MB/s", "async"), 0.9, True),
+        ("catch-up ≥ 150 MB/s", med("catch-up of the restarted receiver: MB/s", "walsidecar"), 150.0, 1.0, True),
+        ("sidecar peak RSS < 300 MB with a safekeeper down",
+         med("one safekeeper down: sidecar peak RSS (MB)", "walsidecar"), 300.0, 1.0, False),
+    ]
+    out = ["", "Goals:"]
+    for text, ours, ref, factor, higher in checks:
+        if ours is None or ref is None:
+            continue
+        ok = ours >= factor * ref if higher else ours <= factor * ref
+        out.append(f"* {text}: {'met' if ok else 'NOT met'} ({_num(ours, 2)} vs {_num(factor * ref, 2)})")
+    return out if len(out) > 2 else []
+
+
+def _num(v: float | None, digits: int) -> str:
+    return "–" if v is None else f"{v:,.{digits}f}"
+
+
+def chart(report: dict[str, Any], path: Path, log: Callable[[str], None]) -> None:
+    """Bars of the medians per configuration, whiskers from the lowest to the highest round."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed: no chart (pip install -e '.[bench]')")
+        return
+    configs = [c for c in CONFIGS if c in report["settings"]["configs"]]
+    shown = [m for m in METRICS if m.key in ("latency_mean_ms", "tps", "wal_mb_s", "catchup_mb_s",
+                                                 "all_receivers_cpu_s_per_gb", "sidecar_peak_rss_mb_dead")
+             and not (m.key == "tps" and m.workload == "pgbench-1") and not (m.key == "latency_mean_ms"
+                                                                             and m.workload == "pgbench-16")]
+    shown = [m for m in shown if any(values(report, m, c) for c in configs)]
+    if not shown:
+        return
+    colors = {"async": "#9e9e9e", "receivewal-1": "#64b5f6", "native-quorum": "#1565c0", "walsidecar": "#e65100"}
+    cols = 3
+    rows = (len(shown) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
+    for ax, m in zip(axes.flat, shown):
+        names, meds, lo, hi = [], [], [], []
+        for c in configs:
+            vs = values(report, m, c) if c in m.configs else []
+            if not vs:
+                continue
+            med = statistics.median(vs)
+            names.append(c)
+            meds.append(med)
+            lo.append(med - min(vs))
+            hi.append(max(vs) - med)
+        ax.bar(names, meds, yerr=[lo, hi], capsize=4, color=[colors[n] for n in names])
+        ax.set_title(m.label + (" ↑" if m.higher_is_better else " ↓"), fontsize=9)
+        ax.tick_params(axis="x", labelsize=8, rotation=15)
+    for ax in list(axes.flat)[len(shown):]:
+        ax.axis("off")
+    fig.suptitle("walsidecar benchmark: medians, whiskers min–max over rounds", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- command line -----------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> Settings:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, help="interleaved rounds (default 3; 1 with --quick)")
+    p.add_argument("--duration", type=float, help="seconds per pgbench run (default 30; 2 with --quick)")
+    p.add_argument("--only", default="", help="comma-separated configurations and/or workloads to run "
+                   f"(configurations: {', '.join(CONFIGS)}; workloads: {', '.join(WORKLOADS)})")
+    p.add_argument("--quick", action="store_true", help="a small run (under a minute) that checks the harness")
+    p.add_argument("--out", type=Path, default=Path("bench-results"), help="where results go (default bench-results)")
+    p.add_argument("--scale", type=int, help="pgbench scale (default 20; 1 with --quick)")
+    p.add_argument("--bulk-mb", type=int, help="MB of WAL for bulk ingest (default 1000; 32 with --quick)")
+    p.add_argument("--catchup-mb", type=int, help="MB of WAL written while a receiver is down (default 1000)")
+    p.add_argument("--workdir", type=Path, help="parent of the scratch directory (default: the system's temp dir)")
+    p.add_argument("--profile", nargs="?", const="wall", default="", choices=["wall", "gil"],
+                   help="py-spy the walsidecar processes during pgbench and bulk ingest (OUT/profile): "
+                   "wall-clock samples, or with 'gil' only samples of running Python code")
+    p.add_argument("--keep", action="store_true", help="keep the scratch directories (data, logs)")
+    p.add_argument("--no-fsync-floor", action="store_true", help="skip the pg_test_fsync measurement")
+    a = p.parse_args(argv)
+    s = Settings(out=a.out, workdir=a.workdir, profile=a.profile, keep=a.keep, quick=a.quick)
+    if a.quick:
+        s.rounds, s.duration, s.scale, s.bulk_bytes, s.catchup_bytes = 1, 2.0, 1, 32 * MB, 32 * MB
+        s.fsync_floor = False
+    s.rounds = a.rounds if a.rounds is not None else s.rounds
+    s.duration = a.duration if a.duration is not None else s.duration
+    s.scale = a.scale if a.scale is not None else s.scale
+    s.bulk_bytes = a.bulk_mb * MB if a.bulk_mb is not None else s.bulk_bytes
+    s.catchup_bytes = a.catchup_mb * MB if a.catchup_mb is not None else s.catchup_bytes
+    s.fsync_floor = s.fsync_floor and not a.no_fsync_floor
+    only = [x.strip() for x in a.only.split(",") if x.strip()]
+    unknown = [x for x in only if x not in CONFIGS + WORKLOADS]
+    if unknown:
+        p.error(f"--only: unknown {', '.join(unknown)}")
+    s.configs = tuple(c for c in CONFIGS if c in only) or CONFIGS
+    s.workloads = tuple(w for w in WORKLOADS if w in only) or WORKLOADS
+    if s.rounds < 1 or s.duration <= 0:
+        p.error("--rounds and --duration must be positive")
+    return s
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    s = parse_args(argv)
+    # The walsidecar processes run this checkout's code, whatever the current directory.
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    # SIGTERM and SIGHUP unwind like Ctrl-C, so every process started is stopped by its PID.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
+    try:
+        report = run(s)
+    except KeyboardInterrupt:
+        print("bench: interrupted; everything started was stopped", file=sys.stderr)
+        return 130
+    return 1 if any(r["workload"] == "error" for r in report["rounds"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""Segment scans as Arrow record batches: the `records` and `segments` schemas and their conversion."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from sidecar.wal.archive import Problem, SegmentScan, SegmentSummary
+from sidecar.wal.decode import (
+    BKPBLOCK_FORK_MASK,
+    BKPBLOCK_HAS_IMAGE,
+    BKPBLOCK_WILL_INIT,
+    BKPIMAGE_APPLY,
+    BKPIMAGE_COMPRESS_LZ4,
+    BKPIMAGE_COMPRESS_PGLZ,
+    BKPIMAGE_COMPRESS_ZSTD,
+    FORK_NAMES,
+    POSTGRES_EPOCH_UNIX_US,
+)
+from sidecar.wal.format import RM_MAX_CUSTOM_ID, rmid_is_valid
+from sidecar.wal.rmgrdesc import RM_XACT_ID, identify, rmgr_name
+
+BLOCK_TYPE = pa.struct([
+    ("block_id", pa.int16()),
+    ("spc", pa.int64()),
+    ("db", pa.int64()),
+    ("rel", pa.int64()),
+    ("fork", pa.string()),
+    ("blkno", pa.int64()),
+    ("flags", pa.int16()),
+    ("will_init", pa.bool_()),
+    ("data_len", pa.int32()),
+    ("has_image", pa.bool_()),
+    ("bimg_len", pa.int32()),
+    ("hole_offset", pa.int32()),
+    ("hole_length", pa.int32()),
+    ("bimg_info", pa.int16()),
+    ("apply_image", pa.bool_()),
+    ("compression", pa.string()),
+])
+
+RECORD_SCHEMA = pa.schema([
+    ("segno", pa.int64()),
+    ("tli", pa.int32()),
+    ("lsn", pa.int64()),
+    ("end_lsn", pa.int64()),
+    ("prev", pa.int64()),
+    ("xid", pa.int64()),
+    ("rmid", pa.int16()),
+    ("rmgr", pa.string()),
+    ("info", pa.int16()),
+    ("recid", pa.int16()),  # pg_waldump --stats=record key: info >> 4, xact HAS_INFO bit masked
+    ("record_type", pa.string()),
+    ("tot_len", pa.int64()),
+    ("rec_len", pa.int64()),  # tot_len without full-page images, as pg_waldump's "rec" length
+    ("fpi_len", pa.int64()),
+    ("main_len", pa.int64()),
+    ("crc", pa.int64()),
+    ("xact_time", pa.timestamp("us", tz="UTC")),
+    ("block_count", pa.int16()),
+    ("blocks", pa.list_(pa.field("item", BLOCK_TYPE))),
+])
+
+PROBLEM_TYPE = pa.struct([("lsn", pa.int64()), ("kind", pa.string()), ("segment", pa.string()), ("message", pa.string())])
+
+SUMMARY_SCHEMA = pa.schema([
+    ("segno", pa.int64()),
+    ("tli", pa.int32()),
+    ("name", pa.string()),
+    ("size", pa.int64()),
+    ("start_lsn", pa.int64()),
+    ("records", pa.int64()),
+    ("first_lsn", pa.int64()),
+    ("first_prev", pa.int64()),
+    ("last_lsn", pa.int64()),
+    ("last_end", pa.int64()),
+    ("record_bytes", pa.int64()),
+    ("fpi_bytes", pa.int64()),
+    ("crc_failures", pa.int32()),
+    ("sysid", pa.string()),  # a uint64, beyond int64's range in general
+    ("page_tli_min", pa.int32()),
+    ("page_tli_max", pa.int32()),
+    ("reached_end", pa.bool_()),
+    ("end_reason", pa.string()),
+    ("head_bytes_read", pa.int64()),
+    ("problems", pa.list_(pa.field("item", PROBLEM_TYPE))),
+])
+
+SEGMENTS_SCHEMA = SUMMARY_SCHEMA.append(pa.field("chain", pa.string())).append(pa.field("continues_to_next", pa.bool_()))
+
+# The output of one Spark task: either a batch of records or one segment summary, the other column null.
+TASK_SCHEMA = pa.schema([("rec", pa.struct(list(RECORD_SCHEMA))), ("seg", pa.struct(list(SUMMARY_SCHEMA)))])
+
+_NAME_KEYS = (RM_MAX_CUSTOM_ID + 1) * 16
+_RMGR_NAMES = pa.array([rmgr_name(r) if rmid_is_valid(r) else None for r in range(RM_MAX_CUSTOM_ID + 1)])
+_TYPE_NAMES = pa.array([identify(k >> 4, (k & 15) << 4) if rmid_is_valid(k >> 4) else None for k in range(_NAME_KEYS)])
+_FORKS = pa.array(list(FORK_NAMES) + [None] * (BKPBLOCK_FORK_MASK + 1 - len(FORK_NAMES)))
+_COMPRESSIONS = pa.array([None, "pglz", "lz4", "zstd"])
+
+BATCH_ROWS = 65536
+
+
+def _blocks_array(blocks: list[Any], counts: np.ndarray) -> pa.ListArray:
+    """The block references as list<struct>, one list per record."""
+    offsets = np.zeros(len(counts) + 1, dtype=np.int32)
+    np.cumsum(counts, out=offsets[1:])
+    if blocks:
+        (block_id, flags, spc, db, rel, blkno, data_len, bimg_len, hole_offset, hole_length, bimg_info,
+         _image_offset, _data_offset) = (np.asarray(c, dtype=np.int64) for c in zip(*blocks))
+    else:
+        block_id = flags = spc = db = rel = blkno = data_len = bimg_len = hole_offset = hole_length = bimg_info = (
+            np.zeros(0, dtype=np.int64))
+    has_image = (flags & BKPBLOCK_HAS_IMAGE) != 0
+    method = np.select(
+        [(bimg_info & BKPIMAGE_COMPRESS_PGLZ) != 0, (bimg_info & BKPIMAGE_COMPRESS_LZ4) != 0,
+         (bimg_info & BKPIMAGE_COMPRESS_ZSTD) != 0], [1, 2, 3], 0)
+    children = [
+        pa.array(block_id, pa.int16()), pa.array(spc), pa.array(db), pa.array(rel),
+        pc.take(_FORKS, pa.array(flags & BKPBLOCK_FORK_MASK)), pa.array(blkno), pa.array(flags, pa.int16()),
+        pa.array((flags & BKPBLOCK_WILL_INIT) != 0), pa.array(data_len, pa.int32()), pa.array(has_image),
+        pa.array(bimg_len, pa.int32()), pa.array(hole_offset, pa.int32()), pa.array(hole_length, pa.int32()),
+        pa.array(bimg_info, pa.int16()), pa.array(has_image & ((bimg_info & BKPIMAGE_APPLY) != 0)),
+        pc.take(_COMPRESSIONS, pa.array(method)),
+    ]
+    struct = pa.StructArray.from_arrays(children, fields=list(BLOCK_TYPE))
+    return pa.ListArray.from_arrays(pa.array(offsets), struct, type=RECORD_SCHEMA.field("blocks").type)
+
+
+def records_table(scan: SegmentScan) -> pa.Table:
+    """The records of a segment scan as a table of RECORD_SCHEMA."""
+    cols = scan.columns()
+    n = len(scan.records)
+    rmid = np.asarray(cols["rmid"], dtype=np.int64)
+    info = np.asarray(cols["info"], dtype=np.int64)
+    tot_len = np.asarray(cols["tot_len"], dtype=np.int64)
+    fpi_len = np.asarray(cols["fpi_len"], dtype=np.int64)
+    recid = info >> 4
+    recid = np.where(rmid == RM_XACT_ID, recid & 0x07, recid)
+    xact = pc.add(pa.array(cols["xact_time"], pa.int64()), POSTGRES_EPOCH_UNIX_US).cast(pa.timestamp("us", tz="UTC"))
+    counts = np.asarray(cols["block_count"], dtype=np.int64)
+    s = scan.summary
+    arrays = [
+        pa.array(np.full(n, s.segno, dtype=np.int64)),
+        pa.array(np.full(n, s.tli, dtype=np.int32)),
+        pa.array(cols["lsn"], pa.int64()),
+        pa.array(cols["end_lsn"], pa.int64()),
+        pa.array(cols["prev"], pa.int64()),
+        pa.array(cols["xid"], pa.int64()),
+        pa.array(rmid, pa.int16()),
+        pc.take(_RMGR_NAMES, pa.array(rmid)),
+        pa.array(info, pa.int16()),
+        pa.array(recid, pa.int16()),
+        pc.take(_TYPE_NAMES, pa.array(rmid * 16 + (info >> 4))),
+        pa.array(tot_len),
+        pa.array(tot_len - fpi_len),
+        pa.array(fpi_len),
+        pa.array(cols["main_len"], pa.int64()),
+        pa.array(cols["crc"], pa.int64()),
+        xact,
+        pa.array(counts, pa.int16()),
+        _blocks_array(scan.blocks, counts),
+    ]
+    return pa.Table.from_arrays(arrays, schema=RECORD_SCHEMA)
+
+
+def summary_row(s: SegmentSummary) -> dict[str, Any]:
+    """A segment summary as a SUMMARY_SCHEMA row."""
+    row = {f.name: getattr(s, f.name) for f in SUMMARY_SCHEMA if f.name not in ("sysid", "problems")}
+    row["sysid"] = None if s.sysid is None else str(s.sysid)
+    row["problems"] = [vars(p) for p in s.problems]
+    return row
+
+
+def summary_from_row(row: dict[str, Any]) -> SegmentSummary:
+    """The SegmentSummary a SUMMARY_SCHEMA row holds."""
+    fields = {k: v for k, v in row.items() if k in SegmentSummary.__dataclass_fields__}
+    fields["sysid"] = None if row.get("sysid") is None else int(row["sysid"])
+    fields["problems"] = [Problem(**p) for p in row.get("problems") or []]
+    return SegmentSummary(**fields)
+
+
+def task_batches(scan: SegmentScan, with_records: bool) -> Iterator[pa.RecordBatch]:
+    """The batches a Spark task emits for one segment: its records (if wanted), then its summary."""
+    rec_type = TASK_SCHEMA.field("rec").type
+    seg_type = TASK_SCHEMA.field("seg").type
+    if with_records and scan.records:
+        table = records_table(scan)
+        for batch in table.to_batches(max_chunksize=BATCH_ROWS):
+            rec = pa.StructArray.from_arrays(batch.columns, fields=list(rec_type))
+            yield pa.RecordBatch.from_arrays([rec, pa.nulls(len(batch), seg_type)], schema=TASK_SCHEMA)
+    seg = pa.array([summary_row(scan.summary)], type=seg_type)
+    yield pa.RecordBatch.from_arrays([pa.nulls(1, rec_type), seg], schema=TASK_SCHEMA)

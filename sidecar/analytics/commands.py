@@ -1,0 +1,135 @@
+"""The `analyze` and `verify-archive` commands; Spark and pyarrow are imported only when one of them runs."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from sidecar.lsn import format_lsn
+
+F = Callable[..., Any]
+
+
+def spark_options(fn: F) -> F:
+    """--master, --conf, --spark-ui, --s3-endpoint and --progress/--no-progress."""
+    options = [
+        click.option("--master", default="local[*]", show_default=True, envvar="WALSIDECAR_SPARK_MASTER",
+                     help="Spark master URL, passed through to Spark."),
+        click.option("--conf", "confs", multiple=True, metavar="KEY=VALUE",
+                     help="Spark configuration, passed through (repeatable); overrides walsidecar's defaults."),
+        click.option("--spark-ui", is_flag=True, help="Run the Spark web UI (off by default)."),
+        click.option("--s3-endpoint", envvar="AWS_ENDPOINT_URL", metavar="URL",
+                     help="S3 endpoint for s3:// sources and outputs (default: AWS's, or AWS_ENDPOINT_URL)."),
+        click.option("--progress/--no-progress", default=True, show_default=True,
+                     help="Show a progress bar for the Spark stages on stderr."),
+        click.option("--first", metavar="SEGMENT", help="First segment file to read (default: the lowest in SOURCE)."),
+        click.option("--last", metavar="SEGMENT", help="Last segment file to read (default: the highest in SOURCE)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _imports() -> None:
+    try:
+        import pyarrow  # noqa: F401
+        import pyspark  # noqa: F401
+    except ImportError as exc:
+        raise click.ClickException(
+            f"{exc.name} is not installed: install walsidecar with its analytics extra (scripts/install.sh does)"
+        ) from exc
+
+
+def _plan(source: str, first: str | None, last: str | None, s3_endpoint: str | None) -> Any:
+    from sidecar.wal.archive import open_storage, plan_archive
+
+    try:
+        return plan_archive(open_storage(source, s3_endpoint=s3_endpoint), first, last)
+    except (FileNotFoundError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def _run(master: str, confs: tuple[str, ...], spark_ui: bool, progress: bool, work: Callable[[Any, Any], Any]) -> Any:
+    from sidecar.analytics.session import StageProgress, parse_conf, spark_session
+
+    try:
+        conf = parse_conf(confs)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--conf") from exc
+    with spark_session(master, conf, ui=spark_ui) as spark, StageProgress(spark, sys.stderr if progress else None) as bar:
+        return work(spark, bar)
+
+
+@click.command()
+@click.argument("source")
+@click.option("--out", metavar="DIR", help="Write the Parquet datasets, stats.txt and report.html here "
+                                           "(a directory or s3://bucket/prefix).")
+@click.option("--stats", "want_stats", is_flag=True,
+              help="Print the per-record-type table in the layout of pg_waldump --stats=record.")
+@spark_options
+def analyze(source: str, out: str | None, want_stats: bool, master: str, confs: tuple[str, ...], spark_ui: bool,
+            s3_endpoint: str | None, progress: bool, first: str | None, last: str | None) -> None:
+    """Decode archived WAL with Spark into datasets, a report and statistics.
+
+    SOURCE is a directory of WAL segments (an archive, pg_wal, a safekeeper's wal/) or s3://bucket/prefix.
+    With --stats the output for segments FIRST..LAST equals that of
+    `pg_waldump --stats=record --path SOURCE FIRST LAST`.
+    """
+    if out is None and not want_stats:
+        raise click.UsageError("nothing to do: give --out DIR, --stats, or both")
+    _imports()
+    from sidecar.analytics.pipeline import analyze as run_analyze
+    from sidecar.wal.stats import format_stats_record
+
+    plan = _plan(source, first, last, s3_endpoint)
+    result = _run(master, confs, spark_ui, progress,
+                  lambda spark, bar: run_analyze(spark, plan, bar, out=out, want_stats=want_stats,
+                                                 s3_endpoint=s3_endpoint))
+    chain = result.chain
+    if want_stats:
+        if chain.valid_start is None:
+            start = plan.segments[0].segno * plan.seg_size if plan.segments else 0
+            raise click.ClickException(f"could not find a valid record after {format_lsn(start)}")
+        click.echo(format_stats_record(result.stats), nl=False)
+    for p in chain.problems[:5]:
+        click.echo(f"warning: {p.describe()}", err=True)
+    if len(chain.problems) > 5:
+        click.echo(f"warning: {len(chain.problems) - 5} more problems; run verify-archive for all", err=True)
+    if out is not None:
+        click.echo(f"wrote {', '.join(result.written)}", err=True)
+
+
+@click.command("verify-archive")
+@click.argument("source")
+@spark_options
+def verify_archive(source: str, master: str, confs: tuple[str, ...], spark_ui: bool, s3_endpoint: str | None,
+                   progress: bool, first: str | None, last: str | None) -> None:
+    """Check archived WAL: CRC of every record, page headers, xl_prev chain, missing segments, timelines.
+
+    Exits 1 naming the segment and LSN of the first problem; prints a summary when the archive is intact.
+    SOURCE is a directory of WAL segments or s3://bucket/prefix.
+    """
+    _imports()
+    from sidecar.analytics.pipeline import verify
+
+    plan = _plan(source, first, last, s3_endpoint)
+    chain = _run(master, confs, spark_ui, progress, lambda spark, bar: verify(spark, plan, bar))
+    segs = plan.segments
+    if chain.problems:
+        first_problem = chain.problems[0]
+        click.echo(f"FAILED: {first_problem.describe()}")
+        for p in chain.problems[1:20]:
+            click.echo(f"  also: {p.describe()}")
+        if len(chain.problems) > 20:
+            click.echo(f"  and {len(chain.problems) - 20} more")
+        sys.exit(1)
+    tlis = sorted({s.tli for s in segs})
+    last_seg = chain.summaries[-1] if chain.summaries else None
+    click.echo(f"OK: {len(segs)} segments {segs[0].name}..{segs[-1].name} (timeline {', '.join(map(str, tlis))})")
+    click.echo(f"  {chain.records:,} records from {format_lsn(chain.valid_start or 0)} to {format_lsn(chain.valid_end or 0)}:"
+               " every CRC valid, page headers and xl_prev chain consistent")
+    if last_seg is not None and not last_seg.reached_end:
+        click.echo(f"  WAL ends in {last_seg.name}: {last_seg.end_reason}")

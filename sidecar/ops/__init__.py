@@ -1,0 +1,1 @@
+"""Operator commands: `check`, `status` and `init-postgres`."""

@@ -1,0 +1,375 @@
+"""`walsidecar check`: is this primary, with these safekeepers, quorum-safe? One line per check."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import psycopg
+
+from sidecar.config import CheckSettings
+from sidecar.consensus.messages import InfoReply
+from sidecar.lsn import format_lsn
+from sidecar.ops.probe import ProbeError, connect, fetch_status, probe_safekeeper, redact_dsn
+from sidecar.proposer import primary as pg
+
+Status = Literal["OK", "WARNING", "FAILED"]
+
+
+@dataclass
+class Check:
+    name: str
+    status: Status
+    detail: str = ""
+    hint: str = ""
+
+    def line(self) -> str:
+        text = f"{self.name}: {self.status}"
+        if self.detail:
+            text += f" ({self.detail})"
+        if self.hint and self.status != "OK":
+            text += f" hint: {self.hint}"
+        return text
+
+
+def _ok(name: str, detail: str = "") -> Check:
+    return Check(name, "OK", detail)
+
+
+def _warn(name: str, detail: str, hint: str) -> Check:
+    return Check(name, "WARNING", detail, hint)
+
+
+def _fail(name: str, detail: str, hint: str) -> Check:
+    return Check(name, "FAILED", detail, hint)
+
+
+def _restart_hint(setting: str, value: str) -> str:
+    return f"ALTER SYSTEM SET {setting} = {value}; then restart PostgreSQL (or run `walsidecar init-postgres`)"
+
+
+class Checker:
+    """Runs the checks against one primary and its safekeepers."""
+
+    def __init__(self, s: CheckSettings) -> None:
+        self.s = s
+        self.checks: list[Check] = []
+        self.system_id: int | None = None
+        self.seg_size: int | None = None
+        self.pg_major: int | None = None
+
+    def add(self, c: Check) -> None:
+        self.checks.append(c)
+
+    async def run(self) -> list[Check]:
+        conn = await self._connect()
+        try:
+            if conn is not None:
+                await self._primary(conn)
+        finally:
+            if conn is not None:
+                await conn.close()
+        await self._safekeepers()
+        if conn is not None:
+            await self._streaming()
+        if self.s.proposer_metrics:
+            await self._proposer()
+        return self.checks
+
+    async def _connect(self) -> psycopg.AsyncConnection | None:
+        try:
+            conn = await connect(self.s.pg_dsn, self.s.timeout, "check")
+        except (psycopg.Error, OSError, asyncio.TimeoutError) as e:
+            self.add(_fail("PostgreSQL", str(e).strip().splitlines()[0] if str(e).strip() else "timed out",
+                           "check --pg-dsn: host, port, user, password (or .pgpass) and pg_hba.conf"))
+            return None
+        return conn
+
+    async def _primary(self, conn: psycopg.AsyncConnection) -> None:
+        row = await (await conn.execute(
+            """SELECT current_setting('server_version'), current_setting('server_version_num')::int,
+                      (SELECT system_identifier FROM pg_control_system()), pg_is_in_recovery(),
+                      current_user, (SELECT rolreplication OR rolsuper FROM pg_roles WHERE rolname = current_user),
+                      (SELECT setting::int FROM pg_settings WHERE name = 'wal_segment_size')""")).fetchone()
+        assert row is not None
+        version, version_num, system_id, in_recovery, user, can_replicate, seg_size = row
+        self.system_id, self.seg_size, self.pg_major = int(system_id), int(seg_size), int(version_num) // 10000
+        self.add(_ok("PostgreSQL", f"{version}, system id {system_id}, as {user}"))
+        if version_num < 150000:
+            self.add(_fail("PostgreSQL version", f"{version} is too old", "walsidecar needs PostgreSQL 15 or later"))
+        if in_recovery:
+            self.add(_fail("is primary", "the server is a standby (pg_is_in_recovery() is true)",
+                           "point --pg-dsn at the primary"))
+        else:
+            self.add(_ok("is primary"))
+        if can_replicate:
+            self.add(_ok("replication role", f"{user} may open replication connections"))
+        else:
+            self.add(_fail("replication role", f"{user} has neither REPLICATION nor SUPERUSER",
+                           f"ALTER ROLE {pg._quote_ident(user)} REPLICATION;"))
+
+        settings = dict(await (await conn.execute(
+            """SELECT name, setting FROM pg_settings WHERE name IN ('wal_level', 'max_wal_senders',
+                 'max_replication_slots', 'synchronous_standby_names', 'synchronous_commit',
+                 'max_slot_wal_keep_size')""")).fetchall())
+        self._wal_level(settings["wal_level"])
+        await self._senders_and_slots(conn, int(settings["max_wal_senders"]), int(settings["max_replication_slots"]))
+        self._standby_names(settings["synchronous_standby_names"])
+        await self._synchronous_commit(conn, settings["synchronous_commit"])
+        self._keep_size(int(settings["max_slot_wal_keep_size"]))
+        await self._slots(conn)
+
+    def _wal_level(self, level: str) -> None:
+        if level == "minimal":
+            self.add(_fail("wal_level", "minimal cannot stream WAL", _restart_hint("wal_level", "replica")))
+        else:
+            self.add(_ok("wal_level", level))
+
+    async def _senders_and_slots(self, conn: psycopg.AsyncConnection, senders: int, slots: int) -> None:
+        n = len(self.s.safekeepers)
+        # One stream, plus a reader per safekeeper catching up from pg_wal and one for checks.
+        wanted = n + 2
+        if senders == 0:
+            self.add(_fail("max_wal_senders", "0: no replication connection is allowed",
+                           _restart_hint("max_wal_senders", "10")))
+        elif senders < wanted:
+            self.add(_warn("max_wal_senders", f"{senders}: the sidecar may use up to {wanted} at once",
+                           _restart_hint("max_wal_senders", str(max(10, wanted)))))
+        else:
+            self.add(_ok("max_wal_senders", str(senders)))
+        ours = (self.s.slot, f"{self.s.slot}_horizon")
+        row = await (await conn.execute(
+            "SELECT count(*), count(*) FILTER (WHERE slot_name IN (%s, %s)) FROM pg_replication_slots",
+            ours)).fetchone()
+        assert row is not None
+        used, mine = row
+        missing = 2 - mine
+        if slots == 0:
+            self.add(_fail("max_replication_slots", "0: the sidecar cannot create its slots",
+                           _restart_hint("max_replication_slots", "10")))
+        elif slots - used < missing:
+            self.add(_fail("max_replication_slots",
+                           f"{slots}, of which {used} are in use: no room for the sidecar's {missing} missing slot(s)",
+                           _restart_hint("max_replication_slots", str(used + missing + 2))))
+        else:
+            self.add(_ok("max_replication_slots", f"{slots}, {used} in use"))
+
+    def _standby_names(self, value: str) -> None:
+        app = self.s.application_name
+        name = "synchronous_standby_names"
+        hint = pg._set_standby_names_hint(app)
+        shown = repr(value) if value else "'' (empty)"
+        try:
+            config = pg.parse_synchronous_standby_names(value)
+        except pg.SyncStandbyNamesError as e:
+            self.add(_fail(name, f"{shown} does not parse ({e})", hint))
+            return
+        if not pg.standby_name_matches(config, app):
+            self.add(_fail(name, f"{shown} does not name {app!r}: commits do not wait for the safekeeper quorum",
+                           hint))
+            return
+        assert config is not None
+        if config.num_sync > len(config.names) and "*" not in config.names:
+            self.add(_fail(name, f"{shown} asks for {config.num_sync} standbys but lists {len(config.names)}: "
+                                 "commits wait forever", hint))
+        elif not pg.sidecar_is_required(config, app):
+            self.add(_warn(name, f"{shown} lets other standbys release a commit without {app!r}", hint))
+        else:
+            self.add(_ok(name, value))
+
+    async def _synchronous_commit(self, conn: psycopg.AsyncConnection, value: str) -> None:
+        name = "synchronous_commit"
+        if value in ("off", "local"):
+            self.add(_fail(name, f"{value}: commits return before the safekeeper quorum has their WAL",
+                           "ALTER SYSTEM SET synchronous_commit = on; SELECT pg_reload_conf();"))
+            return
+        rows = await (await conn.execute(
+            r"""SELECT coalesce(r.rolname, ''), coalesce(d.datname, ''), c
+                  FROM pg_db_role_setting s
+                  LEFT JOIN pg_roles r ON r.oid = s.setrole
+                  LEFT JOIN pg_database d ON d.oid = s.setdatabase, unnest(s.setconfig) AS c
+                 WHERE lower(c) LIKE 'synchronous\_commit=%'""")).fetchall()
+        weak = []
+        for role, db, setting in rows:
+            v = setting.split("=", 1)[1].strip().lower()
+            if v in ("off", "local"):
+                target = " ".join(filter(None, [f"role {role}" if role else "", f"database {db}" if db else ""]))
+                weak.append(f"{target} sets {v}")
+        if weak:
+            self.add(_warn(name, f"{value}, but " + "; ".join(weak) + ": those sessions do not wait for the quorum",
+                           "ALTER ROLE ... RESET synchronous_commit / ALTER DATABASE ... RESET synchronous_commit"))
+        else:
+            self.add(_ok(name, value))
+
+    def _keep_size(self, mb: int) -> None:
+        name = "max_slot_wal_keep_size"
+        if mb < 0:
+            self.add(_warn(name, "-1 (unlimited): a safekeeper that stays down makes the primary keep WAL "
+                                 "until its disk is full",
+                           "ALTER SYSTEM SET max_slot_wal_keep_size = '10GB'; SELECT pg_reload_conf();"))
+        else:
+            self.add(_ok(name, f"{mb} MB"))
+
+    async def _slots(self, conn: psycopg.AsyncConnection) -> None:
+        rows = {r[0]: r[1:] for r in await (await conn.execute(
+            """SELECT slot_name, slot_type, active, restart_lsn::text, wal_status, safe_wal_size,
+                      pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint
+                 FROM pg_replication_slots WHERE slot_name IN (%s, %s)""",
+            (self.s.slot, f"{self.s.slot}_horizon"))).fetchall()}
+        for slot, critical in ((self.s.slot, True), (f"{self.s.slot}_horizon", False)):
+            name = f"replication slot {slot}"
+            bad = _fail if critical else _warn
+            row = rows.get(slot)
+            if row is None:
+                self.add(bad(name, "does not exist",
+                             "`walsidecar start` creates it when it attaches; or run `walsidecar init-postgres`"))
+                continue
+            slot_type, active, restart, wal_status, safe, kept = row
+            drop = f"SELECT pg_drop_replication_slot('{slot}'); then restart `walsidecar start`, which recreates it"
+            if slot_type != "physical":
+                self.add(_fail(name, f"is a {slot_type} slot", drop))
+            elif restart is None:
+                self.add(bad(name, "has no restart_lsn (not initialised)", drop))
+            elif wal_status == "lost":
+                self.add(bad(name, "wal_status lost: WAL it needed was removed (max_slot_wal_keep_size)", drop))
+            elif wal_status == "unreserved":
+                self.add(bad(name, f"wal_status unreserved: WAL it needs goes at the next checkpoint "
+                                   f"({kept} bytes retained)",
+                             "bring the safekeepers back and let them catch up now, or raise max_slot_wal_keep_size"))
+            else:
+                safe_txt = f", safe_wal_size {safe} bytes" if safe is not None else ""
+                detail = f"wal_status {wal_status}, {'active' if active else 'inactive'}, restart_lsn {restart}, " \
+                         f"{kept} bytes retained{safe_txt}"
+                if wal_status == "extended":
+                    self.add(_warn(name, detail, "the slot keeps more than max_wal_size: a safekeeper is lagging"))
+                else:
+                    self.add(_ok(name, detail))
+
+    async def _safekeepers(self) -> None:
+        async def one(addr: str) -> InfoReply | ProbeError:
+            try:
+                return await probe_safekeeper(addr, self.s.timeout)
+            except ProbeError as e:
+                return e
+
+        replies = await asyncio.gather(*(one(a) for a in self.s.safekeepers))
+        good = 0
+        ids: dict[int, str] = {}
+        for addr, r in zip(self.s.safekeepers, replies):
+            name = f"safekeeper {addr}"
+            if isinstance(r, ProbeError):
+                self.add(_fail(name, f"unreachable: {r}",
+                               f"start it (walsidecar safekeeper --listen {addr} ...) or fix --safekeepers"))
+                continue
+            tail = f"id {r.node_id}, term {r.term}, flush_lsn {format_lsn(r.flush_lsn)}" + \
+                   (", proposer attached" if r.proposer_connected else "")
+            self.add(_ok(name, tail))
+            if r.node_id in ids:
+                self.add(_fail(f"{name} id", f"id {r.node_id} is also the id of {ids[r.node_id]}",
+                               "every safekeeper needs its own --id and --data-dir"))
+                continue
+            ids[r.node_id] = addr
+            if self._identity(addr, r):
+                good += 1
+        q, n = self.s.quorum or len(self.s.safekeepers) // 2 + 1, len(self.s.safekeepers)
+        if good >= q:
+            self.add(_ok("safekeeper quorum", f"{good} of {n} usable, quorum {q}"))
+        else:
+            self.add(_fail("safekeeper quorum", f"only {good} of {n} usable, quorum {q}: commits wait",
+                           f"start or repair safekeepers until {q} of {n} answer with this primary's system id"))
+
+    def _identity(self, addr: str, r: InfoReply) -> bool:
+        name = f"safekeeper {addr} system id"
+        if r.system_id == 0:
+            self.add(_ok(name, "not initialised yet: takes the primary's identity at the first proposer contact"))
+            return True
+        if self.system_id is None:
+            self.add(_warn(name, f"{r.system_id}; the primary was not reachable to compare",
+                           "fix the PostgreSQL check first"))
+            return True
+        problems = []
+        if r.system_id != self.system_id:
+            problems.append(f"holds WAL of system {r.system_id}, the primary is {self.system_id}")
+        if self.seg_size and r.wal_seg_size != self.seg_size:
+            problems.append(f"segment size {r.wal_seg_size}, the primary's is {self.seg_size}")
+        if self.pg_major and r.pg_version != self.pg_major:
+            problems.append(f"PostgreSQL {r.pg_version}, the primary is {self.pg_major}")
+        if problems:
+            self.add(_fail(name, "; ".join(problems),
+                           "it belongs to another cluster: list this cluster's safekeepers in --safekeepers, "
+                           "or give this one an empty --data-dir if its WAL is not needed"))
+            return False
+        self.add(_ok(name, str(r.system_id)))
+        return True
+
+    async def _streaming(self) -> None:
+        name = "sidecar streaming"
+        app = self.s.application_name
+        try:
+            conn = await connect(self.s.pg_dsn, self.s.timeout, "check")
+        except (psycopg.Error, OSError, asyncio.TimeoutError):
+            return
+        try:
+            row = await (await conn.execute(
+                """SELECT state, sync_state, flush_lsn::text,
+                          pg_wal_lsn_diff(pg_current_wal_flush_lsn(), flush_lsn)::bigint
+                     FROM pg_stat_replication WHERE application_name = %s LIMIT 1""", (app,))).fetchone()
+            waiting = await (await conn.execute(
+                """SELECT count(*), coalesce(extract(epoch FROM max(now() - query_start)), 0)::float8
+                     FROM pg_stat_activity WHERE wait_event = 'SyncRep'""")).fetchone()
+        finally:
+            await conn.close()
+        if row is None:
+            self.add(_fail(name, f"no replication connection named {app!r} in pg_stat_replication",
+                           "start the proposer: walsidecar start --pg-dsn ... --safekeepers ...; then read its log"))
+        else:
+            state, sync_state, flush, lag = row
+            detail = f"{state}, sync_state {sync_state}, flush_lsn {flush}, {lag} bytes behind the primary"
+            if state != "streaming":
+                self.add(_warn(name, detail, "it is starting or catching up; check again in a moment"))
+            elif sync_state not in ("sync", "quorum"):
+                self.add(_fail(name, detail, "commits do not wait for it: fix synchronous_standby_names (above)"))
+            else:
+                self.add(_ok(name, detail))
+        assert waiting is not None
+        count, oldest = waiting
+        if count and oldest > 5:
+            self.add(_warn("commits waiting", f"{count} waiting for the quorum, the oldest for {oldest:.0f}s",
+                           "see `walsidecar status` and the README's Operations section"))
+        else:
+            self.add(_ok("commits waiting", str(count)))
+
+    async def _proposer(self) -> None:
+        name = f"proposer endpoint {self.s.proposer_metrics}"
+        try:
+            doc = await fetch_status(self.s.proposer_metrics, self.s.timeout)  # type: ignore[arg-type]
+        except ProbeError as e:
+            self.add(_fail(name, str(e), "is `walsidecar start --metrics ...` running with this address?"))
+            return
+        detail = f"term {doc.get('term')}, {doc.get('phase')}, commit_lsn {doc.get('commit_lsn')}"
+        if doc.get("quorum_available"):
+            self.add(_ok(name, detail + ", quorum available"))
+        else:
+            self.add(_fail(name, detail + ", no quorum in the current term", "see `walsidecar status`"))
+
+
+def render(s: CheckSettings, checks: list[Check], fmt: str) -> str:
+    """Console lines (one per check) or a JSON document."""
+    counts = {k: sum(c.status == k for c in checks) for k in ("OK", "WARNING", "FAILED")}
+    if fmt == "json":
+        return json.dumps({"primary": redact_dsn(s.pg_dsn), "safekeepers": list(s.safekeepers),
+                           "quorum": s.quorum, "ok": counts["FAILED"] == 0, "counts": counts,
+                           "checks": [asdict(c) for c in checks]}, indent=2)
+    head = f"walsidecar check: primary {redact_dsn(s.pg_dsn)}; safekeepers {','.join(s.safekeepers)}; " \
+           f"quorum {s.quorum} of {len(s.safekeepers)}"
+    tail = f"{counts['OK']} OK, {counts['WARNING']} WARNING, {counts['FAILED']} FAILED"
+    return "\n".join([head] + ["\t" + c.line() for c in checks] + [tail])
+
+
+def run_check(s: CheckSettings) -> int:
+    """Print the checks; the exit code is 1 if any FAILED."""
+    checks = asyncio.run(Checker(s).run())
+    print(render(s, checks, s.format), flush=True)
+    return 1 if any(c.status == "FAILED" for c in checks) else 0

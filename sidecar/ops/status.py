@@ -1,0 +1,206 @@
+"""`walsidecar status`: a `patronictl list`-style table of the proposer and its safekeepers.
+
+Where it looks: the proposer's /status document (`--proposer-metrics`, the proposer's
+`--metrics` address) gives the full picture as the proposer sees it. `--safekeepers` asks each
+safekeeper directly (its own term, flush and commit LSN), which still works when the proposer
+is down. `--pg-dsn` adds the primary's flush LSN, waiting commits and the sidecar's sync state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from datetime import datetime
+from typing import Any
+
+import psycopg
+
+from sidecar.config import StatusSettings
+from sidecar.consensus.messages import InfoReply
+from sidecar.lsn import format_lsn, parse_lsn
+from sidecar.ops.probe import ProbeError, connect, fetch_status, probe_safekeeper, redact_dsn
+
+COLUMNS = ("Safekeeper", "Address", "State", "Term", "Flush LSN", "Lag (bytes)", "Lag (s)", "Last contact")
+
+
+async def gather(s: StatusSettings) -> dict[str, Any]:
+    """Ask every source given; each failure is recorded, not raised."""
+    doc: dict[str, Any] = {"time": datetime.now().astimezone().isoformat(timespec="seconds")}
+    tasks: dict[str, Any] = {}
+    if s.proposer_metrics:
+        tasks["proposer"] = fetch_status(s.proposer_metrics, s.timeout)
+    for addr in s.safekeepers:
+        tasks[f"sk:{addr}"] = probe_safekeeper(addr, s.timeout)
+    if s.pg_dsn:
+        tasks["primary"] = _primary(s)
+    results = await asyncio.gather(*tasks.values(), return_exceptions=True)
+    got = dict(zip(tasks, results))
+
+    proposer = got.get("proposer")
+    if s.proposer_metrics:
+        if isinstance(proposer, BaseException):
+            doc["proposer"] = {"endpoint": s.proposer_metrics, "error": str(proposer)}
+        else:
+            doc["proposer"] = {"endpoint": s.proposer_metrics, **{k: v for k, v in proposer.items()
+                                                                  if k != "safekeepers"}}
+    rows: dict[str, dict[str, Any]] = {}
+    if isinstance(proposer, dict):
+        for row in proposer.get("safekeepers", []):
+            rows[row["address"]] = dict(row)
+    for addr in s.safekeepers:
+        r = got[f"sk:{addr}"]
+        row = rows.setdefault(addr, {"address": addr, "id": None, "state": None, "term": None, "flush_lsn": None,
+                                     "lag_bytes": None, "lag_seconds": None, "last_contact_seconds": None})
+        if isinstance(r, InfoReply):
+            row["own"] = {"id": r.node_id, "system_id": str(r.system_id), "term": r.term,
+                          "last_log_term": r.last_log_term, "flush_lsn": format_lsn(r.flush_lsn),
+                          "commit_lsn": format_lsn(r.commit_lsn), "proposer_connected": r.proposer_connected}
+            row["id"] = row["id"] or r.node_id
+            if row["term"] is None:
+                row["term"] = r.term
+            if row["flush_lsn"] is None:
+                row["flush_lsn"] = format_lsn(r.flush_lsn)
+            if row["state"] is None:
+                row["state"] = "streaming" if r.proposer_connected else "idle"
+        else:
+            row["own"] = {"error": str(r)}
+            if row["state"] is None:
+                row["state"] = "down"
+    primary = got.get("primary")
+    if s.pg_dsn:
+        doc["primary"] = {"error": str(primary)} if isinstance(primary, BaseException) else primary
+    _fill_lag(doc, rows)
+    doc["safekeepers"] = sorted(rows.values(), key=lambda r: (r["id"] is None, r["id"] or 0, r["address"]))
+    return doc
+
+
+async def _primary(s: StatusSettings) -> dict[str, Any]:
+    try:
+        conn = await connect(s.pg_dsn, s.timeout, "status")  # type: ignore[arg-type]
+    except (psycopg.Error, OSError, asyncio.TimeoutError) as e:
+        raise ProbeError((str(e).strip() or "timed out").splitlines()[0]) from None
+    try:
+        row = await (await conn.execute(
+            """SELECT pg_current_wal_flush_lsn()::text,
+                      (SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'),
+                      (SELECT extract(epoch FROM max(now() - query_start))::float8
+                         FROM pg_stat_activity WHERE wait_event = 'SyncRep'),
+                      r.state, r.sync_state, r.flush_lsn::text
+                 FROM (SELECT 1) one LEFT JOIN pg_stat_replication r ON r.application_name = %s""",
+            (s.application_name,))).fetchone()
+    finally:
+        await conn.close()
+    assert row is not None
+    return {"dsn": redact_dsn(s.pg_dsn), "flush_lsn": row[0], "commits_waiting": row[1],
+            "oldest_wait_seconds": round(row[2], 3) if row[2] is not None else None,
+            "replication_state": row[3], "sync_state": row[4], "sidecar_flush_lsn": row[5]}
+
+
+def _fill_lag(doc: dict[str, Any], rows: dict[str, dict[str, Any]]) -> None:
+    """Without the proposer, lag is measured against the primary (or the most advanced safekeeper)."""
+    ref = None
+    prim = doc.get("primary") or {}
+    if prim.get("flush_lsn"):
+        ref = parse_lsn(prim["flush_lsn"])
+    elif rows:
+        flushes = [parse_lsn(r["flush_lsn"]) for r in rows.values() if r.get("flush_lsn")]
+        ref = max(flushes) if flushes else None
+    for r in rows.values():
+        if r.get("lag_bytes") is None and ref is not None and r.get("flush_lsn"):
+            r["lag_bytes"] = max(ref - parse_lsn(r["flush_lsn"]), 0)
+
+
+def _cell(v: Any) -> str:
+    return "" if v is None else str(v)
+
+
+def table(doc: dict[str, Any]) -> str:
+    """patronictl-style box: a title bar, one row per safekeeper, then summary lines."""
+    rows = []
+    for r in doc["safekeepers"]:
+        contact = r.get("last_contact_seconds")
+        lag_s = r.get("lag_seconds")
+        rows.append([_cell(r.get("id")), r["address"], _cell(r.get("state")), _cell(r.get("term")),
+                     _cell(r.get("flush_lsn")), _cell(r.get("lag_bytes")),
+                     "" if lag_s is None else f"{lag_s:.1f}",
+                     "" if contact is None else f"{contact:.1f}s ago"])
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(COLUMNS)]
+    border = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
+    prop = doc.get("proposer") or {}
+    title = f" Cluster: {prop.get('application_name') or 'walsidecar'} "
+    if prop.get("slot"):
+        title += f"(slot {prop['slot']}) "
+    top = "+" + title + border[len(title) + 1:] if len(title) + 1 < len(border) else "+" + title + "+"
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) if i < 3 or i == 4 else c.rjust(w)
+                                 for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+
+    out = [top, line(list(COLUMNS)), border] + [line(r) for r in rows] + [border]
+    out += _summary(doc)
+    return "\n".join(out)
+
+
+def _summary(doc: dict[str, Any]) -> list[str]:
+    lines = []
+    prop = doc.get("proposer")
+    if prop is not None:
+        if prop.get("error"):
+            lines.append(f" Proposer: unreachable at {prop['endpoint']}: {prop['error']}")
+        else:
+            q = "available" if prop.get("quorum_available") else "LOST"
+            lines.append(f" Proposer: term {prop.get('term')}, {prop.get('phase')}, "
+                         f"commit_lsn {prop.get('commit_lsn') or '-'}, "
+                         f"quorum {prop.get('quorum')} of {prop.get('safekeepers_configured')}: {q}")
+            limbo = prop.get("limbo") or {}
+            alert = " (ALERT)" if limbo.get("alerting") else ""
+            oldest = f", the oldest (up to {limbo.get('oldest_lsn')}) for {limbo.get('oldest_wait_seconds', 0):.1f}s" \
+                if limbo.get("oldest_lsn") else ""
+            lines.append(f" Limbo:    {limbo.get('pending_bytes', 0)} bytes waiting for a quorum{oldest}{alert}")
+    direct, seen = doc.get("primary"), (prop or {}).get("primary")
+    # The primary as asked directly; else as the proposer last polled it.
+    prim = direct if direct and not direct.get("error") else (seen if seen and seen.get("flush_lsn") else direct)
+    if prim:
+        if prim.get("error") and not prim.get("flush_lsn"):
+            lines.append(f" Primary:  unreachable: {prim['error']}")
+        else:
+            waiting = prim.get("commits_waiting")
+            oldest = prim.get("oldest_wait_seconds")
+            wait_txt = f"commits waiting {waiting}" + (f" (the oldest for {oldest:.1f}s)" if waiting and oldest else "")
+            sync = prim.get("sync_state") or "not connected"
+            lines.append(f" Primary:  flush_lsn {prim.get('flush_lsn')}, {wait_txt}, sidecar sync_state {sync}")
+    return lines
+
+
+def render(doc: dict[str, Any], fmt: str) -> str:
+    return json.dumps(doc, indent=2) if fmt == "json" else table(doc)
+
+
+def _healthy(s: StatusSettings, doc: dict[str, Any]) -> bool:
+    prop = doc.get("proposer")
+    if s.proposer_metrics:
+        return prop is not None and not prop.get("error")
+    return any("error" not in (r.get("own") or {"error": 1}) for r in doc["safekeepers"]) or \
+        bool(doc.get("primary") and not doc["primary"].get("error"))
+
+
+def run_status(s: StatusSettings) -> int:
+    """Print once, or every --watch seconds until Ctrl-C (or --count times); 1 if the sources are unreachable."""
+    n = 0
+    while True:
+        doc = asyncio.run(gather(s))
+        text = render(doc, s.format)
+        if s.watch:
+            if sys.stdout.isatty():
+                sys.stdout.write("\033[H\033[J")
+            print(f"{time.strftime('%a %b %d %H:%M:%S %Y')} (every {s.watch:g}s)\n", flush=True)
+        print(text, flush=True)
+        n += 1
+        if not s.watch or (s.count is not None and n >= s.count):
+            return 0 if _healthy(s, doc) else 1
+        try:
+            time.sleep(s.watch)
+        except KeyboardInterrupt:
+            return 0

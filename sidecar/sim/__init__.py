@@ -1,0 +1,58 @@
+"""Deterministic simulation of the consensus core against a hostile, simulated world.
+
+The real `Proposer` and `Acceptor` state machines run unchanged; everything around them
+is simulated, pure and seeded (no sockets, files or clocks), so a seed replays exactly:
+`python3 scripts/simulate.py --seeds 1 --first-seed S --trace`.
+
+The model, and why it is what it is:
+
+* Network. A connection is TCP: FIFO in each direction, never reordering, duplicating or
+  losing a message by itself. Its two ends close independently. The proposer end's
+  close discards unread replies; what it already sent may still arrive (or a random
+  suffix of it may be lost when the cause is a network failure); the safekeeper reads
+  that stale traffic and answers into the void until it sees EOF. The safekeeper end's
+  close (crash, refused message) discards unread requests; the proposer reads the
+  replies already sent, then EOF. Reordering and duplication happen the way TCP lets
+  them: across connections. A proposer reconnects and resends Elected and Appends while
+  the old connection still delivers its own copies, so a safekeeper sees old and new
+  traffic interleaved. At the end of a term a link may linger: the next term's core is
+  told it is connected and reads replies meant for its predecessor before the EOF (the
+  service's race between `link.drop()` and the next `_one_term`). Connections can be
+  slow (a per-connection delay), partitions stop chosen proposer/safekeeper pairs in
+  both directions until they heal.
+* Safekeeper disks (`wal.Disk`). WAL is written at arbitrary offsets and is durable only
+  once fsynced (group commit: one fsync covers everything written). A crash keeps the
+  fsynced bytes plus any prefix of the unsynced ones (all of them for a process kill,
+  none to some for a power loss), sometimes followed by torn junk. The control file is
+  atomic. A restart scans for the end of the last complete record and cuts there; a vote
+  and an Elected first fsync and scan the same way, and a vote fingerprints that last
+  record for the primary check, wherever it lies, as server.py's `_scan` does. A crash can strike
+  between any two actions of one message (after a Truncate, before its Persist).
+* WAL is records (`wal.encode_record`: length, back-pointer, CRC), so "the end of the
+  last complete record" is found by walking headers, as PostgreSQL does.
+* Primaries (`wal.Primary`). Each writes records and flushes to any position, often in
+  the middle of a record (a WAL page written out before the record is complete).
+  Walsenders send only flushed WAL, as the real walsender does: that alone produces the
+  overwrite case, because a partially flushed record is sent, and a crash that loses
+  its unflushed tail makes recovery stop at the previous record and write new WAL over
+  the bytes already sent. Nothing is relaxed. A primary can crash and recover, be
+  replaced by a standby promoted at a record end it had replayed (a new timeline, with
+  the old primary stopped or, sometimes, still running), be replaced by a copy restored
+  from an older point, or come back stale after being replaced.
+* Proposer services (`world.Service`). Each is one `walsidecar start` process attached
+  to one primary: a new `Proposer` per replication stream (min_term = the last term it
+  saw), the primary check of `_check_primary` (flush, timeline switches below E, CRC of
+  the donor's tail record), catch-up from the primary's WAL, heartbeats, election
+  timeouts. A service can crash (a fresh process knows no term) and be restarted, and a
+  second one can run against the same or another primary at the same time: the
+  advisory lock that prevents this in production is not modeled, because the protocol
+  must be safe without it.
+
+`checker` states precisely which invariants of PROTOCOL.md are checked after every step.
+"""
+
+from sidecar.sim.checker import Violation
+from sidecar.sim.runner import Outcome, run_seed, run_seeds
+from sidecar.sim.world import SimConfig, World
+
+__all__ = ["Outcome", "SimConfig", "Violation", "World", "run_seed", "run_seeds"]

@@ -1,0 +1,3 @@
+from sidecar.sim.cli import main
+
+main()

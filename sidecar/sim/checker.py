@@ -1,0 +1,261 @@
+"""The invariants of PROTOCOL.md, checked against the simulated world after every step.
+
+What is checked, precisely (N safekeepers, Q = N // 2 + 1, whatever quorum the proposer
+was configured with):
+
+1. Recovery. `committed` is the WAL from BOOT to the end of the last record that ends at
+   or below the highest flush position ever reported to a primary, taken from the primary
+   it was reported to (all such primaries must agree on it: a report to a primary that
+   disagrees with earlier acknowledged bytes is itself a violation). For every set of Q
+   safekeepers, every member that an election by that set could pick as donor must hold
+   `committed` byte for byte and report a flush_lsn at or above its end. A member could be
+   the donor if its donor key (last log term, flush) can reach the maximum of the set's
+   keys, where each key ranges over every crash the member could still suffer: from only
+   its fsynced bytes surviving to all written bytes surviving, each followed by the
+   restart scan (end of the last complete record). Records, not raw positions, are what
+   must survive: a reported position may fall inside a record whose tail the primary
+   never flushed; the primary discards that torn record after a crash and writes new WAL
+   over it, so those bytes were never a commit and never need recovering.
+1b. A proposer starts streaming only from a primary that holds all of `committed`
+   (otherwise acknowledged commits are missing from the database it serves).
+2. Agreement. For any two safekeepers, the complete records both hold that end at or
+   below the lower of their commit_lsn knowledge are equal, byte for byte (compared up
+   to the lower of the two last record ends below that bound). Raw positions would be too
+   strong, for the reason in 1; bytes past a safekeeper's last complete record (a torn
+   tail after a crash) are not WAL: its restart scan cuts them.
+3. One proposer per term: every Elected and Append a safekeeper accepts for term T comes
+   from the same Proposer instance, and no two instances stream in the same term. A
+   safekeeper writes WAL only for a term at or above every term it has promised (granted
+   or persisted), persists a granted term before the VoteReply leaves, and persists the
+   new term history before the ElectedReply leaves.
+4. Reports to the primary, per replication stream: the flush position never decreases,
+   never exceeds the WAL the stream received, and never exceeds the Q-th highest position
+   that safekeepers really had fsynced while in the proposer's term (positions below the
+   term start count as zero). `apply` never exceeds the lowest such position over all N.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from typing import TYPE_CHECKING
+
+from sidecar.consensus import history as hist
+from sidecar.consensus.messages import ElectedReply, GreetingReply, Message, VoteReply
+from sidecar.consensus.proposer import Proposer, ReportStatus
+from sidecar.consensus.quorum import majority
+from sidecar.sim.trace import pos
+from sidecar.sim.wal import BOOT, Disk, Primary
+
+if TYPE_CHECKING:
+    from sidecar.sim.world import Safekeeper, Service, World
+
+
+class Violation(Exception):
+    """An invariant does not hold."""
+
+    def __init__(self, invariant: str, detail: str) -> None:
+        super().__init__(f"{invariant}: {detail}")
+        self.invariant = invariant
+        self.detail = detail
+
+
+_COMMITTED = "committed"
+
+
+class Checker:
+    """Ground truth recorded as the world runs, and the invariants checked against it."""
+
+    def __init__(self, world: World, disabled: frozenset[str] = frozenset()) -> None:
+        self.world = world
+        self.disabled = disabled
+        self.q = majority(len(world.safekeepers))
+        self.quorums = list(itertools.combinations(range(len(world.safekeepers)), self.q))
+        self.pairs = list(itertools.combinations(range(len(world.safekeepers)), 2))
+        self.committed = bytearray()  # acknowledged WAL from BOOT, whole records only
+        self.in_term: dict[int, dict[str, int]] = {}  # term -> safekeeper -> fsynced end in that term
+        self.term_owner: dict[int, str] = {}
+        self.streaming_owner: dict[int, str] = {}
+        self.promised: dict[str, int] = {}
+        self._seen: tuple[object, ...] = ()
+        self._pair_versions: dict[tuple[int, int], tuple[int, int]] = {}
+
+    @property
+    def committed_end(self) -> int:
+        return BOOT + len(self.committed)
+
+    def _fail(self, invariant: str, detail: str) -> None:
+        if invariant not in self.disabled:
+            raise Violation(invariant, detail)
+
+    # ---- ground truth fed by the world ------------------------------------------------------
+
+    def durable(self, sk: Safekeeper) -> None:
+        """The safekeeper's fsynced WAL changed: credit it to the term its history ends in."""
+        th = sk.persisted.term_history
+        if th:
+            per = self.in_term.setdefault(th[-1].term, {})
+            if sk.disk.durable > per.get(sk.name, 0):
+                per[sk.name] = sk.disk.durable
+
+    def accepted(self, sk: Safekeeper, term: int, sender: str, what: str) -> None:
+        owner = self.term_owner.setdefault(term, sender)
+        if owner != sender:
+            self._fail("3 one proposer per term",
+                       f"{sk.name} accepted {what} for term {term} from {sender}, but {owner} also led term {term}")
+
+    def wrote(self, sk: Safekeeper, term: int) -> None:
+        promise = max(self.promised.get(sk.name, 0), sk.persisted.term)
+        if term < promise:
+            self._fail("3 no WAL below the promise",
+                       f"{sk.name} wrote WAL of term {term} after promising term {promise}")
+
+    def replied(self, sk: Safekeeper, msg: Message) -> None:
+        if isinstance(msg, VoteReply) and msg.granted:
+            self.promised[sk.name] = max(self.promised.get(sk.name, 0), msg.term)
+            if sk.persisted.term < msg.term:
+                self._fail("3 promise persisted before the reply",
+                           f"{sk.name} granted term {msg.term} with term {sk.persisted.term} persisted")
+        elif isinstance(msg, GreetingReply):
+            self.promised[sk.name] = max(self.promised.get(sk.name, 0), msg.term)
+        elif isinstance(msg, ElectedReply) and sk.acceptor is not None and msg.term == sk.acceptor.elected_term:
+            th = sk.persisted.term_history
+            if not th or th[-1].term != msg.term:
+                self._fail("3 history persisted before the reply",
+                           f"{sk.name} answered Elected(t{msg.term}) with history ending in "
+                           f"t{th[-1].term if th else 0} persisted")
+
+    def streaming(self, svc: Service, core: Proposer) -> None:
+        owner = self.streaming_owner.setdefault(core.term, svc.label)
+        if owner != svc.label:
+            self._fail("3 one proposer per term", f"{svc.label} and {owner} both stream in term {core.term}")
+        self._primary_holds_committed(svc.primary, self.committed_end, f"{svc.label} starts streaming from it")
+
+    def reported(self, svc: Service, core: Proposer, st: ReportStatus) -> None:
+        stream = svc.stream
+        assert stream is not None
+        if st.flush_lsn < stream.flushed:
+            self._fail("4 acknowledged position never moves back",
+                       f"{svc.label} reported flush {pos(st.flush_lsn)} after {pos(stream.flushed)}")
+        stream.flushed = max(stream.flushed, st.flush_lsn)
+        if st.flush_lsn > stream.pos:
+            self._fail("4 no acknowledgement beyond the WAL received",
+                       f"{svc.label} reported flush {pos(st.flush_lsn)}, received only {pos(stream.pos)}")
+        per = self.in_term.get(core.term, {})
+        truth = sorted((v if v >= core.term_start else 0 for v in per.values()), reverse=True)
+        truth += [0] * (len(self.world.safekeepers) - len(truth))
+        if st.flush_lsn > truth[self.q - 1]:
+            self._fail("4 acknowledged position was flushed by a quorum in the term",
+                       f"{svc.label} (term {core.term}, start {pos(core.term_start)}) reported flush "
+                       f"{pos(st.flush_lsn)} but only {pos(truth[self.q - 1])} was fsynced by {self.q} "
+                       f"safekeepers in term {core.term}")
+        if st.apply_lsn > truth[-1]:
+            self._fail("4 apply position was flushed by every safekeeper in the term",
+                       f"{svc.label} reported apply {pos(st.apply_lsn)}; the lowest in-term flush is {pos(truth[-1])}")
+        if st.flush_lsn:
+            self._acknowledge(svc.primary, st.flush_lsn, svc.label)
+
+    def _acknowledge(self, primary: Primary, flush: int, who: str) -> None:
+        end = primary.record_end_at_or_below(flush)
+        self._primary_holds_committed(primary, min(end, self.committed_end), f"{who} acknowledged {pos(flush)} to it")
+        if end > self.committed_end:
+            self.committed += primary.data[len(self.committed):end - BOOT]
+            primary.agree = end
+
+    def _primary_holds_committed(self, primary: Primary, upto: int, why: str) -> None:
+        if primary.agree >= upto:
+            return
+        if primary.end < upto or primary.data[primary.agree - BOOT:upto - BOOT] != \
+                self.committed[primary.agree - BOOT:upto - BOOT]:
+            self._fail("1b the primary holds every acknowledged record",
+                       f"{primary.name} lacks acknowledged WAL below {pos(upto)} ({why})")
+            return
+        primary.agree = upto
+
+    # ---- checks after every step -------------------------------------------------------------
+
+    def after_step(self) -> None:
+        sks = self.world.safekeepers
+        seen = (self.committed_end,) + tuple(sk.version for sk in sks)
+        if seen == self._seen:
+            return
+        self._seen = seen
+        views = [self._views(sk) for sk in sks]
+        self._check_recovery(sks, views)
+        self._check_agreement(sks)
+
+    def _views(self, sk: Safekeeper) -> list[tuple[tuple[int, int], int]]:
+        """(donor key, flush) for every crash sk could suffer now, least WAL surviving first."""
+        if sk.view_version == sk.version:
+            return sk.views
+        disk, th = sk.disk, sk.persisted.term_history
+        ups = [disk.durable]
+        if disk.end > disk.durable:
+            ends = disk.chain()[1]
+            k = bisect.bisect_right(ends, disk.durable)
+            ups += [e for e in ends[k:] if e <= disk.end] + [disk.end]
+        views = []
+        for u in ups:
+            flush = self.world.scan(disk, th, u, fingerprint=False).flush_lsn
+            views.append((hist.donor_key(th, flush), flush))
+        sk.views, sk.view_version = views, sk.version
+        return views
+
+    def _check_recovery(self, sks: list[Safekeeper], views: list[list[tuple[tuple[int, int], int]]]) -> None:
+        end = self.committed_end
+        if end == BOOT:
+            return
+        for quorum in self.quorums:
+            best = max(views[i][0][0] for i in quorum)  # the worst case: everyone keeps only fsynced WAL
+            for i in quorum:
+                flush = next((f for key, f in views[i] if key >= best), None)
+                if flush is None:
+                    continue  # cannot be this set's donor after any crash
+                sk = sks[i]
+                names = ",".join(sks[j].name for j in quorum)
+                if flush < end:
+                    self._fail("1 any quorum recovers every acknowledged record",
+                               f"an election by {{{names}}} can pick {sk.name} as donor with flush "
+                               f"{pos(flush)}, below the acknowledged records ending at {pos(end)}")
+                elif not self._disk_holds_committed(sk.disk, end):
+                    self._fail("1 any quorum recovers every acknowledged record",
+                               f"an election by {{{names}}} can pick {sk.name} as donor, whose WAL "
+                               f"differs from the acknowledged records below {pos(end)}")
+
+    def _disk_holds_committed(self, disk: Disk, end: int) -> bool:
+        mark = disk.marks.get(_COMMITTED, BOOT)
+        if mark >= end:
+            return True
+        if disk.start != BOOT or disk.end < end or \
+                disk.data[mark - BOOT:end - BOOT] != self.committed[mark - BOOT:end - BOOT]:
+            return False
+        disk.marks[_COMMITTED] = end
+        return True
+
+    def _check_agreement(self, sks: list[Safekeeper]) -> None:
+        versions = self._pair_versions
+        for i, j in self.pairs:
+            a, b = sks[i], sks[j]
+            if versions.get((i, j)) == (a.version, b.version):
+                continue
+            versions[(i, j)] = (a.version, b.version)
+            da, db = a.disk, b.disk
+            if da.start is None or db.start is None:
+                continue
+            # Complete records both hold: a torn tail past either's last record is not WAL.
+            limit = min(a.commit_lsn, b.commit_lsn, da.end, db.end)
+            last_a, last_b = da.last_record(limit), db.last_record(limit)
+            if last_a is None or last_b is None:
+                continue
+            upto = min(last_a[1], last_b[1])
+            key = (i, j)
+            mark = max(min(da.marks.get(key, BOOT), db.marks.get(key, BOOT)), da.start, db.start)
+            if upto <= mark:
+                continue
+            if da.read(mark, upto) != db.read(mark, upto):
+                self._fail("2 safekeepers agree below their commit_lsn",
+                           f"{a.name} and {b.name} (commit_lsn {pos(a.commit_lsn)}, {pos(b.commit_lsn)}) "
+                           f"hold different WAL in [{pos(mark)}, {pos(upto)})")
+                return
+            da.marks[key] = db.marks[key] = upto
+

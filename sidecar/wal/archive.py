@@ -1,0 +1,734 @@
+"""Archived WAL as a set of segment files: where they are stored, which ones form the WAL, and one segment's scan.
+
+A record belongs to the segment where it starts. Scanning a segment decodes and checks the records starting
+in it and finishes the last one by reading only the head of the following segment(s); a per-segment summary
+then lets the caller check that consecutive segments chain together (see check_chain).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from sidecar.lsn import (
+    DEFAULT_SEGMENT_SIZE,
+    WAL_PAGE_SIZE,
+    format_lsn,
+    maxalign,
+    parse_lsn,
+    parse_segment_file_name,
+    segment_file_name,
+)
+from sidecar.wal.decode import BlockRef, decode_record, xact_time
+from sidecar.wal.format import (
+    LONG_PAGE_HEADER,
+    RM_XLOG_ID,
+    SHORT_PAGE_HEADER,
+    XLOG_BLCKSZ,
+    XLOG_PAGE_MAGIC,
+    XLOG_SWITCH,
+    XLP_ALL_FLAGS,
+    XLP_FIRST_IS_CONTRECORD,
+    XLP_LONG_HEADER,
+    SizeOfXLogLongPHD,
+    SizeOfXLogShortPHD,
+    WalFormatError,
+    page_header_size,
+)
+from sidecar.wal.reader import WalReader
+from sidecar.wal.rmgrdesc import RM_XACT_ID
+
+_SEGMENT_NAME = re.compile(r"^[0-9A-F]{24}(\.partial)?$")
+_HISTORY_NAME = re.compile(r"^([0-9A-F]{8})\.history$")
+# Where a reader stop reason places the problem: "(page X)" when given, else the first "at X".
+_LSN_OF_PAGE = re.compile(r"\(page ([0-9A-F]{1,8}/[0-9A-F]{1,8})\)")
+_LSN_AT = re.compile(r"\bat ([0-9A-F]{1,8}/[0-9A-F]{1,8})\b")
+_STALE_PAGE = re.compile(r"page address mismatch: pageaddr ([0-9A-F]{1,8}/[0-9A-F]{1,8})")
+_MIN_HEAD_FETCH = 64 * 1024
+
+# ----- storage -----
+
+
+class Storage(Protocol):
+    """Where segment files live: a local directory or an S3 prefix. Must pickle: Spark tasks get a copy."""
+
+    location: str
+
+    def list_files(self) -> dict[str, int]:
+        """Every file name directly in the location, with its size."""
+        ...
+
+    def read(self, name: str) -> bytes:
+        """A whole file (FileNotFoundError when it is absent)."""
+        ...
+
+    def read_range(self, name: str, start: int, length: int) -> bytes:
+        """Up to length bytes at start; fewer where the file ends, b"" when it is absent."""
+        ...
+
+
+class LocalStorage:
+    """Segment files in a local directory (an archive, pg_wal or a safekeeper's wal/)."""
+
+    def __init__(self, directory: Path | str) -> None:
+        self.directory = Path(directory)
+        self.location = str(self.directory)
+
+    def list_files(self) -> dict[str, int]:
+        """File names and sizes; a missing directory is an error."""
+        if not self.directory.is_dir():
+            raise FileNotFoundError(f"{self.directory} is not a directory")
+        return {e.name: e.stat().st_size for e in os.scandir(self.directory) if e.is_file()}
+
+    def read(self, name: str) -> bytes:
+        """The whole file."""
+        return (self.directory / name).read_bytes()
+
+    def read_range(self, name: str, start: int, length: int) -> bytes:
+        """A byte range by pread."""
+        try:
+            with open(self.directory / name, "rb") as f:
+                return os.pread(f.fileno(), length, start)
+        except FileNotFoundError:
+            return b""
+
+
+class S3Storage:
+    """Segment files under s3://bucket/prefix, read with boto3 (listing on the driver, ranged GETs in tasks).
+
+    boto3 reads credentials and AWS_ENDPOINT_URL from the environment; endpoint_url overrides the latter.
+    """
+
+    def __init__(self, bucket: str, prefix: str, endpoint_url: str | None = None) -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.endpoint_url = endpoint_url
+        self.location = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self._client: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A boto3 client does not pickle; each task makes its own.
+        return {**self.__dict__, "_client": None}
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            import boto3
+
+            self._client = boto3.session.Session().client("s3", endpoint_url=self.endpoint_url)
+        return self._client
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def list_files(self) -> dict[str, int]:
+        """Objects directly under the prefix (not in deeper "directories")."""
+        base = f"{self.prefix}/" if self.prefix else ""
+        found: dict[str, int] = {}
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
+            for obj in page.get("Contents", []):
+                name = obj["Key"][len(base):]
+                if name and "/" not in name:
+                    found[name] = int(obj["Size"])
+        return found
+
+    def read(self, name: str) -> bytes:
+        """GET the whole object."""
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self._key(name))["Body"].read()
+        except self.client.exceptions.NoSuchKey as exc:
+            raise FileNotFoundError(f"{self.location}/{name}") from exc
+
+    def read_range(self, name: str, start: int, length: int) -> bytes:
+        """A ranged GET; b"" for a missing object or a range past its end."""
+        if length <= 0:
+            return b""
+        try:
+            resp = self.client.get_object(Bucket=self.bucket, Key=self._key(name),
+                                          Range=f"bytes={start}-{start + length - 1}")
+        except self.client.exceptions.NoSuchKey:
+            return b""
+        except self.client.exceptions.ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") == "InvalidRange":
+                return b""
+            raise
+        return resp["Body"].read()
+
+
+def open_storage(source: str, *, s3_endpoint: str | None = None) -> Storage:
+    """A Storage for a local directory or an s3://bucket/prefix URL."""
+    if source.startswith("s3://"):
+        bucket, _, prefix = source[len("s3://"):].partition("/")
+        if not bucket:
+            raise ValueError(f"no bucket in {source!r}")
+        return S3Storage(bucket, prefix, s3_endpoint)
+    if "://" in source:
+        raise ValueError(f"unsupported WAL source {source!r}: use a directory or s3://bucket/prefix")
+    return LocalStorage(source)
+
+
+# ----- problems and the archive plan -----
+
+# Problem kinds, as verify-archive names them.
+CRC = "CRC failure"
+PREV = "broken xl_prev chain"
+PAGE = "page header mismatch"
+MISSING = "missing segment"
+TIMELINE = "timeline break"
+TRUNCATED = "truncated segment"
+RECORD = "invalid record"
+END = "WAL ends early"
+
+
+@dataclass(frozen=True, order=True)
+class Problem:
+    """Something wrong with the archive, at an LSN inside segment `segment`."""
+
+    lsn: int
+    kind: str
+    segment: str
+    message: str
+
+    def describe(self) -> str:
+        """One line naming the problem, its segment and LSN."""
+        return f"{self.kind} in segment {self.segment} at {format_lsn(self.lsn)}: {self.message}"
+
+
+@dataclass(frozen=True)
+class SegmentRef:
+    """One segment file chosen to be read."""
+
+    segno: int
+    tli: int
+    name: str
+    size: int
+    partial: bool
+
+
+@dataclass
+class ArchivePlan:
+    """The segments forming the WAL in segno order, and problems seen from the file names alone."""
+
+    storage: Storage
+    seg_size: int
+    segments: list[SegmentRef]
+    problems: list[Problem] = field(default_factory=list)
+
+    def by_segno(self) -> dict[int, SegmentRef]:
+        return {s.segno: s for s in self.segments}
+
+
+def parse_history(text: str) -> list[tuple[int, int]]:
+    """(parent timeline, switch LSN) lines of a timeline history file, in file order."""
+    out: list[tuple[int, int]] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        fields = line.split()
+        hi, _, lo = fields[1].partition("/")
+        out.append((int(fields[0]), (int(hi, 16) << 32) | int(lo, 16)))
+    return out
+
+
+def _segment_size_of(storage: Storage, name: str) -> int:
+    """xlp_seg_size from a segment's long page header; the default when it cannot be read."""
+    head = storage.read_range(name, 0, SizeOfXLogLongPHD)
+    if len(head) == SizeOfXLogLongPHD:
+        magic, info, _, _, _, _, seg_size, _ = LONG_PAGE_HEADER.unpack_from(head)
+        if magic == XLOG_PAGE_MAGIC and info & XLP_LONG_HEADER and seg_size >= XLOG_BLCKSZ and seg_size & (seg_size - 1) == 0:
+            return int(seg_size)
+    return DEFAULT_SEGMENT_SIZE
+
+
+def plan_archive(storage: Storage, first: str | None = None, last: str | None = None) -> ArchivePlan:
+    """Choose one file per segment number (following the newest timeline's history) between first and last."""
+    files = storage.list_files()
+    names = sorted(n for n in files if _SEGMENT_NAME.match(n))
+    if not names:
+        raise FileNotFoundError(f"no WAL segment files in {storage.location}")
+    seg_size = _segment_size_of(storage, names[0])
+    candidates: dict[tuple[int, int], SegmentRef] = {}
+    for name in names:
+        tli, segno, partial = parse_segment_file_name(name, seg_size)
+        key = (segno, tli)
+        # A complete file wins over a .partial one of the same segment.
+        if key not in candidates or candidates[key].partial:
+            candidates[key] = SegmentRef(segno, tli, name, files[name], partial)
+    lo = _bound(first, seg_size, min(s for s, _ in candidates))
+    hi = _bound(last, seg_size, max(s for s, _ in candidates))
+    if hi < lo:
+        raise ValueError(f"last segment {last} is before first segment {first}")
+
+    problems: list[Problem] = []
+    tlis = sorted({t for _, t in candidates})
+    target = tlis[-1]
+    # begin segno of each timeline: from the newest timeline's history file when there is one.
+    begins: dict[int, int] = {target: 0}
+    if len(tlis) > 1:
+        history_name = f"{target:08X}.history"
+        if history_name in files:
+            switch_lsns = parse_history(storage.read(history_name).decode("ascii", "replace"))
+            begins = {tli: 0 for tli, _ in switch_lsns[:1]}
+            for (_, lsn), nxt in zip(switch_lsns, [t for t, _ in switch_lsns[1:]] + [target]):
+                begins[nxt] = lsn // seg_size
+            begins.setdefault(target, 0)
+        else:
+            for tli in tlis:
+                begins[tli] = min(s for s, t in candidates if t == tli) if tli != tlis[0] else 0
+            first_new = min(s for s, t in candidates if t != tlis[0])
+            name = segment_file_name(tlis[1], first_new, seg_size)
+            problems.append(Problem(first_new * seg_size, TIMELINE, name,
+                                    f"segments of timelines {', '.join(map(str, tlis))} but no {history_name}"))
+
+    chosen: list[SegmentRef] = []
+    for segno in range(lo, hi + 1):
+        expected = max(t for t, b in begins.items() if b <= segno)
+        ref = candidates.get((segno, expected))
+        if ref is not None:
+            chosen.append(ref)
+            continue
+        others = sorted(t for s, t in candidates if s == segno)
+        name = segment_file_name(expected, segno, seg_size)
+        if others:
+            problems.append(Problem(segno * seg_size, TIMELINE, name,
+                                    f"expected on timeline {expected}, found timeline(s) {', '.join(map(str, others))}"))
+        else:
+            problems.append(Problem(segno * seg_size, MISSING, name, f"{name} is not in {storage.location}"))
+    return ArchivePlan(storage, seg_size, chosen, problems)
+
+
+def _bound(name: str | None, seg_size: int, default: int) -> int:
+    if name is None:
+        return default
+    return parse_segment_file_name(Path(name).name, seg_size)[1]
+
+
+# ----- scanning one segment -----
+
+
+@dataclass
+class SegmentSummary:
+    """What a segment holds and how reading it ended; the chain fields are filled in by check_chain."""
+
+    segno: int
+    tli: int
+    name: str
+    size: int
+    start_lsn: int
+    records: int = 0
+    first_lsn: int | None = None
+    first_prev: int | None = None
+    last_lsn: int | None = None
+    last_end: int | None = None
+    record_bytes: int = 0
+    fpi_bytes: int = 0
+    crc_failures: int = 0
+    sysid: int | None = None
+    page_tli_min: int | None = None
+    page_tli_max: int | None = None
+    reached_end: bool = False  # the last record reaches the segment end (or is an XLOG_SWITCH)
+    end_reason: str = ""
+    head_bytes_read: int = 0  # bytes of following segments read to finish the last record
+    problems: list[Problem] = field(default_factory=list)
+    chain: str = ""  # "ok", or why this segment does not continue the one before
+    continues_to_next: bool | None = None
+
+
+class _TaskSource:
+    """A WalSource over one segment held in memory, fetching later segments' heads only as far as needed.
+
+    Reads in later segments come back shorter than asked (whole pages, starting at 64 KiB and growing):
+    WalReader asks again for what it has not got, so a record ending early in the next segment costs one
+    small ranged read.
+    """
+
+    def __init__(self, storage: Storage, seg: SegmentRef, data: bytes, following: dict[int, SegmentRef], seg_size: int) -> None:
+        self.storage = storage
+        self.seg = seg
+        self.data = data
+        self.following = following
+        self.seg_size = seg_size
+        self.fetched = 0
+        self._chunk = _MIN_HEAD_FETCH
+
+    def read(self, lsn: int, size: int) -> bytes:
+        segno, off = divmod(lsn, self.seg_size)
+        if segno == self.seg.segno:
+            return self.data[off : off + size]
+        ref = self.following.get(segno)
+        if ref is None or size <= 0:
+            return b""
+        n = min(size, self._chunk)
+        self._chunk = min(self._chunk * 4, self.seg_size)
+        got = self.storage.read_range(ref.name, off, n)
+        self.fetched += len(got)
+        return got
+
+
+# Fields of the record tuples a segment scan produces, in order.
+RECORD_FIELDS = ("lsn", "end_lsn", "prev", "xid", "rmid", "info", "tot_len", "fpi_len", "main_len", "crc",
+                 "xact_time", "block_count")
+
+
+@dataclass
+class SegmentScan:
+    """Records starting in one segment (a tuple of RECORD_FIELDS each), their block references in order, and the summary."""
+
+    summary: SegmentSummary
+    records: list[tuple[Any, ...]]
+    blocks: list[BlockRef]
+
+    def columns(self) -> dict[str, tuple[Any, ...]]:
+        """The records column by column."""
+        cols = list(zip(*self.records)) if self.records else [() for _ in RECORD_FIELDS]
+        return dict(zip(RECORD_FIELDS, cols))
+
+
+def scan_segment(
+    storage: Storage,
+    seg: SegmentRef,
+    following: dict[int, SegmentRef],
+    seg_size: int,
+    *,
+    keep_records: bool = True,
+) -> SegmentScan:
+    """Decode and check every record starting in seg, finishing the last one from the following segments."""
+    start = seg.segno * seg_size
+    end = start + seg_size
+    summary = SegmentSummary(seg.segno, seg.tli, seg.name, seg.size, start)
+    rows: list[tuple[Any, ...]] = []
+    blocks: list[BlockRef] = []
+    try:
+        data = storage.read(seg.name)
+    except FileNotFoundError:
+        summary.problems.append(Problem(start, MISSING, seg.name, f"{seg.name} disappeared while reading"))
+        summary.end_reason = "segment file missing"
+        return SegmentScan(summary, rows, blocks)
+    summary.size = len(data)
+    if len(data) < seg_size and not seg.partial:
+        summary.problems.append(Problem(start + len(data), TRUNCATED, seg.name,
+                                        f"{seg.name} holds {len(data)} of {seg_size} bytes"))
+    _read_long_header(data, summary)
+    if start == 0:
+        summary.end_reason = "segment 0 holds no records"
+        return SegmentScan(summary, rows, blocks)
+
+    if _continuation_fills(data, seg_size):
+        # XLogFindNextRecord would look for the first record in later segments; this one holds none.
+        summary.reached_end = True
+        summary.end_reason = "a record from an earlier segment runs through this one"
+        _check_pages(data, summary, seg, seg_size, len(data), padding_from=None)
+        summary.problems.sort()
+        return SegmentScan(summary, rows, blocks)
+    source = _TaskSource(storage, seg, data, following, seg_size)
+    reader = WalReader(source, start, seg_size=seg_size, keep_data=True)
+    records = record_bytes = fpi_bytes = 0
+    decode_error: str | None = None
+    add_row = rows.append
+    add_blocks = blocks.extend
+    first_lsn = first_prev = last_lsn = last_end = None
+    last_is_switch = False
+    for lsn, end_lsn, tot_len, xid, prev, info, rmid, crc, rec_data in reader.tuples():
+        if lsn >= end:
+            break
+        assert rec_data is not None
+        try:
+            dec = decode_record(rec_data, lsn)
+        except WalFormatError as exc:
+            decode_error = str(exc)
+            break
+        fpi = 0
+        for b in dec.blocks:
+            fpi += b.bimg_len
+        if first_lsn is None:
+            first_lsn, first_prev = lsn, prev
+        last_lsn, last_end = lsn, end_lsn
+        records += 1
+        record_bytes += tot_len
+        fpi_bytes += fpi
+        if keep_records:
+            add_row((lsn, end_lsn, prev, xid, rmid, info, tot_len, fpi, dec.main_len, crc,
+                     xact_time(rmid, info, rec_data, dec) if rmid == RM_XACT_ID else None, len(dec.blocks)))
+            add_blocks(dec.blocks)
+        if end_lsn >= end:
+            summary.reached_end = True
+            last_is_switch = rmid == RM_XLOG_ID and info & 0xF0 == XLOG_SWITCH
+            break
+    summary.records = records
+    summary.record_bytes = record_bytes
+    summary.fpi_bytes = fpi_bytes
+    summary.head_bytes_read = source.fetched
+    summary.first_lsn, summary.first_prev, summary.last_lsn, summary.last_end = first_lsn, first_prev, last_lsn, last_end
+    stop_pos = reader.stop_lsn
+    if summary.reached_end:
+        summary.end_reason = "XLOG_SWITCH" if last_is_switch else "continues in the next segment"
+    elif decode_error is not None:
+        summary.end_reason = decode_error
+        summary.problems.append(Problem(last_end or start, RECORD, seg.name, decode_error))
+    else:
+        summary.end_reason = reader.stop_reason
+        problem = classify_stop(reader.stop_reason, stop_pos, seg.name)
+        if problem is not None and problem.lsn >= end:
+            # Found while finishing the last record: the page or record lies in a following segment.
+            ref = following.get(problem.lsn // seg_size)
+            problem = Problem(problem.lsn, problem.kind, ref.name if ref else seg.name, problem.message)
+        if problem is not None:
+            summary.problems.append(problem)
+            if problem.kind == CRC:
+                summary.crc_failures = 1
+    # The reader checked every page it read; after an XLOG_SWITCH the rest of the segment is padding pages.
+    checked_to = len(data) if summary.reached_end else min(len(data), stop_pos - start)
+    switch_at = last_lsn if last_is_switch else None
+    _check_pages(data, summary, seg, seg_size, checked_to, padding_from=switch_at)
+    summary.problems.sort()
+    return SegmentScan(summary, rows, blocks)
+
+
+def _continuation_fills(data: bytes, seg_size: int) -> bool:
+    """Whether a record continued from earlier segments covers all of this one (walking xlp_rem_len page by page).
+
+    Inconsistent headers give False: the reader then reports them.
+    """
+    page = 0
+    if len(data) < SizeOfXLogLongPHD:
+        return False
+    magic, info, _, _, rem = SHORT_PAGE_HEADER.unpack_from(data, 0)
+    if magic != XLOG_PAGE_MAGIC or not info & XLP_FIRST_IS_CONTRECORD:
+        return False
+    while True:
+        space = XLOG_BLCKSZ - page_header_size(info)
+        if maxalign(rem) < space:
+            return False
+        page += XLOG_BLCKSZ
+        expected = rem - space
+        if page >= seg_size:
+            return True
+        if expected <= 0 or page + SizeOfXLogShortPHD > len(data):
+            return False
+        magic, info, _, _, rem = SHORT_PAGE_HEADER.unpack_from(data, page)
+        if magic != XLOG_PAGE_MAGIC or not info & XLP_FIRST_IS_CONTRECORD or rem != expected:
+            return False
+
+
+def _read_long_header(data: bytes, summary: SegmentSummary) -> None:
+    if len(data) >= SizeOfXLogLongPHD:
+        magic, info, _, _, _, sysid, _, _ = LONG_PAGE_HEADER.unpack_from(data)
+        if magic == XLOG_PAGE_MAGIC and info & XLP_LONG_HEADER:
+            summary.sysid = sysid
+
+
+def _check_pages(
+    data: bytes, summary: SegmentSummary, seg: SegmentRef, seg_size: int, limit: int, padding_from: int | None
+) -> None:
+    """Check the header of every page below limit and record the page timelines seen.
+
+    Pages wholly after an XLOG_SWITCH (padding_from on) carry an empty page header or are all zeroes.
+    """
+    start = seg.segno * seg_size
+    tlis: list[int] = []
+    unpack = SHORT_PAGE_HEADER.unpack_from
+    prev_tli = 0
+    zero_page = bytes(XLOG_BLCKSZ)
+    for off in range(0, max(0, min(limit, len(data)) - SizeOfXLogShortPHD + 1), XLOG_BLCKSZ):
+        magic, info, tli, pageaddr, _ = unpack(data, off)
+        page = start + off
+        if padding_from is not None and page >= padding_from and data[off : off + XLOG_BLCKSZ] == zero_page:
+            continue
+        msg = None
+        if magic != XLOG_PAGE_MAGIC:
+            msg = f"invalid magic number {magic:04X} in page header at {format_lsn(page)}"
+        elif info & ~XLP_ALL_FLAGS:
+            msg = f"invalid info bits {info:04X} in page header at {format_lsn(page)}"
+        elif bool(info & XLP_LONG_HEADER) != (off == 0):
+            msg = f"{'missing' if off == 0 else 'unexpected'} long page header at {format_lsn(page)}"
+        elif pageaddr != page:
+            msg = f"page address mismatch: pageaddr {format_lsn(pageaddr)} at {format_lsn(page)}"
+        elif off == 0 and len(data) >= SizeOfXLogLongPHD:
+            _, _, _, _, _, _, size, blcksz = LONG_PAGE_HEADER.unpack_from(data)
+            if size != seg_size or blcksz != XLOG_BLCKSZ:
+                msg = f"segment size {size} / page size {blcksz} in the long header at {format_lsn(page)}"
+        if msg is not None:
+            summary.problems.append(Problem(page, PAGE, seg.name, msg))
+            break
+        if tli > seg.tli or tli < prev_tli:
+            summary.problems.append(Problem(page, TIMELINE, seg.name,
+                                            f"page timeline {tli} after {prev_tli} in a timeline {seg.tli} file"))
+            break
+        prev_tli = tli
+        tlis.append(tli)
+    if tlis:
+        summary.page_tli_min, summary.page_tli_max = min(tlis), max(tlis)
+
+
+# Reader stop reasons (WalReader.stop_reason) by how they start, and the problem they mean.
+_STOP_KINDS: tuple[tuple[str, str | None], ...] = (
+    ("CRC mismatch", CRC),
+    ("xl_prev mismatch", PREV),
+    ("out-of-sequence timeline", TIMELINE),
+    ("invalid magic", PAGE),
+    ("invalid info bits", PAGE),
+    ("page address mismatch", PAGE),
+    ("incorrect segment size", PAGE),
+    ("incorrect XLOG_BLCKSZ", PAGE),
+    ("WAL at", PAGE),
+    ("missing contrecord flag", PAGE),
+    ("contrecord length mismatch", PAGE),
+    ("contrecord is requested", PAGE),
+    ("overwrite contrecord mismatch", RECORD),
+    ("invalid resource manager", RECORD),
+    ("record length", RECORD),
+    ("invalid record offset", RECORD),
+    # Running out of stored bytes is explained by a truncated or missing file, or the archive's end.
+    ("end of stored WAL", None),
+    # Zeroes where a record should start: the end of the WAL written so far.
+    ("zero record length", END),
+    ("invalid record length", END),
+)
+
+
+def classify_stop(reason: str, stop_lsn: int, segment: str) -> Problem | None:
+    """The problem a reader stop reason reports; None for running out of stored bytes."""
+    for prefix, kind in _STOP_KINDS:
+        if reason.startswith(prefix):
+            if kind is None:
+                return None
+            m = _LSN_OF_PAGE.search(reason) or _LSN_AT.search(reason)
+            lsn = parse_lsn(m.group(1)) if m else stop_lsn
+            stale = _STALE_PAGE.match(reason)
+            if stale and parse_lsn(stale.group(1)) < lsn:
+                # A page left over from a recycled segment file: where a live segment's WAL ends.
+                kind = END
+            return Problem(lsn, kind, segment, reason)
+    return Problem(stop_lsn, RECORD, segment, reason)
+
+
+# ----- across segments -----
+
+
+def record_start_after(end_lsn: int, seg_size: int) -> int:
+    """Where the record following one that ends at end_lsn (its EndRecPtr) starts: past any page header there."""
+    if end_lsn % WAL_PAGE_SIZE:
+        return end_lsn
+    return end_lsn + (SizeOfXLogLongPHD if end_lsn % seg_size == 0 else SizeOfXLogShortPHD)
+
+
+@dataclass
+class ChainResult:
+    """The outcome of linking the segment summaries: problems by LSN, and where the unbroken WAL ends."""
+
+    summaries: list[SegmentSummary]
+    problems: list[Problem]
+    valid_start: int | None  # the first record's LSN
+    valid_end: int | None  # EndRecPtr of the last record of the unbroken WAL from the first segment
+    last_valid_lsn: int | None
+    records: int  # records in the unbroken WAL
+
+
+def check_chain(plan: ArchivePlan, summaries: Iterable[SegmentSummary]) -> ChainResult:
+    """Link consecutive segments: each one's first record must follow the previous one's last, by position and xl_prev.
+
+    Problems found by the scans are kept when they matter: a WAL that stops early in the last segment is its
+    normal end, anywhere else it is not.
+    """
+    seg_size = plan.seg_size
+    ordered = sorted(summaries, key=lambda s: s.segno)
+    last_segno = plan.segments[-1].segno if plan.segments else -1
+    problems: list[Problem] = list(plan.problems)
+    exp_next: int | None = None  # EndRecPtr of the last record so far
+    exp_prev: int | None = None
+    broken = False
+    valid_start = valid_end = last_valid = None
+    records = 0
+    prev_segno: int | None = None
+    prev_tli = 0
+    sysid: int | None = None
+    for s in ordered:
+        if s.segno == last_segno:
+            # Zeroes after the last record of the last segment are where the WAL written so far ends.
+            s.problems = [p for p in s.problems if p.kind != END]
+        problems.extend(s.problems)
+        if s.sysid is not None:
+            if sysid is None:
+                sysid = s.sysid
+            elif s.sysid != sysid:
+                problems.append(Problem(s.start_lsn, PAGE, s.name,
+                                        f"system identifier {s.sysid} differs from {sysid} of earlier segments"))
+        if s.page_tli_min is not None:
+            if s.page_tli_min < prev_tli:
+                problems.append(Problem(s.start_lsn, TIMELINE, s.name,
+                                        f"page timeline {s.page_tli_min} after timeline {prev_tli}"))
+            prev_tli = max(prev_tli, s.page_tli_max or 0)
+        seg_end = s.start_lsn + seg_size
+        gap = prev_segno is not None and s.segno != prev_segno + 1
+        prev_segno = s.segno
+        if gap:
+            broken = True  # the missing segment is already a problem of the plan
+        if broken:
+            s.chain = "after a break"
+            continue
+        if exp_next is None:
+            s.chain = "ok" if s.records else "no record starts here"
+            if not s.records:
+                # Like XLogFindNextRecord, look for the first record in the next segment when a record
+                # from before the first segment runs through it; otherwise there is no WAL here.
+                broken = not s.reached_end
+                continue
+            valid_start = s.first_lsn
+        elif exp_next >= seg_end:
+            # A record from an earlier segment runs through this whole one.
+            if s.records:
+                problems.append(Problem(s.first_lsn or s.start_lsn, RECORD, s.name,
+                                        f"record starts at {format_lsn(s.first_lsn or 0)} inside the record before,"
+                                        f" which ends at {format_lsn(exp_next)}"))
+                s.chain = "record inside the previous one"
+                broken = True
+                continue
+            s.chain = "ok"
+            continue
+        else:
+            want = record_start_after(exp_next, seg_size)
+            if not s.records:
+                s.chain = f"no record at {format_lsn(want)}"
+                broken = True
+                quiet_end = s.segno == last_segno and not s.problems
+                if not quiet_end and not any(p.segment == s.name for p in problems):
+                    problems.append(Problem(want, END, s.name, f"no valid record at {format_lsn(want)}: {s.end_reason}"))
+                continue
+            if s.first_lsn != want:
+                problems.append(Problem(want, PREV, s.name,
+                                        f"first record at {format_lsn(s.first_lsn or 0)}, expected at {format_lsn(want)}"))
+                s.chain = "first record misplaced"
+                broken = True
+                continue
+            if s.first_prev != exp_prev:
+                problems.append(Problem(s.first_lsn, PREV, s.name,
+                                        f"xl_prev {format_lsn(s.first_prev or 0)} of the first record,"
+                                        f" expected {format_lsn(exp_prev or 0)}"))
+                s.chain = "xl_prev mismatch"
+                broken = True
+                continue
+            s.chain = "ok"
+        records += s.records
+        exp_next, exp_prev = s.last_end, s.last_lsn
+        valid_end, last_valid = s.last_end, s.last_lsn
+        if not s.reached_end:
+            broken = True
+            # Running out of stored bytes is reported as the truncated or missing file that caused it.
+            if s.segno != last_segno and not s.problems and not s.end_reason.startswith("end of stored WAL"):
+                problems.append(Problem(exp_next or s.start_lsn, END, s.name,
+                                        f"WAL stops before the segment ends: {s.end_reason}"))
+    by_segno = {s.segno: s for s in ordered}
+    for s in ordered:
+        nxt = by_segno.get(s.segno + 1)
+        s.continues_to_next = None if nxt is None else nxt.chain == "ok"
+    # The same page or record may be reported by the segment's own scan and by the one finishing into it.
+    unique: dict[tuple[int, str], Problem] = {}
+    for p in sorted(problems):
+        unique.setdefault((p.lsn, p.kind), p)
+    problems = list(unique.values())
+    return ChainResult(ordered, problems, valid_start, valid_end, last_valid, records)

@@ -1,0 +1,1 @@
+"""Tests on walsidecar's container images (marker `containers`); see harness.py."""

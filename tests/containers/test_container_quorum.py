@@ -1,0 +1,123 @@
+"""End to end on the images: the primary, three safekeepers and the sidecar all run as containers."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import psycopg
+import pytest
+
+from containers.harness import APP, PASSWORD, ContainerDeployment
+from deployment import Writer
+from helpers import wait_for
+from sidecar.lsn import parse_lsn
+
+pytestmark = [pytest.mark.containers, pytest.mark.integration]
+
+
+def insert_lsn(d: ContainerDeployment, row_id: int) -> int:
+    """Commit one row; return the end of WAL right after its commit returned."""
+    with d.sql() as c:
+        c.execute("INSERT INTO load VALUES (%s, 'x')", (row_id,))
+        return parse_lsn(c.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0])
+
+
+def start_commit(dsn: str, sql: str) -> tuple[threading.Thread, dict]:
+    """Run one autocommit statement in a thread; the dict gets 'done' (or 'error')."""
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            with psycopg.connect(dsn, autocommit=True) as c:
+                c.execute(sql)
+            result["done"] = True
+        except psycopg.Error as e:
+            result["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, result
+
+
+def test_quorum_commit(container_deployment: ContainerDeployment) -> None:
+    d = container_deployment
+    lsn = insert_lsn(d, 1)
+    name, state, sync_state, flush, _ = d.replication_row()
+    assert (name, state, sync_state) == (APP, "streaming", "sync")
+    assert parse_lsn(flush) >= lsn
+    # One safekeeper down: 2 of 3 are still a quorum, commits go on.
+    d.safekeepers[3].stop()
+    lsn = insert_lsn(d, 2)
+    assert parse_lsn(d.replication_row()[3]) >= lsn
+    with d.sql() as c:
+        assert c.execute("SELECT count(*) FROM load").fetchone()[0] == 2
+
+
+def test_commit_waits_for_quorum_and_completes_when_a_safekeeper_returns(
+        container_deployment: ContainerDeployment) -> None:
+    d = container_deployment
+    d.safekeepers[2].stop()
+    d.safekeepers[3].stop()
+    thread, result = start_commit(d.pg.dsn(), "INSERT INTO load VALUES (2, 'waits')")
+    wait_for(lambda: d.syncrep_waiters() >= 1, timeout=30, what="the commit to wait in SyncRep")
+    assert thread.is_alive() and not result, "a commit returned with 1 of 3 safekeepers"
+    with d.sql() as c:   # committed locally, not acknowledged: the flush position is behind it
+        end = parse_lsn(c.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0])
+    assert parse_lsn(d.replication_row()[3]) < end
+    d.safekeepers[3].start()
+    thread.join(timeout=60)
+    assert result.get("done"), result
+    with d.sql() as c:
+        assert c.execute("SELECT count(*) FROM load WHERE id = 2").fetchone()[0] == 1
+
+
+def test_restarted_safekeeper_container_rejoins(container_deployment: ContainerDeployment) -> None:
+    d = container_deployment
+    writer = Writer(d.pg.dsn())
+    writer.start()
+    try:
+        wait_for(lambda: len(writer.acked) >= 50, timeout=60, what="writes before the restart")
+        sk2 = d.safekeepers[2].container
+        sk2.reload()
+        started = sk2.attrs["State"]["StartedAt"]
+        sk2.restart(timeout=10)   # docker restart: SIGTERM, then the same container starts again
+        d.safekeepers[2].wait_ready()
+        assert sk2.attrs["State"]["StartedAt"] != started
+        seen = len(writer.acked)
+        wait_for(lambda: len(writer.acked) >= seen + 100, timeout=60, what="writes after the restart")
+        # Without safekeeper 3 the quorum is 1 + 2: commits go on only if 2 has rejoined and caught up.
+        d.safekeepers[3].stop()
+        seen = len(writer.acked)
+        wait_for(lambda: len(writer.acked) >= seen + 100, timeout=60,
+                 what="writes acknowledged by safekeepers 1 and 2")
+    finally:
+        acked = writer.stop()
+    assert writer.error is None, writer.error
+    with d.sql() as c:
+        assert c.execute("SELECT count(*) FROM load").fetchone()[0] == len(acked)
+
+
+def test_pg_stat_replication_shows_the_sidecar(container_deployment: ContainerDeployment) -> None:
+    d = container_deployment
+    name, state, sync_state, _, client_addr = d.replication_row()
+    assert (name, state, sync_state, client_addr) == (APP, "streaming", "sync", "127.0.0.1")
+    with d.sql() as c:
+        assert c.execute("SHOW synchronous_standby_names").fetchone()[0] == APP
+        slot = c.execute("SELECT slot_type, active FROM pg_replication_slots WHERE slot_name = %s",
+                         (APP,)).fetchone()
+    assert slot == ("physical", True)
+
+
+def test_the_image_runs_init_postgres_check_and_status(container_deployment: ContainerDeployment) -> None:
+    d = container_deployment
+    sks = ",".join(d.addresses)
+    init = d.walsidecar("init-postgres", "--pg-dsn", d.pg.dsn())   # psql and sql/ inside the image
+    assert init.returncode == 0, init.stdout + init.stderr
+    check = d.walsidecar("check", "--pg-dsn", d.pg.dsn(), "--safekeepers", sks, "--format", "json")
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert json.loads(check.stdout)["ok"] is True
+    status = d.walsidecar("status", "--pg-dsn", d.pg.dsn(), "--safekeepers", sks, "--format", "json")
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert PASSWORD not in status.stdout
+    assert all(a in status.stdout for a in d.addresses)

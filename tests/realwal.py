@@ -1,0 +1,73 @@
+"""Real PostgreSQL 15 WAL for the analytics tests: bulk load, pgbench, compressed full-page images, a huge record."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+from backends import LocalPgServer
+
+from sidecar.lsn import DEFAULT_SEGMENT_SIZE as SEG
+from sidecar.lsn import parse_lsn, segment_file_name
+
+BIG_MESSAGE_BYTES = 34 * 1024 * 1024  # more than two segments: one segment holds no record start
+COMPRESSIONS = ("pglz", "lz4", "zstd")
+
+
+@dataclass(frozen=True)
+class GeneratedWal:
+    """Copied segments FIRST..LAST of a stopped server, and landmarks in them."""
+
+    server: LocalPgServer
+    archive: Path
+    first_segno: int
+    last_segno: int
+    big_message_end: int  # EndRecPtr of the huge logical message
+    switch_lsn: int  # where pg_switch_wal() was called
+
+    @property
+    def names(self) -> list[str]:
+        return [segment_file_name(1, s) for s in range(self.first_segno, self.last_segno + 1)]
+
+
+def _lsn(conn: psycopg.Connection, expr: str) -> int:
+    row = conn.execute(f"SELECT {expr}::text").fetchone()
+    assert row is not None
+    return parse_lsn(row[0])
+
+
+def generate_wal(make_server: Callable[[dict[str, str]], LocalPgServer], archive: Path) -> GeneratedWal:
+    """Run the workload on a fresh server, stop it and copy its segments into archive (0755, files 0644)."""
+    server = make_server({"autovacuum": "off", "wal_keep_size": "4GB", "max_wal_size": "4GB", "timezone": "UTC"})
+    pgbench = ("-h", server.host, "-p", str(server.port), "-U", "postgres")
+    with psycopg.connect(server.dsn(), autocommit=True) as conn:
+        first_segno = _lsn(conn, "pg_current_wal_insert_lsn()") // SEG
+        server.run_bin("pgbench", "-i", "-s", "2", "-q", *pgbench, "postgres")  # COPY: a bulk load
+        conn.execute("CHECKPOINT")
+        server.run_bin("pgbench", "-n", "-t", "150", "-c", "2", "-j", "2", *pgbench, "postgres")
+        for method in COMPRESSIONS:
+            # wal_compression is per session for a superuser: the images this session logs use it.
+            conn.execute(f"SET wal_compression = {method}")
+            conn.execute("CHECKPOINT")
+            conn.execute("UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid % 151 = 0")
+        conn.execute("RESET wal_compression")
+        with conn.transaction(force_rollback=True):
+            conn.execute("INSERT INTO pgbench_history (tid, bid, aid, delta) VALUES (1, 1, 1, 1)")
+        big = _lsn(conn, f"pg_logical_emit_message(false, 'walsidecar', repeat('x', {BIG_MESSAGE_BYTES}))")
+        switch = _lsn(conn, "pg_switch_wal()")
+        conn.execute("CREATE TABLE after_switch (id int primary key, v text)")
+        for i in range(3):
+            conn.execute("INSERT INTO after_switch VALUES (%s, repeat('v', %s))", (i, 50 * i))
+        last_segno = _lsn(conn, "pg_current_wal_insert_lsn()") // SEG
+    server.stop()
+    archive.mkdir(mode=0o755, parents=True, exist_ok=True)
+    os.chmod(archive, 0o755)
+    for segno in range(first_segno, last_segno + 1):
+        name = segment_file_name(1, segno)
+        shutil.copyfile(server.pg_wal_dir / name, archive / name)
+        os.chmod(archive / name, 0o644)
+    return GeneratedWal(server, archive, first_segno, last_segno, big, switch)
