@@ -19,7 +19,7 @@ from sidecar.consensus.acceptor import (
 )
 from sidecar.consensus.messages import Append, Elected, Greeting, InfoRequest, Message, Refusal, VoteRequest
 from sidecar.consensus.state import AcceptorState
-from sidecar.lsn import format_lsn, segment_start
+from sidecar.lsn import format_lsn
 from sidecar.logs import get_logger
 from sidecar.metrics import SafekeeperMetrics
 from sidecar.safekeeper.control import ControlData, load_control, remove_leftovers, save_control
