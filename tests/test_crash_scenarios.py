@@ -478,6 +478,11 @@ def test_primary_of_another_cluster_is_refused(deployment: Deployment, pg_factor
     d = deployment
     with d.sql() as c:
         c.execute("INSERT INTO load VALUES (1, 'x')")
+    # The commit needed only two safekeepers: let the third catch up too, so the snapshot is
+    # of a settled state and not of one still being written.
+    end, start = d.flush_lsn(), d.history_start(1)
+    for i in SK:
+        wait_for(lambda: wal_matches_primary(d, i, start, end), timeout=30, what=f"safekeeper {i} to catch up")
     d.proposer.kill9()
     before = {i: snapshot(d, i) for i in SK}
     other: PgServer = pg_factory(name="other", settings={"synchronous_standby_names": APP})
