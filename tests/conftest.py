@@ -19,6 +19,7 @@ os.environ.setdefault("TESTCONTAINERS_CONNECTION_MODE", "docker_host")
 
 from backends import BACKENDS, BackendUnavailable, PgServer, make_backend
 from procs import ProcessTracker
+from deployment import APP, Deployment
 
 _failed_key = pytest.StashKey[bool]()
 
@@ -124,3 +125,14 @@ def procs(request: pytest.FixtureRequest, test_dir: Path) -> Iterator[ProcessTra
             for proc in tracker.started:
                 tail = "\n".join(proc.log_text().splitlines()[-60:])
                 print(f"--- {proc!r} log tail ({proc.log_path}) ---\n{tail}")
+
+
+@pytest.fixture
+def deployment(pg_factory: Callable[..., PgServer], procs: ProcessTracker, test_dir: Path) -> Deployment:
+    """A primary naming the sidecar in synchronous_standby_names, 3 safekeepers and the sidecar, streaming."""
+    pg = pg_factory(settings={"synchronous_standby_names": APP})
+    d = Deployment(pg, procs, test_dir)
+    d.start_all()
+    with d.sql() as c:
+        c.execute("CREATE TABLE load (id int, pad text)")
+    return d

@@ -138,3 +138,26 @@ class Writer(threading.Thread):
         self.join(timeout=120)
         assert not self.is_alive(), "the writer is stuck in a commit"
         return self.acked
+
+
+def commit_lsn_of(conn: psycopg.Connection, sql: str) -> int:
+    """Run `sql` (autocommit) and return the end of WAL right after its commit returned."""
+    conn.execute(sql)
+    return parse_lsn(conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0])
+
+
+def start_commit(dsn: str, sql: str) -> tuple[threading.Thread, dict]:
+    """Run one autocommit statement in a thread; the dict gets 'done' (or 'error')."""
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            with psycopg.connect(dsn, autocommit=True) as c:
+                c.execute(sql)
+            result["done"] = True
+        except psycopg.Error as e:
+            result["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, result

@@ -27,16 +27,6 @@ pytestmark = pytest.mark.integration
 SK = (1, 2, 3)
 
 
-@pytest.fixture
-def deployment(pg_factory: Callable[..., PgServer], procs: ProcessTracker, test_dir: Path) -> Deployment:
-    pg: PgServer = pg_factory(settings={"synchronous_standby_names": APP})
-    d = Deployment(pg, procs, test_dir)
-    d.start_all()
-    with d.sql() as c:
-        c.execute("CREATE TABLE load (id int, pad text)")
-    return d
-
-
 def oldest_primary_lsn(d: Deployment) -> int:
     """Start of the oldest segment still in the primary's pg_wal (checkpoints recycle older ones)."""
     segs = [int(p.name[8:16], 16) * 0x100000000 // DEFAULT_SEGMENT_SIZE + int(p.name[16:24], 16)

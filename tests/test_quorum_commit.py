@@ -7,52 +7,18 @@ import random
 import socket
 import struct
 import subprocess
-import threading
 from pathlib import Path
 
-import psycopg
 import pytest
 
 from backends import PgServer
-from deployment import APP, Deployment, Writer, wal_matches_primary
+from deployment import APP, Deployment, Writer, commit_lsn_of, start_commit, wal_matches_primary
 from helpers import wait_for
 from procs import ProcessTracker
 from sidecar.pgcluster import find_bin_dir
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE, parse_lsn, segment_file_name
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def deployment(pg_factory, procs: ProcessTracker, test_dir: Path) -> Deployment:
-    pg: PgServer = pg_factory(settings={"synchronous_standby_names": APP})
-    d = Deployment(pg, procs, test_dir)
-    d.start_all()
-    with d.sql() as c:
-        c.execute("CREATE TABLE load (id int, pad text)")
-    return d
-
-
-def commit_lsn_of(conn: psycopg.Connection, sql: str) -> int:
-    conn.execute(sql)
-    return parse_lsn(conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0])
-
-
-def start_commit(dsn: str, sql: str) -> tuple[threading.Thread, dict]:
-    """Run one autocommit statement in a thread; the dict gets 'done' (and 'error')."""
-    result: dict = {}
-
-    def run() -> None:
-        try:
-            with psycopg.connect(dsn, autocommit=True) as c:
-                c.execute(sql)
-            result["done"] = True
-        except psycopg.Error as e:
-            result["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, result
 
 
 def syncrep_waiters(d: Deployment) -> int:

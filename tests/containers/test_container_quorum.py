@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import threading
 
-import psycopg
 import pytest
 
 from containers.harness import APP, PASSWORD, ContainerDeployment
-from deployment import Writer
+from deployment import Writer, start_commit
 from helpers import wait_for
 from sidecar.lsn import parse_lsn
 
@@ -21,23 +19,6 @@ def insert_lsn(d: ContainerDeployment, row_id: int) -> int:
     with d.sql() as c:
         c.execute("INSERT INTO load VALUES (%s, 'x')", (row_id,))
         return parse_lsn(c.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0])
-
-
-def start_commit(dsn: str, sql: str) -> tuple[threading.Thread, dict]:
-    """Run one autocommit statement in a thread; the dict gets 'done' (or 'error')."""
-    result: dict = {}
-
-    def run() -> None:
-        try:
-            with psycopg.connect(dsn, autocommit=True) as c:
-                c.execute(sql)
-            result["done"] = True
-        except psycopg.Error as e:
-            result["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, result
 
 
 def test_quorum_commit(container_deployment: ContainerDeployment) -> None:
