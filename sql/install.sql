@@ -71,7 +71,7 @@ SELECT r.application_name, r.pid, r.client_addr, r.state, r.sync_state, r.sync_p
        pg_wal_lsn_diff(pg_current_wal_flush_lsn(), r.write_lsn)::bigint AS write_lag_bytes,
        pg_wal_lsn_diff(pg_current_wal_flush_lsn(), r.flush_lsn)::bigint AS flush_lag_bytes,
        pg_wal_lsn_diff(pg_current_wal_flush_lsn(), r.replay_lsn)::bigint AS replay_lag_bytes,
-       r.write_lag, r.flush_lag, r.replay_lag, r.reply_time, now() - r.reply_time AS reply_age
+       r.write_lag, r.flush_lag, r.replay_lag, r.reply_time, clock_timestamp() - r.reply_time AS reply_age
   FROM pg_stat_replication r
  WHERE r.application_name = :'app';
 COMMENT ON VIEW walsidecar.replication IS
@@ -89,7 +89,7 @@ COMMENT ON VIEW walsidecar.slots IS
 
 CREATE OR REPLACE VIEW walsidecar.waiting_commits AS
 SELECT a.pid, a.usename, a.datname, a.application_name, a.client_addr, a.backend_xid,
-       a.xact_start, a.query_start, now() - a.query_start AS waiting, a.query
+       a.xact_start, a.query_start, clock_timestamp() - a.query_start AS waiting, a.query
   FROM pg_stat_activity a
  WHERE a.wait_event_type = 'IPC' AND a.wait_event = 'SyncRep'
  ORDER BY a.query_start;

@@ -186,8 +186,15 @@ def test_metrics_endpoints_are_scraped_and_parsed(ops: Ops) -> None:
                      "walsidecar_proposer_safekeeper_reconnects_total", safekeeper=a) >= 0
     assert all(name.startswith("walsidecar_") for name in m)
     for i, addr in ops.sk_metrics.items():
-        s = scrape(addr)
         sid = str(i)
+        # The commit needed two safekeepers; the third may still be writing and syncing it.
+        def synced(addr: str = addr, sid: str = sid) -> dict | None:
+            m = scrape(addr)
+            fsyncs = value(m, "walsidecar_safekeeper_fsync_seconds", "walsidecar_safekeeper_fsync_seconds_count",
+                           safekeeper_id=sid)
+            return m if fsyncs > 0 else None
+
+        s = wait_for(synced, timeout=30, what=f"safekeeper {i} to have fsynced WAL")
         assert value(s, "walsidecar_safekeeper_term", safekeeper_id=sid) >= 1
         assert value(s, "walsidecar_safekeeper_wal_written_bytes", "walsidecar_safekeeper_wal_written_bytes_total",
                      safekeeper_id=sid) > 0
@@ -196,9 +203,13 @@ def test_metrics_endpoints_are_scraped_and_parsed(ops: Ops) -> None:
         assert value(s, "walsidecar_safekeeper_proposer_connected", safekeeper_id=sid) == 1
         doc = status_json(addr)
         assert doc["id"] == i and doc["proposer"] is not None and parse_lsn(doc["flush_lsn"]) > 0
-    doc = status_json(ops.proposer_metrics)
+    def all_streaming() -> dict | None:
+        doc = status_json(ops.proposer_metrics)
+        return doc if {r["state"] for r in doc["safekeepers"]} == {"streaming"} else None
+
+    doc = wait_for(all_streaming, timeout=30, what="all three safekeepers streaming")
     assert doc["quorum_available"] and doc["phase"] == "streaming" and len(doc["safekeepers"]) == 3
-    assert {r["state"] for r in doc["safekeepers"]} == {"streaming"} and doc["primary"]["sync_state"] == "sync"
+    assert doc["primary"]["sync_state"] == "sync"
     with urllib.request.urlopen(f"http://{ops.proposer_metrics}/quorum", timeout=10) as resp:
         assert resp.status == 200
     # The dashboard and alert rules only use metrics that exist.
