@@ -53,19 +53,15 @@ class PgServer(Protocol):
     def log_text(self) -> str: ...
 
 
-class LocalPgServer:
-    """A PgServer backed by sidecar.pgcluster.LocalCluster on 127.0.0.1."""
+class _ClusterPaths:
+    """Paths and repr of a server whose data directory a LocalCluster describes (the same on host and in a container)."""
 
-    def __init__(self, name: str, base_dir: Path, port: int | None = None) -> None:
-        self.name = name
-        self.host = "127.0.0.1"
-        self.port = port if port is not None else free_port(self.host)
-        self.cluster = LocalCluster(
-            base_dir / name / "data", self.port, host=self.host, log_file=base_dir / name / "server.log"
-        )
+    name: str
+    port: int
+    cluster: LocalCluster
 
     def __repr__(self) -> str:
-        return f"LocalPgServer({self.name!r}, port={self.port}, data_dir={str(self.data_dir)!r})"
+        return f"{type(self).__name__}({self.name!r}, port={self.port}, data_dir={str(self.data_dir)!r})"
 
     @property
     def data_dir(self) -> Path:
@@ -76,6 +72,18 @@ class LocalPgServer:
     def pg_wal_dir(self) -> Path:
         """The server's pg_wal directory."""
         return self.cluster.pg_wal_dir
+
+
+class LocalPgServer(_ClusterPaths):
+    """A PgServer backed by sidecar.pgcluster.LocalCluster on 127.0.0.1."""
+
+    def __init__(self, name: str, base_dir: Path, port: int | None = None) -> None:
+        self.name = name
+        self.host = "127.0.0.1"
+        self.port = port if port is not None else free_port(self.host)
+        self.cluster = LocalCluster(
+            base_dir / name / "data", self.port, host=self.host, log_file=base_dir / name / "server.log"
+        )
 
     def init(self, settings: Mapping[str, str] | None = None) -> None:
         """initdb with the cluster defaults plus settings."""
@@ -155,7 +163,7 @@ class LocalBackend:
         return server
 
 
-class ContainerPgServer:
+class ContainerPgServer(_ClusterPaths):
     """A PgServer in a walsidecar/postgres container on the host network, bound to 127.0.0.1.
 
     Its directory is bind-mounted at the same path inside the container, so data_dir, pg_wal_dir
@@ -178,19 +186,6 @@ class ContainerPgServer:
                                     os_user=pwd.getpwuid(os.geteuid()).pw_name)
         self.server: Any = None
         self._init_output = ""
-
-    def __repr__(self) -> str:
-        return f"ContainerPgServer({self.name!r}, port={self.port}, data_dir={str(self.data_dir)!r})"
-
-    @property
-    def data_dir(self) -> Path:
-        """The server's data directory (the same path on the host and in the container)."""
-        return self.cluster.data_dir
-
-    @property
-    def pg_wal_dir(self) -> Path:
-        """The server's pg_wal directory."""
-        return self.cluster.pg_wal_dir
 
     def _mounts(self) -> dict[str, str]:
         return {str(self.dir): str(self.dir)}
