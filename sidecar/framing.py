@@ -177,6 +177,10 @@ class FrameReader(asyncio.BufferedProtocol):
 
     # -- the reading side
 
+    def has_messages(self) -> bool:
+        """True if a decoded message waits for read_message()."""
+        return bool(self._messages)
+
     async def read_message(self) -> Message:
         """The next message; ProtocolError, ConnectionError or IncompleteReadError when there is none."""
         while not self._messages:

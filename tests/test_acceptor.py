@@ -356,3 +356,13 @@ def test_a_probe_vote_request_persists_and_grants_nothing() -> None:
         assert isinstance(reply, VoteReply) and not reply.granted and reply.term == term
         assert (reply.flush_lsn, reply.tail_lsn, reply.tail_crc) == (123, 100, 9)
         assert a.state.term == term
+
+
+def test_learning_commit_keeps_every_other_field():
+    state = AcceptorState(system_id=SYSID, wal_seg_size=SEG, pg_version=PGV, timeline=3, term=5,
+                          term_history=h((5, SEG)), timeline_history=(TimelineEntry(2, SEG // 2),),
+                          commit_lsn=SEG, backup_lsn=SEG - 8, peer_horizon_lsn=SEG - 16)
+    acc = Acceptor(1, state, SEG)
+    acc.elected_term = 5
+    acc.on_append(Append(5, SEG, SEG + 100, SEG + 50, b"x" * 100))
+    assert acc.state == replace(state, commit_lsn=SEG + 100, peer_horizon_lsn=SEG + 50)

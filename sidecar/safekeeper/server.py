@@ -28,11 +28,12 @@ from sidecar.safekeeper.storage import WalStorage
 from sidecar.wal.reader import find_end_of_wal
 
 TAIL_FINGERPRINT = 1024 * 1024  # bytes before flush_lsn whose CRC a vote reports
-# A batch this small is fdatasync'ed on the event loop when no more WAL is waiting: the hop to a
-# thread and back costs more CPU and latency than the sync itself. Otherwise the sync runs in a
-# thread while reading goes on.
+# Unsynced WAL up to this much is fdatasync'ed on the event loop once the proposer's socket is
+# drained (group commit, as pg_receivewal does it): the hop to a thread and back costs more CPU
+# and latency than the sync itself. More than this is synced in a thread while reading goes on.
 INLINE_FLUSH_MAX = 256 * 1024
 _FIONREAD = struct.Struct("i")
+_STATEFUL = (Persist, Truncate)
 
 
 class Safekeeper:
@@ -47,7 +48,7 @@ class Safekeeper:
         self.acceptor: Acceptor | None = None
         self._server: asyncio.Server | None = None
         self._flush_lock = asyncio.Lock()
-        self._persist_lock = asyncio.Lock()  # see _execute
+        self._persist_lock = asyncio.Lock()  # see _execute_stateful
         self._flush_wanted = asyncio.Event()
         self._stream: asyncio.StreamWriter | None = None  # connection of the elected proposer
         self._tasks: set[asyncio.Task[None]] = set()
@@ -140,7 +141,17 @@ class Safekeeper:
                 if not greeted and not isinstance(msg, Greeting):
                     raise AcceptorError(f"the first message must be a Greeting, not {type(msg).__name__}")
                 greeted = True
-                await self._execute(await self._dispatch(msg, writer, log), writer)
+                if type(msg) is Append:  # the hot path: no coroutine hops for a plain append
+                    actions = self.acceptor.on_append(msg)  # type: ignore[union-attr]
+                else:
+                    actions = await self._dispatch(msg, writer, log)
+                if any(type(a) in _STATEFUL for a in actions):
+                    await self._execute_stateful(actions, writer)
+                else:
+                    self._apply(actions, writer)
+                self._sync_when_drained(reader, writer)
+                if writer.transport.get_write_buffer_size() > 1 << 20:
+                    await writer.drain()  # a proposer that stops reading stops being read
         except (asyncio.IncompleteReadError, ConnectionError):
             log.info("connection closed")
         except codec.ProtocolError as e:
@@ -189,29 +200,31 @@ class Safekeeper:
                 return actions
         raise AcceptorError(f"unexpected {type(msg).__name__} from a proposer")
 
-    async def _execute(self, actions: list[AcceptorAction], writer: asyncio.StreamWriter) -> None:
+    async def _execute_stateful(self, actions: list[AcceptorAction], writer: asyncio.StreamWriter) -> None:
         # A batch that saves state or cuts WAL runs whole under the persist lock, queued in the
         # order the acceptor produced the batches (nothing yields in between). So when two
         # proposers' connections interleave, an older state is never saved over a newer one, saves
         # never share the temp file, and an Elected's cut precedes any save of its history.
-        stateful = any(isinstance(a, (Persist, Truncate)) for a in actions)
-        async with self._persist_lock if stateful else contextlib.nullcontext():
+        async with self._persist_lock:
             for a in actions:
                 match a:
-                    case Write():
-                        self._storage_for_write().write(a.lsn, a.data)
-                        self.stats.wal_written.inc(len(a.data))
-                        self._flush_wanted.set()
                     case Persist():
                         await asyncio.to_thread(save_control, self.data_dir, ControlData(self.node_id, a.state))
                     case Truncate():
                         async with self._flush_lock:
                             st = self._storage_for_write()
                             await asyncio.to_thread(st.truncate if st.segments() else st.open_at, a.lsn)
-                    case Reply():
-                        writer.write(codec.encode(a.message))
-        if writer.transport.get_write_buffer_size() > 1 << 20:
-            await writer.drain()
+                    case _:
+                        self._apply((a,), writer)
+
+    def _apply(self, actions: list[AcceptorAction] | tuple[AcceptorAction, ...], writer: asyncio.StreamWriter) -> None:
+        """Carry out Write and Reply actions, which need no lock and never wait."""
+        for a in actions:
+            if type(a) is Write:
+                self._storage_for_write().write(a.lsn, a.data)
+                self.stats.wal_written.inc(len(a.data))
+            else:
+                writer.write(codec.encode(a.message))  # type: ignore[union-attr]
 
     def _storage_for_write(self) -> WalStorage:
         if self.storage is None:
@@ -226,18 +239,31 @@ class Safekeeper:
             await asyncio.to_thread(self.storage.flush)
             return await asyncio.to_thread(self._scan, self.acceptor.state)  # type: ignore[union-attr]
 
-    def _more_wal_waiting(self) -> bool:
-        """True if the elected proposer's socket holds bytes not read yet."""
-        sock = self._stream.get_extra_info("socket") if self._stream is not None else None
-        if sock is None:
-            return False
-        try:
-            return _FIONREAD.unpack(fcntl.ioctl(sock.fileno(), termios.FIONREAD, bytes(_FIONREAD.size)))[0] > 0
-        except OSError:
-            return False
+    def _sync_when_drained(self, reader: framing.FrameReader, writer: asyncio.StreamWriter) -> None:
+        """Group commit: sync once the socket is drained, so one fdatasync covers all WAL received."""
+        st, acc = self.storage, self.acceptor
+        if st is None or acc is None or st.flush_lsn >= acc.write_lsn:
+            return
+        unsynced = acc.write_lsn - st.flush_lsn
+        if unsynced > INLINE_FLUSH_MAX or self._flush_lock.locked():
+            self._flush_wanted.set()
+        elif not reader.has_messages() and not _bytes_waiting(writer):
+            # Blocking the loop for one small sync is cheaper than any hand-off; WAL arriving
+            # meanwhile waits in the socket and the next sync covers it.
+            began = time.perf_counter()
+            flushed = st.flush()
+            self.stats.fsync.observe(time.perf_counter() - began)
+            self._acknowledge(flushed)
+        # Otherwise the next message is already here: the sync after it covers this one too.
+
+    def _acknowledge(self, flushed: int) -> None:
+        if self._stream is not None:
+            for a in self.acceptor.on_flushed(flushed):  # type: ignore[union-attr]
+                if isinstance(a, Reply):
+                    self._stream.write(codec.encode(a.message))
 
     async def _flusher(self) -> None:
-        """Group commit: one fdatasync covers everything written while the previous one ran."""
+        """Syncs batches too large to sync on the loop in a thread, while reading goes on."""
         while True:
             await self._flush_wanted.wait()
             self._flush_wanted.clear()
@@ -246,12 +272,17 @@ class Safekeeper:
                 if st is None or acc is None or st.flush_lsn >= acc.write_lsn:
                     continue
                 began = time.perf_counter()
-                if st.write_lsn - st.flush_lsn <= INLINE_FLUSH_MAX and not self._more_wal_waiting():
-                    flushed = st.flush()
-                else:
-                    flushed = await asyncio.to_thread(st.flush)
+                flushed = await asyncio.to_thread(st.flush)
                 self.stats.fsync.observe(time.perf_counter() - began)
-            if self._stream is not None:
-                for a in acc.on_flushed(flushed):
-                    if isinstance(a, Reply):
-                        self._stream.write(codec.encode(a.message))
+            self._acknowledge(flushed)
+
+
+def _bytes_waiting(writer: asyncio.StreamWriter) -> bool:
+    """True if the connection's socket holds bytes not read yet."""
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return False
+    try:
+        return _FIONREAD.unpack(fcntl.ioctl(sock.fileno(), termios.FIONREAD, bytes(_FIONREAD.size)))[0] > 0
+    except OSError:
+        return False
