@@ -104,25 +104,22 @@ _COMPRESSIONS = pa.array([None, "pglz", "lz4", "zstd"])
 BATCH_ROWS = 65536
 
 
-def _blocks_array(blocks: list[Any], counts: np.ndarray) -> pa.ListArray:
+def _blocks_array(blocks: dict[str, np.ndarray], counts: np.ndarray) -> pa.ListArray:
     """The block references as list<struct>, one list per record."""
     offsets = np.zeros(len(counts) + 1, dtype=np.int32)
     np.cumsum(counts, out=offsets[1:])
-    if blocks:
-        (block_id, flags, spc, db, rel, blkno, data_len, bimg_len, hole_offset, hole_length, bimg_info,
-         _image_offset, _data_offset) = (np.asarray(c, dtype=np.int64) for c in zip(*blocks))
-    else:
-        block_id = flags = spc = db = rel = blkno = data_len = bimg_len = hole_offset = hole_length = bimg_info = (
-            np.zeros(0, dtype=np.int64))
+    flags = blocks["fork_flags"]
+    bimg_info = blocks["bimg_info"]
     has_image = (flags & BKPBLOCK_HAS_IMAGE) != 0
     method = np.select(
         [(bimg_info & BKPIMAGE_COMPRESS_PGLZ) != 0, (bimg_info & BKPIMAGE_COMPRESS_LZ4) != 0,
          (bimg_info & BKPIMAGE_COMPRESS_ZSTD) != 0], [1, 2, 3], 0)
     children = [
-        pa.array(block_id, pa.int16()), pa.array(spc), pa.array(db), pa.array(rel),
-        pc.take(_FORKS, pa.array(flags & BKPBLOCK_FORK_MASK)), pa.array(blkno), pa.array(flags, pa.int16()),
-        pa.array((flags & BKPBLOCK_WILL_INIT) != 0), pa.array(data_len, pa.int32()), pa.array(has_image),
-        pa.array(bimg_len, pa.int32()), pa.array(hole_offset, pa.int32()), pa.array(hole_length, pa.int32()),
+        pa.array(blocks["block_id"], pa.int16()), pa.array(blocks["spc"]), pa.array(blocks["db"]),
+        pa.array(blocks["rel"]), pc.take(_FORKS, pa.array(flags & BKPBLOCK_FORK_MASK)), pa.array(blocks["blkno"]),
+        pa.array(flags, pa.int16()), pa.array((flags & BKPBLOCK_WILL_INIT) != 0),
+        pa.array(blocks["data_len"], pa.int32()), pa.array(has_image), pa.array(blocks["bimg_len"], pa.int32()),
+        pa.array(blocks["hole_offset"], pa.int32()), pa.array(blocks["hole_length"], pa.int32()),
         pa.array(bimg_info, pa.int16()), pa.array(has_image & ((bimg_info & BKPIMAGE_APPLY) != 0)),
         pc.take(_COMPRESSIONS, pa.array(method)),
     ]
@@ -131,25 +128,24 @@ def _blocks_array(blocks: list[Any], counts: np.ndarray) -> pa.ListArray:
 
 
 def records_table(scan: SegmentScan) -> pa.Table:
-    """The records of a segment scan as a table of RECORD_SCHEMA."""
-    cols = scan.columns()
-    n = len(scan.records)
-    rmid = np.asarray(cols["rmid"], dtype=np.int64)
-    info = np.asarray(cols["info"], dtype=np.int64)
-    tot_len = np.asarray(cols["tot_len"], dtype=np.int64)
-    fpi_len = np.asarray(cols["fpi_len"], dtype=np.int64)
+    """The records of a segment scan as a table of RECORD_SCHEMA, straight from its column arrays."""
+    cols = scan.record_columns
+    n = len(scan)
+    rmid = cols["rmid"]
+    info = cols["info"]
+    tot_len = cols["tot_len"]
+    fpi_len = cols["fpi_len"]
     recid = info >> 4
     recid = np.where(rmid == RM_XACT_ID, recid & 0x07, recid)
-    xact = pc.add(pa.array(cols["xact_time"], pa.int64()), POSTGRES_EPOCH_UNIX_US).cast(pa.timestamp("us", tz="UTC"))
-    counts = np.asarray(cols["block_count"], dtype=np.int64)
+    xact = pa.array(cols["xact_time"] + POSTGRES_EPOCH_UNIX_US, mask=cols["xact_valid"] == 0)
     s = scan.summary
     arrays = [
         pa.array(np.full(n, s.segno, dtype=np.int64)),
         pa.array(np.full(n, s.tli, dtype=np.int32)),
-        pa.array(cols["lsn"], pa.int64()),
-        pa.array(cols["end_lsn"], pa.int64()),
-        pa.array(cols["prev"], pa.int64()),
-        pa.array(cols["xid"], pa.int64()),
+        pa.array(cols["lsn"]),
+        pa.array(cols["end_lsn"]),
+        pa.array(cols["prev"]),
+        pa.array(cols["xid"]),
         pa.array(rmid, pa.int16()),
         pc.take(_RMGR_NAMES, pa.array(rmid)),
         pa.array(info, pa.int16()),
@@ -158,11 +154,11 @@ def records_table(scan: SegmentScan) -> pa.Table:
         pa.array(tot_len),
         pa.array(tot_len - fpi_len),
         pa.array(fpi_len),
-        pa.array(cols["main_len"], pa.int64()),
-        pa.array(cols["crc"], pa.int64()),
-        xact,
-        pa.array(counts, pa.int16()),
-        _blocks_array(scan.blocks, counts),
+        pa.array(cols["main_len"]),
+        pa.array(cols["crc"]),
+        xact.cast(pa.timestamp("us", tz="UTC")),
+        pa.array(cols["block_count"], pa.int16()),
+        _blocks_array(scan.block_columns, cols["block_count"]),
     ]
     return pa.Table.from_arrays(arrays, schema=RECORD_SCHEMA)
 
@@ -187,7 +183,7 @@ def task_batches(scan: SegmentScan, with_records: bool) -> Iterator[pa.RecordBat
     """The batches a Spark task emits for one segment: its records (if wanted), then its summary."""
     rec_type = TASK_SCHEMA.field("rec").type
     seg_type = TASK_SCHEMA.field("seg").type
-    if with_records and scan.records:
+    if with_records and len(scan):
         table = records_table(scan)
         for batch in table.to_batches(max_chunksize=BATCH_ROWS):
             rec = pa.StructArray.from_arrays(batch.columns, fields=list(rec_type))

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
 from sidecar.lsn import (
     DEFAULT_SEGMENT_SIZE,
     WAL_PAGE_SIZE,
@@ -23,6 +25,7 @@ from sidecar.lsn import (
     parse_segment_file_name,
     segment_file_name,
 )
+from sidecar.wal import stopcodes
 from sidecar.wal.decode import BlockRef, decode_record, xact_time
 from sidecar.wal.format import (
     LONG_PAGE_HEADER,
@@ -40,6 +43,12 @@ from sidecar.wal.format import (
     page_header_size,
 )
 from sidecar.wal.reader import WalReader
+from sidecar.wal.recordscan import (
+    BLOCK_COLUMNS,
+    RECORD_COLUMNS,
+    RecordScan,
+    empty_columns,
+)
 from sidecar.wal.rmgrdesc import RM_XACT_ID
 
 _SEGMENT_NAME = re.compile(r"^[0-9A-F]{24}(\.partial)?$")
@@ -339,54 +348,82 @@ class SegmentSummary:
     continues_to_next: bool | None = None
 
 
-class _TaskSource:
-    """A WalSource over one segment held in memory, fetching later segments' heads only as far as needed.
+class HeadFetcher:
+    """Ranged reads of the heads of the segments after one, only as far as needed.
 
-    Reads in later segments come back shorter than asked (whole pages, starting at 64 KiB and growing):
-    WalReader asks again for what it has not got, so a record ending early in the next segment costs one
-    small ranged read.
+    Reads come back shorter than asked (whole pages, starting at 64 KiB and growing): the reader asks again
+    for what it has not got, so a record ending early in the next segment costs one small ranged read.
     """
 
-    def __init__(self, storage: Storage, seg: SegmentRef, data: bytes, following: dict[int, SegmentRef], seg_size: int) -> None:
+    def __init__(self, storage: Storage, following: dict[int, SegmentRef], seg_size: int) -> None:
         self.storage = storage
-        self.seg = seg
-        self.data = data
         self.following = following
         self.seg_size = seg_size
         self.fetched = 0
         self._chunk = _MIN_HEAD_FETCH
 
-    def read(self, lsn: int, size: int) -> bytes:
+    def fetch(self, lsn: int, size: int) -> tuple[bytes, bool]:
+        """Up to size bytes at lsn (in a following segment), and whether the read gave all it asked for."""
         segno, off = divmod(lsn, self.seg_size)
-        if segno == self.seg.segno:
-            return self.data[off : off + size]
         ref = self.following.get(segno)
         if ref is None or size <= 0:
-            return b""
+            return b"", False
         n = min(size, self._chunk)
         self._chunk = min(self._chunk * 4, self.seg_size)
         got = self.storage.read_range(ref.name, off, n)
         self.fetched += len(got)
-        return got
+        return got, len(got) == n
 
 
-# Fields of the record tuples a segment scan produces, in order.
+class _TaskSource:
+    """A WalSource over one segment held in memory, and the heads of the following ones (see HeadFetcher)."""
+
+    def __init__(self, seg: SegmentRef, data: bytes, heads: HeadFetcher) -> None:
+        self.seg = seg
+        self.data = data
+        self.heads = heads
+
+    def read(self, lsn: int, size: int) -> bytes:
+        segno, off = divmod(lsn, self.heads.seg_size)
+        if segno == self.seg.segno:
+            return self.data[off : off + size]
+        return self.heads.fetch(lsn, size)[0]
+
+
+# Fields of the record tuples SegmentScan.records gives, in order.
 RECORD_FIELDS = ("lsn", "end_lsn", "prev", "xid", "rmid", "info", "tot_len", "fpi_len", "main_len", "crc",
                  "xact_time", "block_count")
+
+ENGINES = ("kernel", "python")
 
 
 @dataclass
 class SegmentScan:
-    """Records starting in one segment (a tuple of RECORD_FIELDS each), their block references in order, and the summary."""
+    """Records starting in one segment and their block references, column by column (see recordscan), and the summary."""
 
     summary: SegmentSummary
-    records: list[tuple[Any, ...]]
-    blocks: list[BlockRef]
+    record_columns: dict[str, np.ndarray] = field(default_factory=lambda: empty_columns(RECORD_COLUMNS))
+    block_columns: dict[str, np.ndarray] = field(default_factory=lambda: empty_columns(BLOCK_COLUMNS))
+
+    def __len__(self) -> int:
+        return len(self.record_columns["lsn"])
+
+    @property
+    def records(self) -> list[tuple[Any, ...]]:
+        """The records as tuples of RECORD_FIELDS; xact_time is None but for commit and abort records."""
+        return list(zip(*self.columns().values()))
+
+    @property
+    def blocks(self) -> list[BlockRef]:
+        """The block references as BlockRefs, in the records' order."""
+        return [BlockRef(*row) for row in zip(*(self.block_columns[n].tolist() for n in BLOCK_COLUMNS))]
 
     def columns(self) -> dict[str, tuple[Any, ...]]:
-        """The records column by column."""
-        cols = list(zip(*self.records)) if self.records else [() for _ in RECORD_FIELDS]
-        return dict(zip(RECORD_FIELDS, cols))
+        """The records column by column, as tuples of Python values."""
+        cols = {name: tuple(self.record_columns[name].tolist()) for name in RECORD_FIELDS}
+        valid = self.record_columns["xact_valid"].tolist()
+        cols["xact_time"] = tuple(t if v else None for t, v in zip(cols["xact_time"], valid))
+        return cols
 
 
 def scan_segment(
@@ -396,19 +433,23 @@ def scan_segment(
     seg_size: int,
     *,
     keep_records: bool = True,
+    engine: str = "kernel",
 ) -> SegmentScan:
-    """Decode and check every record starting in seg, finishing the last one from the following segments."""
+    """Decode and check every record starting in seg, finishing the last one from the following segments.
+
+    engine "kernel" reads the records with compiled code (sidecar/wal/kernel.py); "python" with WalReader and
+    decode_record, the reference the kernel must agree with.
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"unknown scan engine {engine!r}; choose one of {', '.join(ENGINES)}")
     start = seg.segno * seg_size
-    end = start + seg_size
     summary = SegmentSummary(seg.segno, seg.tli, seg.name, seg.size, start)
-    rows: list[tuple[Any, ...]] = []
-    blocks: list[BlockRef] = []
     try:
         data = storage.read(seg.name)
     except FileNotFoundError:
         summary.problems.append(Problem(start, MISSING, seg.name, f"{seg.name} disappeared while reading"))
         summary.end_reason = "segment file missing"
-        return SegmentScan(summary, rows, blocks)
+        return SegmentScan(summary)
     summary.size = len(data)
     if len(data) < seg_size and not seg.partial:
         summary.problems.append(Problem(start + len(data), TRUNCATED, seg.name,
@@ -416,23 +457,39 @@ def scan_segment(
     _read_long_header(data, summary)
     if start == 0:
         summary.end_reason = "segment 0 holds no records"
-        return SegmentScan(summary, rows, blocks)
-
+        return SegmentScan(summary)
+    check_pages = _check_pages if engine == "python" else _check_pages_compiled
     if _continuation_fills(data, seg_size):
         # XLogFindNextRecord would look for the first record in later segments; this one holds none.
         summary.reached_end = True
         summary.end_reason = "a record from an earlier segment runs through this one"
-        _check_pages(data, summary, seg, seg_size, len(data), padding_from=None)
+        check_pages(data, summary, seg, seg_size, len(data), None)
         summary.problems.sort()
-        return SegmentScan(summary, rows, blocks)
-    source = _TaskSource(storage, seg, data, following, seg_size)
-    reader = WalReader(source, start, seg_size=seg_size, keep_data=True)
-    records = record_bytes = fpi_bytes = 0
-    decode_error: str | None = None
-    add_row = rows.append
-    add_blocks = blocks.extend
-    first_lsn = first_prev = last_lsn = last_end = None
-    last_is_switch = False
+        return SegmentScan(summary)
+    heads = HeadFetcher(storage, following, seg_size)
+    if engine == "python":
+        got = _read_records(seg, data, heads, seg_size, keep_records)
+    else:
+        from sidecar.wal.kernel import read_records
+
+        got = read_records(data, heads.fetch, start, seg_size, keep_records)
+        got.fetched = heads.fetched
+    _sum_up(summary, got, following, seg_size)
+    # The reader checked every page it read; after an XLOG_SWITCH the rest of the segment is padding pages.
+    checked_to = len(data) if got.reached_end else min(len(data), got.stop_lsn - start)
+    check_pages(data, summary, seg, seg_size, checked_to, got.last_lsn if got.last_is_switch else None)
+    summary.problems.sort()
+    return SegmentScan(summary, got.records, got.blocks)
+
+
+def _read_records(seg: SegmentRef, data: bytes, heads: HeadFetcher, seg_size: int, keep: bool) -> RecordScan:
+    """The records starting in seg, read with WalReader and decode_record."""
+    start = seg.segno * seg_size
+    end = start + seg_size
+    reader = WalReader(_TaskSource(seg, data, heads), start, seg_size=seg_size, keep_data=True)
+    got = RecordScan()
+    rows: list[tuple[Any, ...]] = []
+    blocks: list[BlockRef] = []
     for lsn, end_lsn, tot_len, xid, prev, info, rmid, crc, rec_data in reader.tuples():
         if lsn >= end:
             break
@@ -440,53 +497,62 @@ def scan_segment(
         try:
             dec = decode_record(rec_data, lsn)
         except WalFormatError as exc:
-            decode_error = str(exc)
+            got.decode_error = str(exc)
             break
         fpi = 0
         for b in dec.blocks:
             fpi += b.bimg_len
-        if first_lsn is None:
-            first_lsn, first_prev = lsn, prev
-        last_lsn, last_end = lsn, end_lsn
-        records += 1
-        record_bytes += tot_len
-        fpi_bytes += fpi
-        if keep_records:
-            add_row((lsn, end_lsn, prev, xid, rmid, info, tot_len, fpi, dec.main_len, crc,
-                     xact_time(rmid, info, rec_data, dec) if rmid == RM_XACT_ID else None, len(dec.blocks)))
-            add_blocks(dec.blocks)
+        if got.first_lsn is None:
+            got.first_lsn, got.first_prev = lsn, prev
+        got.last_lsn, got.last_end = lsn, end_lsn
+        got.count += 1
+        got.record_bytes += tot_len
+        got.fpi_bytes += fpi
+        if keep:
+            timed = xact_time(rmid, info, rec_data, dec) if rmid == RM_XACT_ID else None
+            rows.append((lsn, end_lsn, prev, xid, rmid, info, tot_len, fpi, dec.main_len, crc, timed or 0,
+                         timed is not None, len(dec.blocks)))
+            blocks.extend(dec.blocks)
         if end_lsn >= end:
-            summary.reached_end = True
-            last_is_switch = rmid == RM_XLOG_ID and info & 0xF0 == XLOG_SWITCH
+            got.reached_end = True
+            got.last_is_switch = rmid == RM_XLOG_ID and info & 0xF0 == XLOG_SWITCH
             break
-    summary.records = records
-    summary.record_bytes = record_bytes
-    summary.fpi_bytes = fpi_bytes
-    summary.head_bytes_read = source.fetched
-    summary.first_lsn, summary.first_prev, summary.last_lsn, summary.last_end = first_lsn, first_prev, last_lsn, last_end
-    stop_pos = reader.stop_lsn
-    if summary.reached_end:
-        summary.end_reason = "XLOG_SWITCH" if last_is_switch else "continues in the next segment"
-    elif decode_error is not None:
-        summary.end_reason = decode_error
-        summary.problems.append(Problem(last_end or start, RECORD, seg.name, decode_error))
+    got.stop_reason = reader.stop_reason
+    got.stop_lsn = reader.stop_lsn
+    got.fetched = heads.fetched
+    if rows:
+        got.records = dict(zip(RECORD_COLUMNS, np.array(rows, dtype=np.int64).T))
+    if blocks:
+        got.blocks = dict(zip(BLOCK_COLUMNS, np.array(blocks, dtype=np.int64).T))
+    return got
+
+
+def _sum_up(summary: SegmentSummary, got: RecordScan, following: dict[int, SegmentRef], seg_size: int) -> None:
+    """Fill in the summary from what reading the records gave, and the problem that ended it."""
+    start = summary.start_lsn
+    summary.records = got.count
+    summary.record_bytes = got.record_bytes
+    summary.fpi_bytes = got.fpi_bytes
+    summary.head_bytes_read = got.fetched
+    summary.first_lsn, summary.first_prev = got.first_lsn, got.first_prev
+    summary.last_lsn, summary.last_end = got.last_lsn, got.last_end
+    summary.reached_end = got.reached_end
+    if got.reached_end:
+        summary.end_reason = "XLOG_SWITCH" if got.last_is_switch else "continues in the next segment"
+    elif got.decode_error is not None:
+        summary.end_reason = got.decode_error
+        summary.problems.append(Problem(got.last_end or start, RECORD, summary.name, got.decode_error))
     else:
-        summary.end_reason = reader.stop_reason
-        problem = classify_stop(reader.stop_reason, stop_pos, seg.name)
-        if problem is not None and problem.lsn >= end:
+        summary.end_reason = got.stop_reason
+        problem = classify_stop(got.stop_reason, got.stop_lsn, summary.name)
+        if problem is not None and problem.lsn >= start + seg_size:
             # Found while finishing the last record: the page or record lies in a following segment.
             ref = following.get(problem.lsn // seg_size)
-            problem = Problem(problem.lsn, problem.kind, ref.name if ref else seg.name, problem.message)
+            problem = Problem(problem.lsn, problem.kind, ref.name if ref else summary.name, problem.message)
         if problem is not None:
             summary.problems.append(problem)
             if problem.kind == CRC:
                 summary.crc_failures = 1
-    # The reader checked every page it read; after an XLOG_SWITCH the rest of the segment is padding pages.
-    checked_to = len(data) if summary.reached_end else min(len(data), stop_pos - start)
-    switch_at = last_lsn if last_is_switch else None
-    _check_pages(data, summary, seg, seg_size, checked_to, padding_from=switch_at)
-    summary.problems.sort()
-    return SegmentScan(summary, rows, blocks)
 
 
 def _continuation_fills(data: bytes, seg_size: int) -> bool:
@@ -539,30 +605,48 @@ def _check_pages(
         page = start + off
         if padding_from is not None and page >= padding_from and data[off : off + XLOG_BLCKSZ] == zero_page:
             continue
-        msg = None
+        code, a, b = 0, 0, 0
         if magic != XLOG_PAGE_MAGIC:
-            msg = f"invalid magic number {magic:04X} in page header at {format_lsn(page)}"
+            code, a = stopcodes.P_MAGIC, magic
         elif info & ~XLP_ALL_FLAGS:
-            msg = f"invalid info bits {info:04X} in page header at {format_lsn(page)}"
+            code, a = stopcodes.P_INFO, info
         elif bool(info & XLP_LONG_HEADER) != (off == 0):
-            msg = f"{'missing' if off == 0 else 'unexpected'} long page header at {format_lsn(page)}"
+            code, a = stopcodes.P_LONG, off
         elif pageaddr != page:
-            msg = f"page address mismatch: pageaddr {format_lsn(pageaddr)} at {format_lsn(page)}"
+            code, a = stopcodes.P_ADDR, pageaddr
         elif off == 0 and len(data) >= SizeOfXLogLongPHD:
             _, _, _, _, _, _, size, blcksz = LONG_PAGE_HEADER.unpack_from(data)
             if size != seg_size or blcksz != XLOG_BLCKSZ:
-                msg = f"segment size {size} / page size {blcksz} in the long header at {format_lsn(page)}"
-        if msg is not None:
-            summary.problems.append(Problem(page, PAGE, seg.name, msg))
-            break
-        if tli > seg.tli or tli < prev_tli:
-            summary.problems.append(Problem(page, TIMELINE, seg.name,
-                                            f"page timeline {tli} after {prev_tli} in a timeline {seg.tli} file"))
+                code, a, b = stopcodes.P_SIZES, size, blcksz
+        if code == 0 and (tli > seg.tli or tli < prev_tli):
+            code, a, b = stopcodes.P_TIMELINE, tli, prev_tli
+        if code:
+            _page_problem(summary, seg, code, page, a, b)
             break
         prev_tli = tli
         tlis.append(tli)
     if tlis:
         summary.page_tli_min, summary.page_tli_max = min(tlis), max(tlis)
+
+
+def _check_pages_compiled(
+    data: bytes, summary: SegmentSummary, seg: SegmentRef, seg_size: int, limit: int, padding_from: int | None
+) -> None:
+    """_check_pages in compiled code."""
+    from sidecar.wal.kernel import NONE, check_pages
+
+    code, page, a, b, tli_min, tli_max = check_pages(np.frombuffer(data, dtype=np.uint8), seg.segno * seg_size,
+                                                     seg_size, seg.tli, limit,
+                                                     NONE if padding_from is None else padding_from)
+    if code:
+        _page_problem(summary, seg, code, page, a, b)
+    if tli_min >= 0:
+        summary.page_tli_min, summary.page_tli_max = tli_min, tli_max
+
+
+def _page_problem(summary: SegmentSummary, seg: SegmentRef, code: int, page: int, a: int, b: int) -> None:
+    kind = TIMELINE if code == stopcodes.P_TIMELINE else PAGE
+    summary.problems.append(Problem(page, kind, seg.name, stopcodes.page_problem(code, page, a, b, seg.tli)))
 
 
 # Reader stop reasons (WalReader.stop_reason) by how they start, and the problem they mean.

@@ -1,0 +1,137 @@
+"""The compiled scan's reasons for stopping, decode errors and page problems: codes, and their text as the Python
+reader (WalReader), decode_record and archive._check_pages word them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sidecar.lsn import format_lsn
+from sidecar.wal.format import SizeOfXLogRecord
+
+
+def _lsn(bits: int) -> str:
+    """An LSN carried in an int64 (a uint64 above 2**63 comes back negative)."""
+    return format_lsn(bits & 0xFFFF_FFFF_FFFF_FFFF)
+
+
+# Reader stop reasons (WalReader.stop_reason).
+END_AT_PAGE = 1
+BAD_MAGIC = 2
+BAD_INFO = 3
+SEG_SIZE = 4
+PAGE_SIZE = 5
+NO_LONG_HEADER = 6
+PAGEADDR = 7
+TIMELINE = 8
+ZERO_LENGTH = 9
+SHORT_LENGTH = 10
+LONG_LENGTH = 11
+BAD_RMID = 12
+PREV_NOT_BEFORE = 13
+PREV_MISMATCH = 14
+CONT_ZERO_REM = 15
+CONT_MISSING = 16
+CONT_REM = 17
+END_IN_RECORD = 18
+CONT_MISSING_IN_RECORD = 19
+CONT_REM_IN_RECORD = 20
+CRC = 21
+CONT_REQUESTED = 22
+END_AT = 23
+OVERWRITE_KIND = 24
+OVERWRITE_UNREADABLE = 25
+OVERWRITE_LSN = 26
+NOT_FINISHED = 27
+
+_STOPS: dict[int, Callable[[int, int, int, int], str]] = {
+    END_AT_PAGE: lambda a, b, c, d: f"end of stored WAL at page {_lsn(a)}",
+    BAD_MAGIC: lambda a, b, c, d: f"invalid magic number {a:04X} in page header at {_lsn(b)} (page {_lsn(c)})",
+    BAD_INFO: lambda a, b, c, d: f"invalid info bits {a:04X} in page header at {_lsn(b)} (page {_lsn(c)})",
+    SEG_SIZE: lambda a, b, c, d: f"incorrect segment size {a} in page header at {_lsn(b)}",
+    PAGE_SIZE: lambda a, b, c, d: f"incorrect XLOG_BLCKSZ {a} in page header at {_lsn(b)}",
+    NO_LONG_HEADER: lambda a, b, c, d: f"invalid info bits {a:04X} at {_lsn(b)}: segment start without a long header",
+    PAGEADDR: lambda a, b, c, d: f"page address mismatch: pageaddr {_lsn(a)} at {_lsn(b)}",
+    TIMELINE: lambda a, b, c, d: f"out-of-sequence timeline ID {a} (after {b}) at {_lsn(c)}",
+    ZERO_LENGTH: lambda a, b, c, d: f"zero record length at {_lsn(a)}",
+    SHORT_LENGTH: lambda a, b, c, d: f"invalid record length at {_lsn(a)}: wanted {SizeOfXLogRecord}, got {b}",
+    LONG_LENGTH: lambda a, b, c, d: f"record length {b} at {_lsn(a)} too long",
+    BAD_RMID: lambda a, b, c, d: f"invalid resource manager ID {b} at {_lsn(a)}",
+    PREV_NOT_BEFORE: lambda a, b, c, d: f"xl_prev mismatch at {_lsn(a)}: prev-link {_lsn(b)} is not before the record",
+    PREV_MISMATCH: lambda a, b, c, d: f"xl_prev mismatch at {_lsn(a)}: prev-link {_lsn(b)}, expected {_lsn(c)}",
+    CONT_ZERO_REM: lambda a, b, c, d: f"contrecord length mismatch at {_lsn(a)}: contrecord flag with zero xlp_rem_len",
+    CONT_MISSING: lambda a, b, c, d: f"missing contrecord flag at {_lsn(a)}",
+    CONT_REM: lambda a, b, c, d: f"contrecord length mismatch at {_lsn(a)}: xlp_rem_len {b}, expected {c}",
+    END_IN_RECORD: lambda a, b, c, d: f"end of stored WAL in record at {_lsn(a)}",
+    CONT_MISSING_IN_RECORD: lambda a, b, c, d: f"missing contrecord flag at {_lsn(a)} for record at {_lsn(b)}",
+    CONT_REM_IN_RECORD: lambda a, b, c, d: (f"contrecord length mismatch at {_lsn(a)}: xlp_rem_len {b},"
+                                            f" expected {c} for record at {_lsn(d)}"),
+    CRC: lambda a, b, c, d: f"CRC mismatch at {_lsn(a)}",
+    CONT_REQUESTED: lambda a, b, c, d: f"contrecord is requested by {_lsn(a)}",
+    END_AT: lambda a, b, c, d: f"end of stored WAL at {_lsn(a)}",
+    OVERWRITE_KIND: lambda a, b, c, d: (f"overwrite contrecord mismatch at {_lsn(a)}: expected an OVERWRITE_CONTRECORD"
+                                        f" record for the aborted record at {_lsn(b)}, found rmid {c} info {d:02X}"),
+    OVERWRITE_UNREADABLE: lambda a, b, c, d: (f"overwrite contrecord mismatch at {_lsn(a)}:"
+                                              " unreadable xl_overwrite_contrecord"),
+    OVERWRITE_LSN: lambda a, b, c, d: (f"overwrite contrecord mismatch at {_lsn(a)}: overwritten LSN {_lsn(b)},"
+                                       f" expected {_lsn(c)}"),
+    NOT_FINISHED: lambda a, b, c, d: "not finished",
+}
+
+# decode_record's errors, for the record at an LSN given separately.
+D_BLOCK_ID = 101
+D_BLOCK_ORDER = 102
+D_NO_DATA = 103
+D_DATA_LENGTH = 104
+D_HOLE = 105
+D_NO_HOLE = 106
+D_COMPRESSED_FULL = 107
+D_IMAGE_LENGTH = 108
+D_SAME_REL = 109
+D_SHORT = 110
+
+_DECODE_ERRORS: dict[int, Callable[[int, int, int, str], str]] = {
+    D_BLOCK_ID: lambda a, b, c, at: f"invalid block_id {a} at {at}",
+    D_BLOCK_ORDER: lambda a, b, c, at: f"out-of-order block_id {a} at {at}",
+    D_NO_DATA: lambda a, b, c, at: f"BKPBLOCK_HAS_DATA set, but no data included at {at}",
+    D_DATA_LENGTH: lambda a, b, c, at: f"BKPBLOCK_HAS_DATA not set, but data length is {a} at {at}",
+    D_HOLE: lambda a, b, c, at: (f"BKPIMAGE_HAS_HOLE set, but hole offset {a} length {b}"
+                                 f" block image length {c} at {at}"),
+    D_NO_HOLE: lambda a, b, c, at: f"BKPIMAGE_HAS_HOLE not set, but hole offset {a} length {b} at {at}",
+    D_COMPRESSED_FULL: lambda a, b, c, at: f"BKPIMAGE_COMPRESSED set, but block image length {a} at {at}",
+    D_IMAGE_LENGTH: lambda a, b, c, at: (f"neither BKPIMAGE_HAS_HOLE nor BKPIMAGE_COMPRESSED set,"
+                                         f" but block image length is {a} at {at}"),
+    D_SAME_REL: lambda a, b, c, at: f"BKPBLOCK_SAME_REL set but no previous rel at {at}",
+    D_SHORT: lambda a, b, c, at: f"record with invalid length at {at}",
+}
+
+# Page header problems of a whole segment (archive._check_pages).
+P_MAGIC = 201
+P_INFO = 202
+P_LONG = 203
+P_ADDR = 204
+P_SIZES = 205
+P_TIMELINE = 206
+
+_PAGE_PROBLEMS: dict[int, Callable[[int, int, int, str], str]] = {
+    P_MAGIC: lambda a, b, tli, at: f"invalid magic number {a:04X} in page header at {at}",
+    P_INFO: lambda a, b, tli, at: f"invalid info bits {a:04X} in page header at {at}",
+    P_LONG: lambda a, b, tli, at: f"{'missing' if a == 0 else 'unexpected'} long page header at {at}",
+    P_ADDR: lambda a, b, tli, at: f"page address mismatch: pageaddr {_lsn(a)} at {at}",
+    P_SIZES: lambda a, b, tli, at: f"segment size {a} / page size {b} in the long header at {at}",
+    P_TIMELINE: lambda a, b, tli, at: f"page timeline {a} after {b} in a timeline {tli} file",
+}
+
+
+def stop_reason(code: int, a: int, b: int, c: int, d: int) -> str:
+    """The WalReader.stop_reason text for a stop code and its numbers."""
+    return _STOPS[code](a, b, c, d)
+
+
+def decode_error(code: int, a: int, b: int, c: int, lsn: int) -> str:
+    """The WalFormatError text decode_record gives the record at lsn."""
+    return _DECODE_ERRORS[code](a, b, c, format_lsn(lsn))
+
+
+def page_problem(code: int, page: int, a: int, b: int, file_tli: int) -> str:
+    """The text of a page header problem at page, in a segment file of timeline file_tli."""
+    return _PAGE_PROBLEMS[code](a, b, file_tli, format_lsn(page))
