@@ -35,6 +35,7 @@ def spark_options(fn: F) -> F:
 
 def _imports() -> None:
     try:
+        import numba  # noqa: F401
         import pyarrow  # noqa: F401
         import pyspark  # noqa: F401
     except ImportError as exc:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Self, TextIO
 
 import sidecar
+from sidecar.wal.jit import cache_dir
 
 DEFAULT_MASTER = "local[*]"
 
@@ -43,6 +44,10 @@ def _prepare_environment() -> None:
     # Workers must run this interpreter and import this copy of sidecar, not whatever else is installed.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    # Workers load the compiled WAL decoder from the cache the driver uses (see sidecar/wal/jit.py).
+    numba_cache = cache_dir()
+    if numba_cache is not None:
+        os.environ.setdefault("NUMBA_CACHE_DIR", numba_cache)
     root = str(Path(sidecar.__file__).resolve().parent.parent)
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if root not in paths:
