@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+if __name__ == "__main__":
+    # Run as a script: import this checkout's sidecar, whatever else is installed.
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import psycopg
-from backends import LocalPgServer
+from backends import LocalPgServer, make_backend
 
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE as SEG
 from sidecar.lsn import parse_lsn, segment_file_name
@@ -71,3 +78,39 @@ def generate_wal(make_server: Callable[[dict[str, str]], LocalPgServer], archive
         shutil.copyfile(server.pg_wal_dir / name, archive / name)
         os.chmod(archive / name, 0o644)
     return GeneratedWal(server, archive, first_segno, last_segno, big, switch)
+
+
+@contextmanager
+def generated_wal(backend_kind: str, base: Path) -> Iterator[GeneratedWal]:
+    """generate_wal on a server of backend_kind under base/pg, archive in base/archive; the server is torn down after."""
+    backend = make_backend(backend_kind, base / "pg")
+    servers: list[LocalPgServer] = []
+
+    def make(settings: dict[str, str]) -> LocalPgServer:
+        server = backend.create("pg", settings)
+        servers.append(server)
+        server.start()
+        return server
+
+    try:
+        yield generate_wal(make, base / "archive")
+    finally:
+        for server in servers:
+            server.teardown()
+
+
+def main() -> None:
+    """`python3 tests/realwal.py DIR`: write the test workload's segments into DIR (for benchmarks)."""
+    if len(sys.argv) != 2:
+        sys.exit("usage: realwal.py DIR")
+    target = Path(sys.argv[1])
+    with tempfile.TemporaryDirectory(prefix="walsidecar-realwal-") as tmp:
+        base = Path(tmp)
+        os.chmod(base, 0o755)
+        with generated_wal("local", base) as wal:
+            shutil.copytree(wal.archive, target, dirs_exist_ok=True)
+    print(f"{len(wal.names)} segments {wal.names[0]}..{wal.names[-1]} in {target}")
+
+
+if __name__ == "__main__":
+    main()
