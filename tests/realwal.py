@@ -16,7 +16,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import psycopg
-from backends import LocalPgServer, make_backend
+from backends import ContainerBackend, LocalBackend, LocalPgServer, make_backend
 
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE as SEG
 from sidecar.lsn import parse_lsn, segment_file_name
@@ -81,9 +81,8 @@ def generate_wal(make_server: Callable[[dict[str, str]], LocalPgServer], archive
 
 
 @contextmanager
-def generated_wal(backend_kind: str, base: Path) -> Iterator[GeneratedWal]:
-    """generate_wal on a server of backend_kind under base/pg, archive in base/archive; the server is torn down after."""
-    backend = make_backend(backend_kind, base / "pg")
+def generated_wal(backend: LocalBackend | ContainerBackend, archive: Path) -> Iterator[GeneratedWal]:
+    """generate_wal on a server the backend makes; the server is torn down afterwards."""
     servers: list[LocalPgServer] = []
 
     def make(settings: dict[str, str]) -> LocalPgServer:
@@ -93,7 +92,7 @@ def generated_wal(backend_kind: str, base: Path) -> Iterator[GeneratedWal]:
         return server
 
     try:
-        yield generate_wal(make, base / "archive")
+        yield generate_wal(make, archive)
     finally:
         for server in servers:
             server.teardown()
@@ -107,7 +106,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="walsidecar-realwal-") as tmp:
         base = Path(tmp)
         os.chmod(base, 0o755)
-        with generated_wal("local", base) as wal:
+        with generated_wal(make_backend("local", base / "pg"), base / "archive") as wal:
             shutil.copytree(wal.archive, target, dirs_exist_ok=True)
     print(f"{len(wal.names)} segments {wal.names[0]}..{wal.names[-1]} in {target}")
 

@@ -17,10 +17,10 @@ from urllib.parse import urlparse
 
 import pyarrow.parquet as pq
 import pytest
-from backends import BackendUnavailable, LocalPgServer, make_backend
+from backends import BackendUnavailable, make_backend
 from click.testing import CliRunner, Result
 from helpers import free_port, wait_for
-from realwal import COMPRESSIONS, GeneratedWal, generate_wal
+from realwal import COMPRESSIONS, GeneratedWal, generated_wal
 
 from sidecar.analytics.session import spark_session
 from sidecar.cli import main
@@ -99,19 +99,8 @@ def wal(request: pytest.FixtureRequest, test_root: Path) -> Iterator[GeneratedWa
         backend = make_backend(request.config.getoption("--pg-backend"), base / "pg")
     except BackendUnavailable as exc:
         pytest.skip(str(exc))
-    servers: list[LocalPgServer] = []
-
-    def make(settings: dict[str, str]) -> LocalPgServer:
-        server = backend.create("pg", settings)
-        servers.append(server)
-        server.start()
-        return server
-
-    try:
-        yield generate_wal(make, base / "archive")
-    finally:
-        for server in servers:
-            server.teardown()
+    with generated_wal(backend, base / "archive") as generated:
+        yield generated
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +187,27 @@ def test_analyze_needs_out_or_stats(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "--out DIR, --stats, or both" in result.stderr
     result = CliRunner().invoke(main, ["analyze", "gs://bucket/wal", "--stats"])
     assert result.exit_code == 1 and "unsupported WAL source" in result.stderr
+
+
+def test_spark_workers_load_the_compiled_scan_from_the_cache(wal: GeneratedWal, spark: Any) -> None:
+    """The Python workers run the decoder the driver compiled: they load it from the same cache, not compile it."""
+    from sidecar.wal import jit
+    from sidecar.wal.archive import LocalStorage, plan_archive, scan_segment
+
+    plan = plan_archive(LocalStorage(wal.archive))
+    first = plan.segments[0]
+    scan_segment(plan.storage, first, plan.by_segno(), plan.seg_size)  # compiles or loads the kernel here
+
+    def in_worker(_: Iterator[int]) -> Iterator[tuple[str | None, int, int]]:
+        from sidecar.wal import jit, kernel
+        from sidecar.wal.archive import scan_segment
+
+        scan_segment(plan.storage, first, plan.by_segno(), plan.seg_size)
+        stats = kernel.scan.stats
+        yield jit.cache_dir(), sum(stats.cache_hits.values()), sum(stats.cache_misses.values())
+
+    ((cache, hits, misses),) = spark.sparkContext.parallelize([0], 1).mapPartitions(in_worker).collect()
+    assert (cache, misses) == (jit.cache_dir(), 0) and hits >= 1
 
 
 def test_spark_listens_on_loopback_only(spark: Any) -> None:

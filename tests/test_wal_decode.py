@@ -79,6 +79,7 @@ def build_record(
     info: int = 0,
     origin: int | None = None,
     toplevel: int | None = None,
+    prev: int = 0x1000028,
 ) -> bytes:
     """A record with block references as XLogRecordAssemble lays them out, with a valid CRC."""
     headers = bytearray()
@@ -108,7 +109,7 @@ def build_record(
     if main:
         headers += bytes([255, len(main)]) if len(main) <= 255 else bytes([254]) + struct.pack("<I", len(main))
     body = bytes(headers + payload + main)
-    rec = bytearray(RECORD_HEADER.pack(24 + len(body), 7, 0x1000028, info, rmid, 0) + body)
+    rec = bytearray(RECORD_HEADER.pack(24 + len(body), 7, prev, info, rmid, 0) + body)
     struct.pack_into("<I", rec, 20, record_crc(bytes(rec)))
     return bytes(rec)
 
@@ -175,20 +176,21 @@ def test_pglz_rejects_corrupt_input() -> None:
         pglz_decompress(bytes([1, 0x00, 0x05]) + b"x", 10)  # a match before any output
 
 
-@pytest.mark.parametrize(
-    ("blocks", "message"),
-    [
-        ([{"id": 2, "rel": (1, 1, 1), "blkno": 0}, {"id": 1, "rel": (1, 1, 1), "blkno": 0}], "out-of-order block_id"),
-        ([{"id": 0, "flags": BKPBLOCK_SAME_REL, "blkno": 0}], "no previous rel"),
-        # Uncompressed without a hole: the implied hole length (8192 - 100) trips the first check, as in PostgreSQL.
-        ([{"id": 0, "rel": (1, 1, 1), "blkno": 0, "image": b"x" * 100, "bimg_info": 0}], "HAS_HOLE not set"),
-        ([{"id": 0, "rel": (1, 1, 1), "blkno": 0, "image": b"x" * PAGE, "bimg_info": BKPIMAGE_COMPRESS_LZ4}],
-         "COMPRESSED set, but block image length 8192"),
-        ([{"id": 0, "rel": (1, 1, 1), "blkno": 0, "image": b"x" * 100, "bimg_info": BKPIMAGE_HAS_HOLE}], "HAS_HOLE set"),
-        ([{"id": 0, "rel": (1, 1, 1), "blkno": 0, "image": b"x" * 100, "hole_offset": 5, "bimg_info": BKPIMAGE_COMPRESS_LZ4}],
-         "HAS_HOLE not set"),
-    ],
-)
+# Block references decode_record rejects, and a word of its message.
+INVALID_BLOCKS: list[tuple[list[dict[str, object]], str]] = [
+    ([{"id": 2, "rel": (1, 1, 1), "blkno": 0}, {"id": 1, "rel": (1, 1, 1), "blkno": 0}], "out-of-order block_id"),
+    ([{"id": 0, "flags": BKPBLOCK_SAME_REL, "blkno": 0}], "no previous rel"),
+    # Uncompressed without a hole: the implied hole length (8192 - 100) trips the first check, as in PostgreSQL.
+    ([{"id": 0, "rel": (1, 1, 1), "blkno": 0, "image": b"x" * 100, "bimg_info": 0}], "HAS_HOLE not set"),
+    ([{"id": 0, "rel": (1, 1, 1), "blkno": 0, "image": b"x" * PAGE, "bimg_info": BKPIMAGE_COMPRESS_LZ4}],
+     "COMPRESSED set, but block image length 8192"),
+    ([{"id": 0, "rel": (1, 1, 1), "blkno": 0, "image": b"x" * 100, "bimg_info": BKPIMAGE_HAS_HOLE}], "HAS_HOLE set"),
+    ([{"id": 0, "rel": (1, 1, 1), "blkno": 0, "image": b"x" * 100, "hole_offset": 5, "bimg_info": BKPIMAGE_COMPRESS_LZ4}],
+     "HAS_HOLE not set"),
+]
+
+
+@pytest.mark.parametrize(("blocks", "message"), INVALID_BLOCKS)
 def test_invalid_block_headers_are_rejected(blocks: list[dict[str, object]], message: str) -> None:
     with pytest.raises(WalFormatError, match=message):
         decode_record(build_record(blocks))
