@@ -92,8 +92,19 @@ SUMMARY_SCHEMA = pa.schema([
 
 SEGMENTS_SCHEMA = SUMMARY_SCHEMA.append(pa.field("chain", pa.string())).append(pa.field("continues_to_next", pa.bool_()))
 
-# The output of one Spark task: either a batch of records or one segment summary, the other column null.
-TASK_SCHEMA = pa.schema([("rec", pa.struct(list(RECORD_SCHEMA))), ("seg", pa.struct(list(SUMMARY_SCHEMA)))])
+# Records of one segment counted per pg_waldump --stats=record row.
+TYPE_STATS_TYPE = pa.list_(pa.field("item", pa.struct([
+    ("rmid", pa.int16()),
+    ("recid", pa.int16()),
+    ("count", pa.int64()),
+    ("rec_len", pa.int64()),
+    ("fpi_len", pa.int64()),
+])))
+
+# The output of one Spark task: batches of records, then one segment summary with its record type counts;
+# the columns a row does not use are null.
+TASK_SCHEMA = pa.schema([("rec", pa.struct(list(RECORD_SCHEMA))), ("seg", pa.struct(list(SUMMARY_SCHEMA))),
+                         ("types", TYPE_STATS_TYPE)])
 
 _NAME_KEYS = (RM_MAX_CUSTOM_ID + 1) * 16
 _RMGR_NAMES = pa.array([rmgr_name(r) if rmid_is_valid(r) else None for r in range(RM_MAX_CUSTOM_ID + 1)])
@@ -127,6 +138,12 @@ def _blocks_array(blocks: dict[str, np.ndarray], counts: np.ndarray) -> pa.ListA
     return pa.ListArray.from_arrays(pa.array(offsets), struct, type=RECORD_SCHEMA.field("blocks").type)
 
 
+def _stats_recids(rmid: np.ndarray, info: np.ndarray) -> np.ndarray:
+    """stats_recid over columns: info >> 4, with the xact HAS_INFO bit masked."""
+    recid = info >> 4
+    return np.where(rmid == RM_XACT_ID, recid & 0x07, recid)
+
+
 def records_table(scan: SegmentScan) -> pa.Table:
     """The records of a segment scan as a table of RECORD_SCHEMA, straight from its column arrays."""
     cols = scan.record_columns
@@ -135,8 +152,7 @@ def records_table(scan: SegmentScan) -> pa.Table:
     info = cols["info"]
     tot_len = cols["tot_len"]
     fpi_len = cols["fpi_len"]
-    recid = info >> 4
-    recid = np.where(rmid == RM_XACT_ID, recid & 0x07, recid)
+    recid = _stats_recids(rmid, info)
     xact = pa.array(cols["xact_time"] + POSTGRES_EPOCH_UNIX_US, mask=cols["xact_valid"] == 0)
     s = scan.summary
     arrays = [
@@ -163,6 +179,18 @@ def records_table(scan: SegmentScan) -> pa.Table:
     return pa.Table.from_arrays(arrays, schema=RECORD_SCHEMA)
 
 
+def type_stats(scan: SegmentScan) -> list[dict[str, int]]:
+    """The scan's records counted per (rmid, recid): count, record bytes without FPIs, FPI bytes (TYPE_STATS_TYPE)."""
+    cols = scan.record_columns
+    keys, which = np.unique(cols["rmid"] * 16 + _stats_recids(cols["rmid"], cols["info"]), return_inverse=True)
+    sums = np.zeros((2, len(keys)), dtype=np.int64)
+    np.add.at(sums[0], which, cols["tot_len"] - cols["fpi_len"])
+    np.add.at(sums[1], which, cols["fpi_len"])
+    counts = np.bincount(which, minlength=len(keys))
+    return [{"rmid": int(k >> 4), "recid": int(k & 15), "count": int(n), "rec_len": int(r), "fpi_len": int(f)}
+            for k, n, r, f in zip(keys, counts, sums[0], sums[1])]
+
+
 def summary_row(s: SegmentSummary) -> dict[str, Any]:
     """A segment summary as a SUMMARY_SCHEMA row."""
     row = {f.name: getattr(s, f.name) for f in SUMMARY_SCHEMA if f.name not in ("sysid", "problems")}
@@ -179,14 +207,17 @@ def summary_from_row(row: dict[str, Any]) -> SegmentSummary:
     return SegmentSummary(**fields)
 
 
-def task_batches(scan: SegmentScan, with_records: bool) -> Iterator[pa.RecordBatch]:
-    """The batches a Spark task emits for one segment: its records (if wanted), then its summary."""
+def task_batches(scan: SegmentScan, with_records: bool, with_types: bool) -> Iterator[pa.RecordBatch]:
+    """The batches a Spark task emits for one segment: its records (if wanted), then its summary with the
+    record type counts (if wanted)."""
     rec_type = TASK_SCHEMA.field("rec").type
     seg_type = TASK_SCHEMA.field("seg").type
     if with_records and len(scan):
         table = records_table(scan)
         for batch in table.to_batches(max_chunksize=BATCH_ROWS):
             rec = pa.StructArray.from_arrays(batch.columns, fields=list(rec_type))
-            yield pa.RecordBatch.from_arrays([rec, pa.nulls(len(batch), seg_type)], schema=TASK_SCHEMA)
+            others = [pa.nulls(len(batch), seg_type), pa.nulls(len(batch), TYPE_STATS_TYPE)]
+            yield pa.RecordBatch.from_arrays([rec, *others], schema=TASK_SCHEMA)
     seg = pa.array([summary_row(scan.summary)], type=seg_type)
-    yield pa.RecordBatch.from_arrays([pa.nulls(1, rec_type), seg], schema=TASK_SCHEMA)
+    types = pa.array([type_stats(scan) if with_types else None], type=TYPE_STATS_TYPE)
+    yield pa.RecordBatch.from_arrays([pa.nulls(1, rec_type), seg, types], schema=TASK_SCHEMA)

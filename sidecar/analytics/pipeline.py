@@ -41,36 +41,40 @@ class ScanTask:
     storage: Storage
     segments: list[SegmentRef]
     seg_size: int
-    with_records: bool
+    with_records: bool  # emit the records
+    with_types: bool  # count the records per type, for the statistics
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         by_segno = {s.segno: s for s in self.segments}
+        keep = self.with_records or self.with_types
         for batch in batches:
             for index in batch.column(0).to_pylist():
                 seg = self.segments[index]
-                scan = scan_segment(self.storage, seg, by_segno, self.seg_size, keep_records=self.with_records)
-                yield from task_batches(scan, self.with_records)
+                scan = scan_segment(self.storage, seg, by_segno, self.seg_size, keep_records=keep)
+                yield from task_batches(scan, self.with_records, self.with_types)
 
 
-def scan_frame(spark: Any, plan: ArchivePlan, *, with_records: bool) -> Any:
+def scan_frame(spark: Any, plan: ArchivePlan, *, with_records: bool, with_types: bool = False) -> Any:
     """A DataFrame of TASK_SCHEMA rows: one Spark task per segment."""
     from pyspark.sql.pandas.types import from_arrow_schema
 
     n = len(plan.segments)
-    task = ScanTask(plan.storage, plan.segments, plan.seg_size, with_records)
+    task = ScanTask(plan.storage, plan.segments, plan.seg_size, with_records, with_types)
     ids = spark.range(0, n, 1, numPartitions=max(1, n))
     return ids.mapInArrow(task, from_arrow_schema(TASK_SCHEMA, prefer_timestamp_ntz=False))
 
 
-def _collect_chain(plan: ArchivePlan, frame: Any) -> ChainResult:
-    rows = frame.where(frame.seg.isNotNull()).select("seg.*").toArrow().to_pylist()
-    return check_chain(plan, [summary_from_row(r) for r in rows])
+def _collect(plan: ArchivePlan, frame: Any) -> tuple[ChainResult, dict[int, list[dict[str, int]]]]:
+    """The chain check over the segment summaries, and each segment's record type counts (by segno)."""
+    rows = frame.where(frame.seg.isNotNull()).select("seg", "types").toArrow().to_pylist()
+    chain = check_chain(plan, [summary_from_row(r["seg"]) for r in rows])
+    return chain, {r["seg"]["segno"]: r["types"] or [] for r in rows}
 
 
 def verify(spark: Any, plan: ArchivePlan, progress: StageProgress) -> ChainResult:
     """Check every segment (CRCs, page headers, xl_prev) and their continuity."""
     progress.step(f"verifying {len(plan.segments)} segments")
-    return _collect_chain(plan, scan_frame(spark, plan, with_records=False))
+    return _collect(plan, scan_frame(spark, plan, with_records=False))[0]
 
 
 @dataclass
@@ -82,20 +86,17 @@ class AnalyzeResult:
     written: list[str] = field(default_factory=list)
 
 
-def stats_of(records: Any, chain: ChainResult) -> WalStats:
-    """pg_waldump --stats=record counts over the unbroken WAL from the first segment."""
-    from pyspark.sql import functions as F
-
+def stats_of(chain: ChainResult, types: dict[int, list[dict[str, int]]]) -> WalStats:
+    """pg_waldump --stats=record counts over the unbroken WAL from the first segment: the segments check_chain
+    linked (chain "ok"), whose records run from valid_start to the one ending at valid_end."""
     stats = WalStats(start_lsn=chain.valid_start, end_lsn=0)
     if chain.valid_start is None or chain.last_valid_lsn is None:
         return stats
-    counted = records.where(F.col("lsn").between(chain.valid_start, chain.last_valid_lsn))
-    rows = counted.groupBy("rmid", "recid").agg(
-        F.count("*").alias("n"), F.sum("rec_len").alias("rec_len"), F.sum("fpi_len").alias("fpi_len"),
-        F.max("end_lsn").alias("end_lsn")).collect()
-    for r in rows:
-        stats.add_row(r["rmid"], r["recid"], r["n"], r["rec_len"], r["fpi_len"])
-        stats.end_lsn = max(stats.end_lsn or 0, r["end_lsn"])
+    stats.end_lsn = chain.valid_end
+    for s in chain.summaries:
+        if s.chain == "ok":
+            for t in types.get(s.segno, []):
+                stats.add_row(t["rmid"], t["recid"], t["count"], t["rec_len"], t["fpi_len"])
     return stats
 
 
@@ -103,26 +104,28 @@ def analyze(
     spark: Any, plan: ArchivePlan, progress: StageProgress, *, out: str | None, want_stats: bool,
     s3_endpoint: str | None = None,
 ) -> AnalyzeResult:
-    """Decode all segments once (kept in memory), then compute statistics and write the datasets and report."""
+    """Decode all segments once, then compute statistics and write the datasets and report.
+
+    The statistics come from per-segment counts; only with out are the records kept (in memory) for the datasets.
+    """
     from pyspark import StorageLevel
 
     progress.step(f"decoding {len(plan.segments)} segments")
-    frame = scan_frame(spark, plan, with_records=True).persist(StorageLevel.MEMORY_AND_DISK)
+    frame = scan_frame(spark, plan, with_records=out is not None, with_types=True)
+    if out is not None:
+        frame = frame.persist(StorageLevel.MEMORY_AND_DISK)
     try:
-        chain = _collect_chain(plan, frame)
-        records = frame.where(frame.rec.isNotNull()).select("rec.*")
-        stats = None
-        if want_stats or out is not None:
-            progress.step("statistics")
-            stats = stats_of(records, chain)
-        result = AnalyzeResult(chain, stats)
+        chain, types = _collect(plan, frame)
+        result = AnalyzeResult(chain, stats_of(chain, types) if want_stats or out is not None else None)
         if out is not None:
-            assert stats is not None
-            _write_outputs(records, chain, stats, out, progress, s3_endpoint, plan)
+            assert result.stats is not None
+            records = frame.where(frame.rec.isNotNull()).select("rec.*")
+            _write_outputs(records, chain, result.stats, out, progress, s3_endpoint, plan)
             result.written = [f"{out.rstrip('/')}/{name}" for name in (*DATASETS, "report.html")]
         return result
     finally:
-        frame.unpersist()
+        if out is not None:
+            frame.unpersist()
 
 
 def _write_outputs(
