@@ -10,13 +10,21 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 if __name__ == "__main__":
     # Run as a script: import this checkout's sidecar, whatever else is installed.
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import psycopg
-from backends import ContainerBackend, LocalBackend, LocalPgServer, make_backend
+import pytest
+from backends import (
+    BackendUnavailable,
+    ContainerBackend,
+    LocalBackend,
+    LocalPgServer,
+    make_backend,
+)
 
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE as SEG
 from sidecar.lsn import parse_lsn, segment_file_name
@@ -78,6 +86,23 @@ def generate_wal(make_server: Callable[[dict[str, str]], LocalPgServer], archive
         shutil.copyfile(server.pg_wal_dir / name, archive / name)
         os.chmod(archive / name, 0o644)
     return GeneratedWal(server, archive, first_segno, last_segno, big, switch)
+
+
+def wal_fixture(directory: str) -> Any:
+    """A module-scoped fixture: the workload's WAL, generated under test_root/directory."""
+
+    @pytest.fixture(scope="module")
+    def wal(request: pytest.FixtureRequest, test_root: Path) -> Iterator[GeneratedWal]:
+        base = test_root / directory
+        base.mkdir(mode=0o755)
+        try:
+            backend = make_backend(request.config.getoption("--pg-backend"), base / "pg")
+        except BackendUnavailable as exc:
+            pytest.skip(str(exc))
+        with generated_wal(backend, base / "archive") as generated:
+            yield generated
+
+    return wal
 
 
 @contextmanager

@@ -17,10 +17,9 @@ from urllib.parse import urlparse
 
 import pyarrow.parquet as pq
 import pytest
-from backends import BackendUnavailable, make_backend
 from click.testing import CliRunner, Result
 from helpers import free_port, wait_for
-from realwal import COMPRESSIONS, GeneratedWal, generated_wal
+from realwal import COMPRESSIONS, GeneratedWal, wal_fixture
 
 from sidecar.analytics.session import spark_session
 from sidecar.cli import main
@@ -91,16 +90,7 @@ def link_copy(src: Path, dst: Path, *, copy: tuple[str, ...] = ()) -> Path:
 # ----- fixtures -----
 
 
-@pytest.fixture(scope="module")
-def wal(request: pytest.FixtureRequest, test_root: Path) -> Iterator[GeneratedWal]:
-    base = test_root / "analytics"
-    base.mkdir(mode=0o755)
-    try:
-        backend = make_backend(request.config.getoption("--pg-backend"), base / "pg")
-    except BackendUnavailable as exc:
-        pytest.skip(str(exc))
-    with generated_wal(backend, base / "archive") as generated:
-        yield generated
+wal = wal_fixture("analytics")
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,12 @@ import shutil
 import struct
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import google_crc32c
 import numpy as np
 import pytest
-from backends import BackendUnavailable, make_backend
-from realwal import GeneratedWal, generated_wal
+from realwal import GeneratedWal, wal_fixture
 from test_wal_decode import INVALID_BLOCKS, build_record, page_with_hole
 from walbuilder import WalBuilder
 
@@ -111,16 +109,7 @@ def flip(path: Path, offset: int, mask: int = 0x10) -> None:
 # ----- real WAL -----
 
 
-@pytest.fixture(scope="module")
-def wal(request: pytest.FixtureRequest, test_root: Path) -> Iterator[GeneratedWal]:
-    base = test_root / "kernel"
-    base.mkdir(mode=0o755)
-    try:
-        backend = make_backend(request.config.getoption("--pg-backend"), base / "pg")
-    except BackendUnavailable as exc:
-        pytest.skip(str(exc))
-    with generated_wal(backend, base / "archive") as generated:
-        yield generated
+wal = wal_fixture("kernel")
 
 
 def test_real_wal_scans_equal_the_reference(wal: GeneratedWal) -> None:
@@ -276,6 +265,30 @@ def test_cache_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     assert jit.cache_dir() == str(tmp_path / "xdg" / "walsidecar" / "numba")
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "mine"))
     assert jit.cache_dir() == str(tmp_path / "mine")
+
+
+def test_cache_is_emptied_when_a_source_changes(tmp_path: Path) -> None:
+    class Cache:
+        cache_path = str(tmp_path)
+        flushed = 0
+
+        def flush(self) -> None:
+            self.flushed += 1
+
+    cache = Cache()
+    jit.drop_stale(cache, "f")
+    jit.drop_stale(cache, "f")
+    assert cache.flushed == 1  # once: the stamp then names these sources
+    (tmp_path / "f.sources").write_text("other sources")
+    jit.drop_stale(cache, "f")
+    assert cache.flushed == 2
+    package = tmp_path / "sidecar" / "wal"
+    package.mkdir(parents=True)
+    (tmp_path / "sidecar" / "lsn.py").write_text("MAXALIGN = 8\n")
+    (package / "format.py").write_text("XLOG_PAGE_MAGIC = 0xD110\n")
+    before = jit.sources_digest.__wrapped__(package)
+    (package / "format.py").write_text("XLOG_PAGE_MAGIC = 0xD113\n")
+    assert jit.sources_digest.__wrapped__(package) != before
 
 
 def test_another_process_loads_the_compiled_scan_from_the_cache(stream: WalBuilder, tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -50,7 +51,34 @@ def compiled(fn: F) -> F:
     _configure()
     import numba
 
-    return numba.njit(cache=True, nogil=True)(fn)  # type: ignore[no-any-return]
+    dispatcher = numba.njit(cache=True, nogil=True)(fn)
+    drop_stale(dispatcher._cache, f"{fn.__module__}.{fn.__qualname__}")
+    return dispatcher  # type: ignore[no-any-return]
+
+
+@functools.cache
+def sources_digest(sources: Path = _SOURCES) -> str:
+    """A digest of the sources compiled code is built from: this package and sidecar/lsn.py."""
+    digest = hashlib.sha256()
+    for path in sorted([*sources.glob("*.py"), sources.parent / "lsn.py"]):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def drop_stale(cache: Any, name: str) -> None:
+    """Empty a numba cache filled from other sources than these: numba only notices changes to the decorated
+    function's own file, not to the constants and helpers it takes from other modules."""
+    stamp = Path(cache.cache_path) / f"{name}.sources"
+    try:
+        if stamp.read_text() == sources_digest():
+            return
+    except OSError:
+        pass
+    cache.flush()
+    try:
+        stamp.write_text(sources_digest())
+    except OSError:
+        pass  # an unwritable cache: numba will not save there either
 
 
 def helper(fn: F) -> F:

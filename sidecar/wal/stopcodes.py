@@ -15,33 +15,10 @@ def _lsn(bits: int) -> str:
 
 
 # Reader stop reasons (WalReader.stop_reason).
-END_AT_PAGE = 1
-BAD_MAGIC = 2
-BAD_INFO = 3
-SEG_SIZE = 4
-PAGE_SIZE = 5
-NO_LONG_HEADER = 6
-PAGEADDR = 7
-TIMELINE = 8
-ZERO_LENGTH = 9
-SHORT_LENGTH = 10
-LONG_LENGTH = 11
-BAD_RMID = 12
-PREV_NOT_BEFORE = 13
-PREV_MISMATCH = 14
-CONT_ZERO_REM = 15
-CONT_MISSING = 16
-CONT_REM = 17
-END_IN_RECORD = 18
-CONT_MISSING_IN_RECORD = 19
-CONT_REM_IN_RECORD = 20
-CRC = 21
-CONT_REQUESTED = 22
-END_AT = 23
-OVERWRITE_KIND = 24
-OVERWRITE_UNREADABLE = 25
-OVERWRITE_LSN = 26
-NOT_FINISHED = 27
+(END_AT_PAGE, BAD_MAGIC, BAD_INFO, SEG_SIZE, PAGE_SIZE, NO_LONG_HEADER, PAGEADDR, TIMELINE, ZERO_LENGTH,
+ SHORT_LENGTH, LONG_LENGTH, BAD_RMID, PREV_NOT_BEFORE, PREV_MISMATCH, CONT_ZERO_REM, CONT_MISSING, CONT_REM,
+ END_IN_RECORD, CONT_MISSING_IN_RECORD, CONT_REM_IN_RECORD, CRC, CONT_REQUESTED, END_AT, OVERWRITE_KIND,
+ OVERWRITE_UNREADABLE, OVERWRITE_LSN, NOT_FINISHED) = range(1, 28)
 
 _STOPS: dict[int, Callable[[int, int, int, int], str]] = {
     END_AT_PAGE: lambda a, b, c, d: f"end of stored WAL at page {_lsn(a)}",
@@ -78,16 +55,8 @@ _STOPS: dict[int, Callable[[int, int, int, int], str]] = {
 }
 
 # decode_record's errors, for the record at an LSN given separately.
-D_BLOCK_ID = 101
-D_BLOCK_ORDER = 102
-D_NO_DATA = 103
-D_DATA_LENGTH = 104
-D_HOLE = 105
-D_NO_HOLE = 106
-D_COMPRESSED_FULL = 107
-D_IMAGE_LENGTH = 108
-D_SAME_REL = 109
-D_SHORT = 110
+(D_BLOCK_ID, D_BLOCK_ORDER, D_NO_DATA, D_DATA_LENGTH, D_HOLE, D_NO_HOLE, D_COMPRESSED_FULL, D_IMAGE_LENGTH,
+ D_SAME_REL, D_SHORT) = range(101, 111)
 
 _DECODE_ERRORS: dict[int, Callable[[int, int, int, str], str]] = {
     D_BLOCK_ID: lambda a, b, c, at: f"invalid block_id {a} at {at}",
@@ -105,12 +74,7 @@ _DECODE_ERRORS: dict[int, Callable[[int, int, int, str], str]] = {
 }
 
 # Page header problems of a whole segment (archive._check_pages).
-P_MAGIC = 201
-P_INFO = 202
-P_LONG = 203
-P_ADDR = 204
-P_SIZES = 205
-P_TIMELINE = 206
+(P_MAGIC, P_INFO, P_LONG, P_ADDR, P_SIZES, P_TIMELINE) = range(201, 207)
 
 _PAGE_PROBLEMS: dict[int, Callable[[int, int, int, str], str]] = {
     P_MAGIC: lambda a, b, tli, at: f"invalid magic number {a:04X} in page header at {at}",
