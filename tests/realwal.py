@@ -55,13 +55,16 @@ def _lsn(conn: psycopg.Connection, expr: str) -> int:
     return parse_lsn(row[0])
 
 
-def generate_wal(make_server: Callable[[dict[str, str]], LocalPgServer], archive: Path) -> GeneratedWal:
-    """Run the workload on a fresh server, stop it and copy its segments into archive (0755, files 0644)."""
+def generate_wal(make_server: Callable[[dict[str, str]], LocalPgServer], archive: Path, scale: int = 2) -> GeneratedWal:
+    """Run the workload on a fresh server, stop it and copy its segments into archive (0755, files 0644).
+
+    scale is pgbench's: the bulk load writes about 7 MB of WAL per unit.
+    """
     server = make_server({"autovacuum": "off", "wal_keep_size": "4GB", "max_wal_size": "4GB", "timezone": "UTC"})
     pgbench = ("-h", server.host, "-p", str(server.port), "-U", "postgres")
     with psycopg.connect(server.dsn(), autocommit=True) as conn:
         first_segno = _lsn(conn, "pg_current_wal_insert_lsn()") // SEG
-        server.run_bin("pgbench", "-i", "-s", "2", "-q", *pgbench, "postgres")  # COPY: a bulk load
+        server.run_bin("pgbench", "-i", "-s", str(scale), "-q", *pgbench, "postgres")  # COPY: a bulk load
         conn.execute("CHECKPOINT")
         server.run_bin("pgbench", "-n", "-t", "150", "-c", "2", "-j", "2", *pgbench, "postgres")
         for method in COMPRESSIONS:
@@ -106,7 +109,7 @@ def wal_fixture(directory: str) -> Any:
 
 
 @contextmanager
-def generated_wal(backend: LocalBackend | ContainerBackend, archive: Path) -> Iterator[GeneratedWal]:
+def generated_wal(backend: LocalBackend | ContainerBackend, archive: Path, scale: int = 2) -> Iterator[GeneratedWal]:
     """generate_wal on a server the backend makes; the server is torn down afterwards."""
     servers: list[LocalPgServer] = []
 
@@ -117,21 +120,22 @@ def generated_wal(backend: LocalBackend | ContainerBackend, archive: Path) -> It
         return server
 
     try:
-        yield generate_wal(make, archive)
+        yield generate_wal(make, archive, scale)
     finally:
         for server in servers:
             server.teardown()
 
 
 def main() -> None:
-    """`python3 tests/realwal.py DIR`: write the test workload's segments into DIR (for benchmarks)."""
-    if len(sys.argv) != 2:
-        sys.exit("usage: realwal.py DIR")
+    """`python3 tests/realwal.py DIR [SCALE]`: write the workload's segments into DIR (for benchmarks)."""
+    if len(sys.argv) not in (2, 3):
+        sys.exit("usage: realwal.py DIR [PGBENCH_SCALE]")
     target = Path(sys.argv[1])
+    scale = int(sys.argv[2]) if len(sys.argv) == 3 else 2
     with tempfile.TemporaryDirectory(prefix="walsidecar-realwal-") as tmp:
         base = Path(tmp)
         os.chmod(base, 0o755)
-        with generated_wal(make_backend("local", base / "pg"), base / "archive") as wal:
+        with generated_wal(make_backend("local", base / "pg"), base / "archive", scale) as wal:
             shutil.copytree(wal.archive, target, dirs_exist_ok=True)
     print(f"{len(wal.names)} segments {wal.names[0]}..{wal.names[-1]} in {target}")
 

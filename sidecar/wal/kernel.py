@@ -4,8 +4,8 @@ It takes the steps of WalReader and decode_record in the same order, so it stops
 same reason, given as a code and numbers (see sidecar/wal/stopcodes.py for their text). The segment's bytes
 are `data`; the heads of the following segments, fetched as far as the last record needs, are `tail`. When
 the scan needs bytes past the tail it returns NEED_MORE and is called again with a longer tail: all of its
-progress is kept in the `st` array, the output arrays and `scratch` (where a record crossing pages is put
-together).
+progress is kept in the `st` array, the output arrays and `scratch` (where the first bytes of a record crossing
+pages are put together).
 """
 
 from __future__ import annotations
