@@ -327,3 +327,37 @@ def test_files_are_private(store: WalStorage, wal_dir: Path) -> None:
     store.open_at(0)
     store.write(0, b"x")
     assert os.stat(wal_dir / seg_name(0, partial=True)).st_mode & 0o777 == 0o600
+
+
+def spare_of(wal_dir: Path) -> Path:
+    return wal_dir.with_name(wal_dir.name + ".spare")
+
+
+def test_new_segments_take_the_zero_filled_spare(wal_dir: Path) -> None:
+    from helpers import wait_for
+
+    with WalStorage(wal_dir, SEG, 1) as s:
+        s.open_at(3 * SEG)
+        spare = spare_of(wal_dir)
+        wait_for(lambda: spare.exists() and spare.stat().st_size == SEG)
+        inode = spare.stat().st_ino
+        s.write(3 * SEG, b"a" * 100)
+        s.flush()
+        segment = wal_dir / seg_name(3, partial=True)
+        assert segment.stat().st_ino == inode  # the spare became the segment
+        assert segment.read_bytes() == b"a" * 100 + bytes(SEG - 100)
+        wait_for(lambda: spare.exists() and spare.stat().st_ino != inode)  # and the next one is made
+    assert names(wal_dir) == [seg_name(3, partial=True)]
+
+
+def test_leftover_spares_are_checked_at_start(wal_dir: Path) -> None:
+    wal_dir.mkdir()
+    spare = spare_of(wal_dir)
+    tmp = spare.with_name(spare.name + ".tmp")
+    tmp.write_bytes(b"half made")
+    spare.write_bytes(bytes(SEG // 2))  # not a whole segment: not trusted
+    s = WalStorage(wal_dir, SEG, 1)
+    try:
+        assert not tmp.exists() and not spare.exists()
+    finally:
+        s.close()

@@ -7,6 +7,7 @@ are raw byte positions: finding the end of the last valid record is the caller's
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from dataclasses import dataclass, field
@@ -61,6 +62,88 @@ class _FlushPlan:
     dir_dirty: bool = False
 
 
+class SpareSegment:
+    """One zero-filled, fdatasync'ed segment file kept ready beside the WAL directory.
+
+    ext4 (and XFS) record fallocate'd blocks as unwritten, so the first fdatasync after writing
+    into them must also commit a journal transaction, and concurrent syncs queue behind one
+    another's commits. Blocks already written with zeros need none: PostgreSQL and
+    pg_receivewal zero-fill their segments for this reason. A thread makes the next spare while
+    the current segment fills, so the zeros cost no commit any latency.
+    """
+
+    def __init__(self, path: Path, size: int) -> None:
+        self.path = path
+        self._tmp = path.with_name(path.name + ".tmp")
+        self.size = size
+        self._lock = threading.Lock()
+        self._wanted = threading.Event()
+        self._stopping = False
+        self._ready = False
+        self._thread: threading.Thread | None = None
+        self._tmp.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            if self.path.stat().st_size == size:
+                self._ready = True  # left by an earlier run: zeros, fdatasync'ed before its rename
+            else:
+                self.path.unlink()
+
+    def take(self, dest: Path) -> bool:
+        """Rename the spare to `dest` if one is ready, and start making the next one."""
+        with self._lock:
+            taken = self._ready
+            if taken:
+                os.rename(self.path, dest)
+                self._ready = False
+        self.want()
+        return taken
+
+    def want(self) -> None:
+        """Make a spare in the background unless one is ready."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="spare-segment", daemon=True)
+            self._thread.start()
+        self._wanted.set()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wanted.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            self._wanted.wait()
+            self._wanted.clear()
+            if self._stopping:
+                return
+            with self._lock:
+                if self._ready:
+                    continue
+            try:
+                self._make()
+            except OSError:
+                # A full disk, say: new segments are then fallocate'd, which reports it properly.
+                self._tmp.unlink(missing_ok=True)
+
+    def _make(self) -> None:
+        fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            pos = 0
+            while pos < self.size and not self._stopping:
+                pos += os.pwrite(fd, _ZEROS[:self.size - pos], pos)
+            if self._stopping:
+                return
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+            if self._stopping:
+                self._tmp.unlink(missing_ok=True)
+        with self._lock:
+            os.rename(self._tmp, self.path)
+            self._ready = True
+
+
 class WalStorage:
     """PostgreSQL-format WAL segments in one directory, written contiguously.
 
@@ -85,6 +168,8 @@ class WalStorage:
         self._closed = False
         self._failed: str | None = None
         self.wal_dir.mkdir(parents=True, exist_ok=True)
+        # Beside the WAL directory, not in it: the directory holds segments only.
+        self._spare = SpareSegment(self.wal_dir.with_name(self.wal_dir.name + ".spare"), seg_size)
         self._scan_dir()
         # Until open_at(), reads may go up to the raw end of the stored files (for the
         # caller's startup scan); nothing is known to be durable yet.
@@ -165,13 +250,16 @@ class WalStorage:
         if segno in self._files:
             return _Open(segno, self._open_fd(segno))
         path = self.wal_dir / (segment_file_name(self._timeline, segno, self.seg_size) + _PARTIAL)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            _presize(fd, self.seg_size)
-        except OSError:
-            os.close(fd)
-            path.unlink()
-            raise
+        if self._spare.take(path):
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        else:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                _presize(fd, self.seg_size)
+            except OSError:
+                os.close(fd)
+                path.unlink()
+                raise
         self._files[segno] = _File(self._timeline, True)
         self._dir_dirty = True
         return _Open(segno, fd)
@@ -291,6 +379,7 @@ class WalStorage:
     def open_at(self, lsn: int) -> None:
         """Position the writer at `lsn` and durably discard every stored byte from `lsn` on."""
         self.truncate(lsn)
+        self._spare.want()
 
     def truncate(self, lsn: int) -> None:
         """Cut the WAL at `lsn`: later segments are deleted, the rest of lsn's segment zeroed.
@@ -382,6 +471,7 @@ class WalStorage:
                 os.close(seg.fd)
             self._cur, self._done = None, []
             self._closed = True
+        self._spare.stop()
 
     def __enter__(self) -> WalStorage:
         return self
