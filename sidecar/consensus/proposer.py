@@ -387,15 +387,16 @@ class Proposer:
         self.commit_lsn = max(self.commit_lsn, commit)
         if self.buffer is not None:
             self.buffer.trim(self._trim_point())
-        status = self.status()
+        status = self.status(flushes)
         if status == self._reported:
             return []
         self._reported = status
         return [ReportStatus(*status)]
 
-    def status(self) -> tuple[int, int, int]:
+    def status(self, flushes: list[int] | None = None) -> tuple[int, int, int]:
         """(write, flush, apply) for the primary: any, quorum and all safekeepers."""
-        flushes = [self._in_term(p) for p in self.peers.values()]
+        if flushes is None:
+            flushes = [self._in_term(p) for p in self.peers.values()]
         write = max(self._reported[0], max(flushes), self.commit_lsn)
         apply = max(self._reported[2], min(min(flushes), self.commit_lsn))
         return write, self.commit_lsn, apply

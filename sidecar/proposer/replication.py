@@ -340,7 +340,8 @@ class ReplicationStream:
         self._sent_positions = self._positions()
         self._last_status_at = self._loop.time()
         self._cancel_deferred_answer()
-        self._schedule_periodic()
+        if self._periodic is None:
+            self._schedule_periodic()
 
     def _answer_keepalive(self) -> None:
         assert self._loop is not None
@@ -373,6 +374,11 @@ class ReplicationStream:
         self._periodic = None
         if self._state is _State.STREAMING:
             assert self._loop is not None
+            if self._loop.time() < self._last_status_at + self.keepalive_interval:
+                # A status went out since this timer was set; moving the timer on every status
+                # would cost more than this check.
+                self._schedule_periodic()
+                return
             # While we send statuses the walsender never pings us; ask, so silence means trouble.
             idle = self._loop.time() - self.last_received_at >= self.keepalive_interval
             self._send_status(reply_requested=idle)
