@@ -13,7 +13,9 @@ Rounds are interleaved (A B C D, A B C D, ...); each configuration starts from a
 of one template cluster. Workloads: pgbench TPC-B with 1 client (latency) and 16 clients
 (TPS), bulk ingest (WAL MB/s from the LSN difference over wall time, plus the receivers'
 CPU seconds per GB and peak RSS), and catch-up (one receiver down while WAL is written, with
-CPU and RSS measured meanwhile, then restarted: MB/s until it is level again).
+CPU and RSS measured meanwhile, then restarted: MB/s until it is level again). After the last
+round, wal-analytics decodes the WAL one safekeeper stored (scripts/bench_wal_analytics.py):
+pg_waldump, walsidecar's segment scan per core and `analyze --stats` on Spark, in MB/s.
 
 Writes results.json (every round), results.md (medians and ratios) and chart.png to --out.
 MB means 10^6 bytes, GB 10^9 bytes.
@@ -45,13 +47,14 @@ import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "scripts"))  # bench_wal_analytics
 
 from sidecar.lsn import parse_lsn  # noqa: E402
 from sidecar.pgcluster import ClusterError, LocalCluster, find_bin_dir  # noqa: E402
 from sidecar.processes import Child  # noqa: E402
 
 CONFIGS = ("async", "receivewal-1", "native-quorum", "walsidecar")
-WORKLOADS = ("pgbench-1", "pgbench-16", "bulk", "catchup")
+WORKLOADS = ("pgbench-1", "pgbench-16", "bulk", "catchup", "wal-analytics")
 CATCHUP_CONFIGS = ("native-quorum", "walsidecar")  # a receiver can be down without stopping commits
 SIDECAR_APP = "walsidecar"
 MB, GB = 1_000_000, 1_000_000_000
@@ -574,12 +577,36 @@ def run_config(s: Settings, config: str, rnd: int, work: Path, template: Path, b
             record("bulk", data)
         if "catchup" in s.workloads and config in CATCHUP_CONFIGS:
             record("catchup", catchup(setup, s.catchup_bytes))
+        if "wal-analytics" in s.workloads and config == "walsidecar" and rnd == s.rounds:
+            results.append({"round": rnd, "config": config, "workload": "wal-analytics",
+                            "rows": wal_analytics(setup.base / "safekeeper1" / "wal", log)})
     except (BenchError, psycopg.Error, ClusterError, OSError, subprocess.SubprocessError) as e:
         results.append({"round": rnd, "config": config, "workload": "error", "error": str(e)})
         log(f"round {rnd} {config}: FAILED: {e}")
         log(f"--- tail of {setup.cluster.log_file} ---\n{setup.cluster.log_tail(15)}")
     finally:
         setup.teardown(s.keep)
+
+
+def wal_analytics(wal_dir: Path, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Decoding throughput on the WAL a safekeeper stored; [] without the analytics extra."""
+    try:
+        import bench_wal_analytics
+    except ImportError as e:
+        log(f"wal-analytics skipped: {e} (pip install -e '.[analytics]')")
+        return []
+    cores = sorted({1, os.cpu_count() or 1})
+    # Completed segments only: pg_waldump takes no .partial file as the end of its range.
+    complete = wal_dir.with_name("wal-complete")
+    complete.mkdir()
+    for f in wal_dir.iterdir():
+        if re.fullmatch(r"[0-9A-F]{24}", f.name):
+            (complete / f.name).symlink_to(f)
+    log(f"wal-analytics on {complete}: pg_waldump, the segment scan and Spark local{cores}")
+    rows = bench_wal_analytics.run(complete, cores, repeat=3)
+    for r in rows:
+        log(f"wal-analytics {r['what']}: {r['mb_per_s']:.0f} MB/s ({r['mb_per_s_per_core']:.0f} per core)")
+    return rows
 
 
 def summary(row: dict[str, Any]) -> str:
@@ -720,11 +747,22 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     if floor:
         notes.append(f"fsync floor (pg_test_fsync, one 8 kB write + fdatasync): {floor['fdatasync_us']:.0f} µs.")
-    notes += goals(report)
+    notes += goals(report) + analytics_table(report)
     if errors:
         notes += ["", "Failed rounds:"] + [f"* round {r['round']} {r['config']}: {r['error'].splitlines()[0]}"
                                           for r in errors]
     return "\n".join(lines + notes) + "\n"
+
+
+def analytics_table(report: dict[str, Any]) -> list[str]:
+    """The wal-analytics rows of the run, if it had any."""
+    rows = [r for run in report["rounds"] if run["workload"] == "wal-analytics" for r in run["rows"]]
+    if not rows:
+        return []
+    out = ["", "WAL decoding, on the WAL safekeeper 1 stored (MB of segment files per second):", "",
+           "| what | cores | MB/s | MB/s per core |", "|---|---:|---:|---:|"]
+    out += [f"| {r['what']} | {r['cores']} | {r['mb_per_s']:,.0f} | {r['mb_per_s_per_core']:,.0f} |" for r in rows]
+    return out
 
 
 def goals(report: dict[str, Any]) -> list[str]:
@@ -838,7 +876,9 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     if unknown:
         p.error(f"--only: unknown {', '.join(unknown)}")
     s.configs = tuple(c for c in CONFIGS if c in only) or CONFIGS
-    s.workloads = tuple(w for w in WORKLOADS if w in only) or WORKLOADS
+    # --quick checks the harness in under a minute: Spark's start alone would take a good part of it.
+    default = tuple(w for w in WORKLOADS if not (a.quick and w == "wal-analytics"))
+    s.workloads = tuple(w for w in WORKLOADS if w in only) or default
     if s.rounds < 1 or s.duration <= 0:
         p.error("--rounds and --duration must be positive")
     return s
