@@ -32,6 +32,9 @@ from sidecar.wal.stats import WalStats, format_stats_record
 
 DATASETS = ("records", "segments", "relations", "commits_per_second", "record_types")
 RELATION_KEYS = ("spc", "db", "rel", "fork")
+# A Spark task costs about 0.1 s besides its work, as much as decoding several segments: each task scans a run
+# of consecutive segments, one task per core, or per SEGMENTS_PER_TASK segments when there are more.
+SEGMENTS_PER_TASK = 32
 
 
 @dataclass
@@ -55,12 +58,13 @@ class ScanTask:
 
 
 def scan_frame(spark: Any, plan: ArchivePlan, *, with_records: bool, with_types: bool = False) -> Any:
-    """A DataFrame of TASK_SCHEMA rows: one Spark task per segment."""
+    """A DataFrame of TASK_SCHEMA rows; each Spark task scans a run of consecutive segments."""
     from pyspark.sql.pandas.types import from_arrow_schema
 
     n = len(plan.segments)
     task = ScanTask(plan.storage, plan.segments, plan.seg_size, with_records, with_types)
-    ids = spark.range(0, n, 1, numPartitions=max(1, n))
+    tasks = min(n, max(spark.sparkContext.defaultParallelism, -(-n // SEGMENTS_PER_TASK)))
+    ids = spark.range(0, n, 1, numPartitions=max(1, tasks))
     return ids.mapInArrow(task, from_arrow_schema(TASK_SCHEMA, prefer_timestamp_ntz=False))
 
 
