@@ -102,9 +102,10 @@ TYPE_STATS_TYPE = pa.list_(pa.field("item", pa.struct([
 ])))
 
 # The output of one Spark task: batches of records, then one segment summary with its record type counts;
-# the columns a row does not use are null.
-TASK_SCHEMA = pa.schema([("rec", pa.struct(list(RECORD_SCHEMA))), ("seg", pa.struct(list(SUMMARY_SCHEMA))),
-                         ("types", TYPE_STATS_TYPE)])
+# the columns a row does not use are null. A task emitting no records leaves out their column (Spark then
+# plans a smaller query).
+SUMMARY_TASK_SCHEMA = pa.schema([("seg", pa.struct(list(SUMMARY_SCHEMA))), ("types", TYPE_STATS_TYPE)])
+TASK_SCHEMA = SUMMARY_TASK_SCHEMA.insert(0, pa.field("rec", pa.struct(list(RECORD_SCHEMA))))
 
 _NAME_KEYS = (RM_MAX_CUSTOM_ID + 1) * 16
 _RMGR_NAMES = pa.array([rmgr_name(r) if rmid_is_valid(r) else None for r in range(RM_MAX_CUSTOM_ID + 1)])
@@ -220,4 +221,7 @@ def task_batches(scan: SegmentScan, with_records: bool, with_types: bool) -> Ite
             yield pa.RecordBatch.from_arrays([rec, *others], schema=TASK_SCHEMA)
     seg = pa.array([summary_row(scan.summary)], type=seg_type)
     types = pa.array([type_stats(scan) if with_types else None], type=TYPE_STATS_TYPE)
-    yield pa.RecordBatch.from_arrays([pa.nulls(1, rec_type), seg, types], schema=TASK_SCHEMA)
+    if with_records:
+        yield pa.RecordBatch.from_arrays([pa.nulls(1, rec_type), seg, types], schema=TASK_SCHEMA)
+    else:
+        yield pa.RecordBatch.from_arrays([seg, types], schema=SUMMARY_TASK_SCHEMA)

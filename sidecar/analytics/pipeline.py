@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 
 from sidecar.analytics.arrow import (
     SEGMENTS_SCHEMA,
+    SUMMARY_TASK_SCHEMA,
     TASK_SCHEMA,
     summary_from_row,
     summary_row,
@@ -58,14 +59,16 @@ class ScanTask:
 
 
 def scan_frame(spark: Any, plan: ArchivePlan, *, with_records: bool, with_types: bool = False) -> Any:
-    """A DataFrame of TASK_SCHEMA rows; each Spark task scans a run of consecutive segments."""
+    """A DataFrame of TASK_SCHEMA rows (SUMMARY_TASK_SCHEMA without records); each Spark task scans a run of
+    consecutive segments."""
     from pyspark.sql.pandas.types import from_arrow_schema
 
     n = len(plan.segments)
     task = ScanTask(plan.storage, plan.segments, plan.seg_size, with_records, with_types)
     tasks = min(n, max(spark.sparkContext.defaultParallelism, -(-n // SEGMENTS_PER_TASK)))
     ids = spark.range(0, n, 1, numPartitions=max(1, tasks))
-    return ids.mapInArrow(task, from_arrow_schema(TASK_SCHEMA, prefer_timestamp_ntz=False))
+    schema = TASK_SCHEMA if with_records else SUMMARY_TASK_SCHEMA
+    return ids.mapInArrow(task, from_arrow_schema(schema, prefer_timestamp_ntz=False))
 
 
 def _collect(plan: ArchivePlan, frame: Any) -> tuple[ChainResult, dict[int, list[dict[str, int]]]]:
