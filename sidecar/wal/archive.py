@@ -646,7 +646,7 @@ def _check_pages_compiled(
 
 def _page_problem(summary: SegmentSummary, seg: SegmentRef, code: int, page: int, a: int, b: int) -> None:
     kind = TIMELINE if code == stopcodes.P_TIMELINE else PAGE
-    summary.problems.append(Problem(page, kind, seg.name, stopcodes.page_problem(code, page, a, b, seg.tli)))
+    summary.problems.append(Problem(page, kind, seg.name, stopcodes.describe(code, a, b, seg.tli, page)))
 
 
 # Reader stop reasons (WalReader.stop_reason) by how they start, and the problem they mean.

@@ -213,9 +213,9 @@ def _outcome(st: np.ndarray, recs: np.ndarray, blks: np.ndarray) -> RecordScan:
         got.first_lsn, got.first_prev = int(st[S_FIRST_LSN]), int(st[S_FIRST_PREV])
         got.last_lsn, got.last_end = int(st[S_LAST_LSN]), int(st[S_LAST_END])
     if st[S_DECODE]:
-        got.decode_error = C.decode_error(*(int(v) for v in st[[S_DECODE, S_DA, S_DB, S_DC, S_DLSN]]))
+        got.decode_error = C.describe(*(int(v) for v in st[[S_DECODE, S_DA, S_DB, S_DC, S_DLSN]]))
     elif st[S_STOP]:
-        got.stop_reason = C.stop_reason(*(int(v) for v in st[[S_STOP, S_A, S_B, S_C, S_D]]))
+        got.stop_reason = C.describe(*(int(v) for v in st[[S_STOP, S_A, S_B, S_C, S_D]]))
     return got
 
 

@@ -20,7 +20,14 @@ def _lsn(bits: int) -> str:
  END_IN_RECORD, CONT_MISSING_IN_RECORD, CONT_REM_IN_RECORD, CRC, CONT_REQUESTED, END_AT, OVERWRITE_KIND,
  OVERWRITE_UNREADABLE, OVERWRITE_LSN, NOT_FINISHED) = range(1, 28)
 
-_STOPS: dict[int, Callable[[int, int, int, int], str]] = {
+# decode_record's errors; d is the record's LSN.
+(D_BLOCK_ID, D_BLOCK_ORDER, D_NO_DATA, D_DATA_LENGTH, D_HOLE, D_NO_HOLE, D_COMPRESSED_FULL, D_IMAGE_LENGTH,
+ D_SAME_REL, D_SHORT) = range(101, 111)
+
+# Page header problems of a whole segment (archive._check_pages); c is the file's timeline, d the page's LSN.
+(P_MAGIC, P_INFO, P_LONG, P_ADDR, P_SIZES, P_TIMELINE) = range(201, 207)
+
+_TEXT: dict[int, Callable[[int, int, int, int], str]] = {
     END_AT_PAGE: lambda a, b, c, d: f"end of stored WAL at page {_lsn(a)}",
     BAD_MAGIC: lambda a, b, c, d: f"invalid magic number {a:04X} in page header at {_lsn(b)} (page {_lsn(c)})",
     BAD_INFO: lambda a, b, c, d: f"invalid info bits {a:04X} in page header at {_lsn(b)} (page {_lsn(c)})",
@@ -52,50 +59,27 @@ _STOPS: dict[int, Callable[[int, int, int, int], str]] = {
     OVERWRITE_LSN: lambda a, b, c, d: (f"overwrite contrecord mismatch at {_lsn(a)}: overwritten LSN {_lsn(b)},"
                                        f" expected {_lsn(c)}"),
     NOT_FINISHED: lambda a, b, c, d: "not finished",
-}
-
-# decode_record's errors, for the record at an LSN given separately.
-(D_BLOCK_ID, D_BLOCK_ORDER, D_NO_DATA, D_DATA_LENGTH, D_HOLE, D_NO_HOLE, D_COMPRESSED_FULL, D_IMAGE_LENGTH,
- D_SAME_REL, D_SHORT) = range(101, 111)
-
-_DECODE_ERRORS: dict[int, Callable[[int, int, int, str], str]] = {
-    D_BLOCK_ID: lambda a, b, c, at: f"invalid block_id {a} at {at}",
-    D_BLOCK_ORDER: lambda a, b, c, at: f"out-of-order block_id {a} at {at}",
-    D_NO_DATA: lambda a, b, c, at: f"BKPBLOCK_HAS_DATA set, but no data included at {at}",
-    D_DATA_LENGTH: lambda a, b, c, at: f"BKPBLOCK_HAS_DATA not set, but data length is {a} at {at}",
-    D_HOLE: lambda a, b, c, at: (f"BKPIMAGE_HAS_HOLE set, but hole offset {a} length {b}"
-                                 f" block image length {c} at {at}"),
-    D_NO_HOLE: lambda a, b, c, at: f"BKPIMAGE_HAS_HOLE not set, but hole offset {a} length {b} at {at}",
-    D_COMPRESSED_FULL: lambda a, b, c, at: f"BKPIMAGE_COMPRESSED set, but block image length {a} at {at}",
-    D_IMAGE_LENGTH: lambda a, b, c, at: (f"neither BKPIMAGE_HAS_HOLE nor BKPIMAGE_COMPRESSED set,"
-                                         f" but block image length is {a} at {at}"),
-    D_SAME_REL: lambda a, b, c, at: f"BKPBLOCK_SAME_REL set but no previous rel at {at}",
-    D_SHORT: lambda a, b, c, at: f"record with invalid length at {at}",
-}
-
-# Page header problems of a whole segment (archive._check_pages).
-(P_MAGIC, P_INFO, P_LONG, P_ADDR, P_SIZES, P_TIMELINE) = range(201, 207)
-
-_PAGE_PROBLEMS: dict[int, Callable[[int, int, int, str], str]] = {
-    P_MAGIC: lambda a, b, tli, at: f"invalid magic number {a:04X} in page header at {at}",
-    P_INFO: lambda a, b, tli, at: f"invalid info bits {a:04X} in page header at {at}",
-    P_LONG: lambda a, b, tli, at: f"{'missing' if a == 0 else 'unexpected'} long page header at {at}",
-    P_ADDR: lambda a, b, tli, at: f"page address mismatch: pageaddr {_lsn(a)} at {at}",
-    P_SIZES: lambda a, b, tli, at: f"segment size {a} / page size {b} in the long header at {at}",
-    P_TIMELINE: lambda a, b, tli, at: f"page timeline {a} after {b} in a timeline {tli} file",
+    D_BLOCK_ID: lambda a, b, c, d: f"invalid block_id {a} at {_lsn(d)}",
+    D_BLOCK_ORDER: lambda a, b, c, d: f"out-of-order block_id {a} at {_lsn(d)}",
+    D_NO_DATA: lambda a, b, c, d: f"BKPBLOCK_HAS_DATA set, but no data included at {_lsn(d)}",
+    D_DATA_LENGTH: lambda a, b, c, d: f"BKPBLOCK_HAS_DATA not set, but data length is {a} at {_lsn(d)}",
+    D_HOLE: lambda a, b, c, d: (f"BKPIMAGE_HAS_HOLE set, but hole offset {a} length {b}"
+                                f" block image length {c} at {_lsn(d)}"),
+    D_NO_HOLE: lambda a, b, c, d: f"BKPIMAGE_HAS_HOLE not set, but hole offset {a} length {b} at {_lsn(d)}",
+    D_COMPRESSED_FULL: lambda a, b, c, d: f"BKPIMAGE_COMPRESSED set, but block image length {a} at {_lsn(d)}",
+    D_IMAGE_LENGTH: lambda a, b, c, d: (f"neither BKPIMAGE_HAS_HOLE nor BKPIMAGE_COMPRESSED set,"
+                                        f" but block image length is {a} at {_lsn(d)}"),
+    D_SAME_REL: lambda a, b, c, d: f"BKPBLOCK_SAME_REL set but no previous rel at {_lsn(d)}",
+    D_SHORT: lambda a, b, c, d: f"record with invalid length at {_lsn(d)}",
+    P_MAGIC: lambda a, b, c, d: f"invalid magic number {a:04X} in page header at {_lsn(d)}",
+    P_INFO: lambda a, b, c, d: f"invalid info bits {a:04X} in page header at {_lsn(d)}",
+    P_LONG: lambda a, b, c, d: f"{'missing' if a == 0 else 'unexpected'} long page header at {_lsn(d)}",
+    P_ADDR: lambda a, b, c, d: f"page address mismatch: pageaddr {_lsn(a)} at {_lsn(d)}",
+    P_SIZES: lambda a, b, c, d: f"segment size {a} / page size {b} in the long header at {_lsn(d)}",
+    P_TIMELINE: lambda a, b, c, d: f"page timeline {a} after {b} in a timeline {c} file",
 }
 
 
-def stop_reason(code: int, a: int, b: int, c: int, d: int) -> str:
-    """The WalReader.stop_reason text for a stop code and its numbers."""
-    return _STOPS[code](a, b, c, d)
-
-
-def decode_error(code: int, a: int, b: int, c: int, lsn: int) -> str:
-    """The WalFormatError text decode_record gives the record at lsn."""
-    return _DECODE_ERRORS[code](a, b, c, format_lsn(lsn))
-
-
-def page_problem(code: int, page: int, a: int, b: int, file_tli: int) -> str:
-    """The text of a page header problem at page, in a segment file of timeline file_tli."""
-    return _PAGE_PROBLEMS[code](a, b, file_tli, format_lsn(page))
+def describe(code: int, a: int = 0, b: int = 0, c: int = 0, d: int = 0) -> str:
+    """The text of a code with its numbers, as WalReader, decode_record or archive._check_pages words it."""
+    return _TEXT[code](a, b, c, d)
