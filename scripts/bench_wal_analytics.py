@@ -3,8 +3,9 @@
 
 Measures `pg_waldump --stats=record` over all segments; walsidecar's segment scan in this process on one
 core, from segments held in memory (decode, CRC and block references of every record, page header checks),
-with the compiled kernel and with the Python reference decoder; and `analyze --stats` on Spark with local[N]
-for each N in --cores (a warm session: startup is excluded, one warm-up run first). Each figure is the median
+with the compiled kernel and with the Python reference decoder, and the compiled one in N processes at once;
+and `analyze --stats` on Spark with local[N] for each N in --cores (a warm session: startup is excluded, one
+warm-up run first). Each figure is the median
 of --repeat runs; MB means 10^6 bytes of segment files. Prints a Markdown table; --json writes the rows.
 --jit-times also measures, in fresh processes, the kernel's first call with an empty compile cache and with
 a filled one.
@@ -18,6 +19,7 @@ From other code: run(source, cores, repeat) returns the rows as dicts.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import functools
 import json
 import os
@@ -67,10 +69,37 @@ def median_seconds(fn: Callable[[], object], repeat: int) -> float:
     return statistics.median(times)
 
 
-def scan_all(plan: ArchivePlan, engine: str) -> None:
+def scan_all(plan: ArchivePlan, engine: str, share: int = 0, shares: int = 1) -> None:
+    """Scan every shares-th segment from the share-th on (all of them by default)."""
     by_segno = plan.by_segno()
-    for seg in plan.segments:
+    for seg in plan.segments[share::shares]:
         scan_segment(plan.storage, seg, by_segno, plan.seg_size, engine=engine)
+
+
+_memory_plan: ArchivePlan | None = None
+
+
+def _load(source: Path) -> None:
+    """Process pool initializer: the segments in memory, and the kernel loaded."""
+    global _memory_plan
+    plan = plan_archive(LocalStorage(source))
+    _memory_plan = ArchivePlan(MemoryStorage(LocalStorage(source)), plan.seg_size, plan.segments)
+    scan_all(_memory_plan, "kernel", 0, 1)
+
+
+def _scan_share(share: int, shares: int) -> None:
+    assert _memory_plan is not None
+    scan_all(_memory_plan, "kernel", share, shares)
+
+
+def processes_seconds(source: Path, processes: int, repeat: int) -> float:
+    """Median time of the compiled scan of all segments by `processes` processes, each taking every n-th one."""
+    with concurrent.futures.ProcessPoolExecutor(processes, initializer=_load, initargs=(source,)) as pool:
+        def all_shares() -> None:
+            list(pool.map(_scan_share, range(processes), [processes] * processes))
+
+        all_shares()  # warm-up: every process has loaded its segments and the kernel
+        return median_seconds(all_shares, repeat)
 
 
 def row(what: str, cores: int, seconds: float, mb: float) -> dict[str, Any]:
@@ -100,6 +129,10 @@ def run(source: Path, cores: list[int], repeat: int) -> list[dict[str, Any]]:
         scan = functools.partial(scan_all, memory, engine)
         scan()  # warm-up: loads (or compiles) the kernel
         rows.append(row(what, 1, median_seconds(scan, repeat), mb))
+    for n in cores:
+        if n > 1:
+            rows.append(row(f"segment scan, compiled kernel, {n} processes", n,
+                            processes_seconds(source, n, repeat), mb))
     for n in cores:
         rows.append(row(f"analyze --stats on Spark local[{n}]", n, spark_seconds(plan, n, repeat), mb))
     return rows
