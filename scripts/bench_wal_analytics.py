@@ -22,6 +22,7 @@ import argparse
 import concurrent.futures
 import functools
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -94,7 +95,9 @@ def _scan_share(share: int, shares: int) -> None:
 
 def processes_seconds(source: Path, processes: int, repeat: int) -> float:
     """Median time of the compiled scan of all segments by `processes` processes, each taking every n-th one."""
-    with concurrent.futures.ProcessPoolExecutor(processes, initializer=_load, initargs=(source,)) as pool:
+    # forkserver, not fork: a caller such as scripts/bench.py may have threads running.
+    context = multiprocessing.get_context("forkserver")
+    with concurrent.futures.ProcessPoolExecutor(processes, context, initializer=_load, initargs=(source,)) as pool:
         def all_shares() -> None:
             list(pool.map(_scan_share, range(processes), [processes] * processes))
 
