@@ -202,6 +202,20 @@ class FrameReader(asyncio.BufferedProtocol):
         return msg
 
 
+def write(writer: asyncio.StreamWriter, *parts: bytes | memoryview) -> bool:
+    """Queue frame bytes unless the connection is closing; False if they were dropped.
+
+    A peer may vanish between two messages. asyncio's transports ignore writes after that,
+    uvloop's raise RuntimeError; either way the reading side reports the lost connection.
+    """
+    transport = writer.transport
+    if transport.is_closing():
+        return False
+    for part in parts:
+        transport.write(part)
+    return True
+
+
 def _reject_length(length: int) -> None:
     if length == 0:
         raise codec.ProtocolError("frame length 0: a frame holds at least its tag byte")

@@ -6,6 +6,8 @@ import asyncio
 import os
 import random
 
+import pytest
+
 from helpers import run
 from sidecar import framing
 from sidecar.consensus import codec
@@ -182,3 +184,27 @@ def test_a_client_connection_reads_frames_and_drains_its_writes() -> None:
         await c.close()
 
     run(main())
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_writing_to_a_closed_connection_drops_the_frame(loop: str) -> None:
+    """uvloop raises on a write after close; a service must not die of a peer that just left."""
+    if loop == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+
+    async def main() -> None:
+        c = Collector()
+        port = await c.start()
+        _reader, writer = await framing.open_connection("127.0.0.1", port)
+        assert framing.write(writer, codec.encode(VoteRequest(1)))
+        writer.close()
+        assert not framing.write(writer, codec.encode(VoteRequest(2)), b"more")
+        await asyncio.wait_for(c.done.wait(), 30)
+        assert c.messages == [VoteRequest(1)]
+        await c.close()
+
+    if loop == "uvloop":
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(asyncio.wait_for(main(), 60))
+    else:
+        run(main())

@@ -49,10 +49,9 @@ class PeerLink:
             # The header goes first and the WAL after it, without copying it into one frame.
             header, data = codec.encode_append_parts(msg.term, msg.begin_lsn, msg.commit_lsn,
                                                      msg.peer_horizon_lsn, msg.data)
-            self._writer.write(header)
-            self._writer.write(data)
+            framing.write(self._writer, header, data)
         else:
-            self._writer.write(codec.encode(msg))
+            framing.write(self._writer, codec.encode(msg))
 
     def buffered(self) -> int:
         return self._writer.transport.get_write_buffer_size() if self._writer else 0

@@ -135,7 +135,7 @@ class Safekeeper:
             while True:
                 msg = await reader.read_message()
                 if isinstance(msg, InfoRequest):  # operator tooling: read-only, no Greeting needed
-                    writer.write(codec.encode(info_reply(self)))
+                    framing.write(writer, codec.encode(info_reply(self)))
                     await writer.drain()
                     continue
                 if not greeted and not isinstance(msg, Greeting):
@@ -159,7 +159,7 @@ class Safekeeper:
         except AcceptorError as e:
             log.warning("message refused; closing the connection", reason=str(e))
             with contextlib.suppress(ConnectionError):
-                writer.write(codec.encode(Refusal(str(e))))
+                framing.write(writer, codec.encode(Refusal(str(e))))
                 await writer.drain()
         except Exception as e:  # a storage or control-file failure: state may be half-applied
             log.critical("fatal error; stopping the safekeeper", error=repr(e))
@@ -224,7 +224,7 @@ class Safekeeper:
                 self._storage_for_write().write(a.lsn, a.data)
                 self.stats.wal_written.inc(len(a.data))
             else:
-                writer.write(codec.encode(a.message))  # type: ignore[union-attr]
+                framing.write(writer, codec.encode(a.message))  # type: ignore[union-attr]
 
     def _storage_for_write(self) -> WalStorage:
         if self.storage is None:
@@ -260,7 +260,7 @@ class Safekeeper:
         if self._stream is not None:
             for a in self.acceptor.on_flushed(flushed):  # type: ignore[union-attr]
                 if isinstance(a, Reply):
-                    self._stream.write(codec.encode(a.message))
+                    framing.write(self._stream, codec.encode(a.message))
 
     async def _flusher(self) -> None:
         """Syncs batches too large to sync on the loop in a thread, while reading goes on."""
