@@ -251,12 +251,12 @@ class Safekeeper:
             # Blocking the loop for one small sync is cheaper than any hand-off; WAL arriving
             # meanwhile waits in the socket and the next sync covers it.
             began = time.perf_counter()
-            flushed = st.flush()
-            self.stats.fsync.observe(time.perf_counter() - began)
-            self._acknowledge(flushed)
+            self._synced(st.flush(), began)
         # Otherwise the next message is already here: the sync after it covers this one too.
 
-    def _acknowledge(self, flushed: int) -> None:
+    def _synced(self, flushed: int, began: float) -> None:
+        """Record the sync's duration and acknowledge what it made durable."""
+        self.stats.fsync.observe(time.perf_counter() - began)
         if self._stream is not None:
             for a in self.acceptor.on_flushed(flushed):  # type: ignore[union-attr]
                 if isinstance(a, Reply):
@@ -273,8 +273,7 @@ class Safekeeper:
                     continue
                 began = time.perf_counter()
                 flushed = await asyncio.to_thread(st.flush)
-                self.stats.fsync.observe(time.perf_counter() - began)
-            self._acknowledge(flushed)
+            self._synced(flushed, began)
 
 
 def _bytes_waiting(writer: asyncio.StreamWriter) -> bool:
