@@ -1,0 +1,86 @@
+"""Bounds on every value a peer may send: checked before anything is acted on or stored.
+
+A value outside them is a protocol error on that connection; nothing a peer sends may
+make a safekeeper or the proposer store a number it cannot encode, name or move past.
+"""
+
+from __future__ import annotations
+
+from sidecar.consensus.messages import TermHistory, TimelineHistory
+
+# Terms fit a signed 64-bit integer, so a proposer can always campaign one above any term a
+# safekeeper has accepted and still encode it: a huge term can no longer end every election.
+MAX_TERM = 2**63 - 1
+# PostgreSQL's WAL positions are 64-bit; the last segment of the largest size is left free so that
+# the end of any write (and the segment after it) still has a name.
+MAX_LSN = 2**64 - 2**30
+# Entries in a term or timeline history. Each term adds at most one; far more than any
+# deployment makes, far less than a frame or a control file can carry cheaply.
+MAX_HISTORY = 10_000
+# PostgreSQL's WAL segment sizes: powers of two from 1 MiB to 1 GiB (initdb --wal-segsize).
+MIN_SEG_SIZE, MAX_SEG_SIZE = 1 << 20, 1 << 30
+# Frames a connection may send before it is a greeted proposer: no Greeting, vote or info
+# request is this long, so nobody unauthenticated makes a safekeeper allocate more.
+PREAUTH_MAX_FRAME = 64 * 1024
+
+
+class LimitError(ValueError):
+    """A value a peer sent is outside what the protocol allows."""
+
+
+def check_term(term: int, what: str = "term") -> int:
+    if not 0 <= term <= MAX_TERM:
+        raise LimitError(f"{what} {term} is outside 0..{MAX_TERM}")
+    return term
+
+
+def check_lsn(lsn: int, what: str = "LSN") -> int:
+    if not 0 <= lsn <= MAX_LSN:
+        raise LimitError(f"{what} {lsn:#x} is outside PostgreSQL's WAL range (at most {MAX_LSN:#x})")
+    return lsn
+
+
+def check_term_history(history: TermHistory) -> TermHistory:
+    """Terms strictly ascending, start positions never going back, bounded length."""
+    if len(history) > MAX_HISTORY:
+        raise LimitError(f"term history of {len(history)} entries exceeds {MAX_HISTORY}")
+    prev_term, prev_lsn = -1, 0
+    for e in history:
+        check_term(e.term, "history term")
+        check_lsn(e.start_lsn, "history start LSN")
+        if e.term <= prev_term or e.start_lsn < prev_lsn:
+            raise LimitError(f"term history is not ascending at term {e.term} starting at {e.start_lsn:#x}")
+        prev_term, prev_lsn = e.term, e.start_lsn
+    return history
+
+
+def check_timeline_history(history: TimelineHistory) -> TimelineHistory:
+    """Timelines strictly ascending from 1, switch positions never going back, bounded length."""
+    if len(history) > MAX_HISTORY:
+        raise LimitError(f"timeline history of {len(history)} entries exceeds {MAX_HISTORY}")
+    prev_tli, prev_lsn = 0, 0
+    for e in history:
+        check_lsn(e.switch_lsn, "timeline switch LSN")
+        if e.timeline <= prev_tli or e.switch_lsn < prev_lsn:
+            raise LimitError(f"timeline history is not ascending at timeline {e.timeline}")
+        prev_tli, prev_lsn = e.timeline, e.switch_lsn
+    return history
+
+
+def check_seg_size(size: int, minimum: int = MIN_SEG_SIZE) -> int:
+    """A power of two in PostgreSQL's range; `minimum` is lowered only by the simulator's tiny disks."""
+    if size & (size - 1) or not minimum <= size <= MAX_SEG_SIZE:
+        raise LimitError(f"WAL segment size {size} is not a power of two between {minimum} and {MAX_SEG_SIZE}")
+    return size
+
+
+def check_identity(system_id: int, timeline: int, wal_seg_size: int, pg_version: int,
+                   min_seg_size: int = MIN_SEG_SIZE) -> None:
+    """What a first Greeting would make a fresh safekeeper adopt for good."""
+    if not 0 < system_id < 2**64:
+        raise LimitError(f"system id {system_id} is not a PostgreSQL system identifier")
+    if not 1 <= timeline < 2**32:
+        raise LimitError(f"timeline {timeline} is outside 1..{2**32 - 1}")
+    check_seg_size(wal_seg_size, min_seg_size)
+    if not 90000 <= pg_version < 1_000_000:
+        raise LimitError(f"PostgreSQL version number {pg_version} is not one PostgreSQL uses")
