@@ -590,8 +590,9 @@ class World:
             if not self._acceptor_receive(c, msg):
                 self.count(f"rogue connections refused ({kind})")
                 return True
-            if sk.acceptor is None:
-                return True  # a crash between two actions closed it
+            if sk.acceptor is None:  # a crash between two actions closed it
+                self.count(f"rogue connections cut short by a crash ({kind})")
+                return True
         self._close_sk_end(c)
         return True
 
