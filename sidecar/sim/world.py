@@ -597,7 +597,7 @@ class World:
         return True
 
     def _lie(self) -> bool:
-        """A safekeeper reply claiming a flush it never made: above what it was sent, or voted with."""
+        """A safekeeper reply claiming a flush it cannot hold: above what it was sent, or voted with."""
         cands = [(svc, c) for svc in self.services if svc.core is not None
                  and svc.core.phase is proposer_mod.Phase.STREAMING
                  for c in svc.links.values() if c is not None and c.carries_replies]
@@ -607,7 +607,9 @@ class World:
         core = svc.core
         assert core is not None
         p = core.peers[c.sk.name]
-        extra = self.rng.randint(1, 4000)
+        # Far above anything the proposer can have sent by the time the lie arrives: a lie within
+        # what was sent (an fsync claimed but not done) is beyond any proposer's power to detect.
+        extra = (1 << 40) + self.rng.randint(1, 4000)
         if p.elected:
             lie: Message = AppendReply(core.term, p.sent_lsn + extra, core.commit_lsn)
         elif p.vote is not None:
