@@ -270,3 +270,57 @@ def test_huge_frame_headers_and_idle_sockets_cost_little(target: Target) -> None
     wait_for(lambda: _info(target.port), what="a free connection slot")
     assert target.files() == before
     target.stream(20)
+
+
+def test_a_fatal_error_is_reported_once_without_an_unretrieved_task(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # K-2: the connection task used to re-raise into nobody's hands ("Task exception was never
+    # retrieved" and a second traceback). A control file that cannot be saved is the fault here.
+    import asyncio
+    import errno
+    import gc
+
+    from helpers import run
+    from sidecar import framing
+    from sidecar.safekeeper import server as server_mod
+
+    def failing_save(*args: object) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(server_mod, "save_control", failing_save)
+    sk = server_mod.Safekeeper(1, tmp_path, "127.0.0.1", free_port())
+    sk.open()
+    unhandled: list[dict] = []
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: unhandled.append(ctx))
+        serving = asyncio.create_task(sk.serve())
+        reader = None
+        while reader is None:
+            try:
+                reader, writer = await framing.open_connection("127.0.0.1", sk.port)
+            except OSError:
+                await asyncio.sleep(0.02)
+        writer.write(codec.encode(GREETING))  # a fresh safekeeper saves the cluster's identity
+        with pytest.raises((asyncio.IncompleteReadError, ConnectionError)):
+            await reader.read_message()
+        writer.close()
+        with pytest.raises(asyncio.CancelledError):
+            await serving  # closing the listener ends serve(), as the CLI expects
+        gc.collect()
+        await asyncio.sleep(0)
+
+    run(main())
+    assert isinstance(sk.fatal, OSError)
+    assert unhandled == []
+
+
+def test_a_peer_without_an_address_is_named_unknown() -> None:
+    # K-3: asyncio leaves peername None when the peer reset before getpeername().
+    from sidecar.safekeeper.server import _peer_name
+
+    class Gone:
+        def get_extra_info(self, name: str) -> None:
+            return None
+
+    assert _peer_name(Gone()) == "unknown"  # type: ignore[arg-type]
