@@ -68,6 +68,7 @@ def test_the_seeds_exercise_the_hard_cases(outcomes: list[Outcome]) -> None:
         ended = totals.get(f"rogue connections refused ({kind})", 0) + \
             totals.get(f"rogue connections cut short by a crash ({kind})", 0)
         assert tried >= 3 and ended == tried, (kind, totals)
+    assert totals.get("scans reused by a vote or Elected", 0) >= 3, totals
     if world_mod.DropPeer is not None:  # safekeepers lie only to a proposer that checks them
         assert totals.get("lying safekeeper replies", 0) >= 3, totals
         assert totals.get("links dropped by the proposer", 0) >= 3, totals

@@ -327,6 +327,8 @@ class World:
                 c.to_prop.append(Refusal(str(e)))
             self._close_sk_end(c)
             return False
+        if end is None and type(msg) in (VoteRequest, Elected):
+            self.count("scans reused by a vote or Elected")
         if type(msg) is Append and msg.term == acc.elected_term and msg.term >= acc.state.term:
             self.checker.accepted(sk, msg.term, c.sender, "Append")
         elif type(msg) is Elected and any(isinstance(a, Truncate) for a in actions):
