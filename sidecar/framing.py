@@ -16,7 +16,7 @@ import struct
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from sidecar.consensus import codec
+from sidecar.consensus import codec, limits
 from sidecar.consensus.messages import Append, Message
 
 _LEN = struct.Struct(">I")
@@ -53,6 +53,9 @@ class FrameReader(asyncio.BufferedProtocol):
         self._error: BaseException | None = None
         self._eof = False
         self._closed_fut: asyncio.Future[None] = self._loop.create_future()
+        # Largest frame accepted next; the owner raises it once it trusts the peer (an
+        # unauthenticated header must not make us allocate codec.MAX_FRAME).
+        self.max_frame = limits.PREAUTH_MAX_FRAME
 
     # -- protocol callbacks
 
@@ -144,8 +147,8 @@ class FrameReader(asyncio.BufferedProtocol):
         buf, pos, end = self._scratch, self._start, self._end
         while end - pos >= _HEADER:
             (length,) = _LEN.unpack_from(buf, pos)
-            if length == 0 or length > codec.MAX_FRAME:
-                _reject_length(length)
+            if length == 0 or length > self.max_frame:
+                _reject_length(length, self.max_frame)
             stop = pos + _HEADER + length
             if stop > end:
                 if length >= _OWN_BUFFER_AT:
@@ -216,10 +219,10 @@ def write(writer: asyncio.StreamWriter, *parts: bytes | memoryview) -> bool:
     return True
 
 
-def _reject_length(length: int) -> None:
+def _reject_length(length: int, limit: int) -> None:
     if length == 0:
         raise codec.ProtocolError("frame length 0: a frame holds at least its tag byte")
-    raise codec.ProtocolError(f"frame length {length} exceeds the maximum of {codec.MAX_FRAME}")
+    raise codec.ProtocolError(f"frame length {length} exceeds the maximum of {limit} for this connection")
 
 
 def _decode_owned(frame: bytearray) -> Message:

@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from sidecar.consensus import limits
 from sidecar.consensus.acceptor import (
     Acceptor, AcceptorAction, AcceptorError, Persist, RecordEnd, Reply, Truncate, Write,
 )
@@ -44,6 +45,11 @@ def only_reply(actions: list[AcceptorAction]) -> Message:
     msgs = replies(actions)
     assert len(msgs) == 1, actions
     return msgs[0]
+
+
+def snapshot(a: Acceptor) -> tuple[object, ...]:
+    """Everything a refused message must leave as it was."""
+    return (a.state, a.write_lsn, a.flush_lsn, a.elected_term, a.owner, a.wal_epoch)
 
 
 def elected_acceptor(term: int = 3, start: int = 1000, history: TermHistory | None = None) -> Acceptor:
@@ -194,12 +200,34 @@ def test_elected_with_no_common_term_cuts_at_the_proposer_history_start() -> Non
     assert only_reply(acts) == ElectedReply(2, 100)
 
 
-def test_elected_cuts_the_commit_hint_to_the_truncation_point() -> None:
-    a = Acceptor(1, configured(term=1, history=h((1, 100)), commit=1400), 1500)
+def test_elected_whose_cut_lies_below_commit_is_refused_naming_both_positions() -> None:
+    # DL-1: after a vote, Elected(T, 0) would cut every byte; the acknowledged WAL is kept.
+    a = Acceptor(1, configured(term=1, history=h((1, 0x1000000)), commit=0x1400000), 0x1500000)
+    a.on_vote(VoteRequest(2), RecordEnd(0x1500000))
+    before = snapshot(a)
+    for start, hist in [(0, h((2, 0))), (0x1200000, h((1, 0x1000000), (2, 0x1200000)))]:
+        with pytest.raises(AcceptorError, match=r"0/(0|1200000)\b.*0/1400000"):
+            a.on_elected(Elected(2, start, hist), RecordEnd(0x1500000))
+        assert snapshot(a) == before
+
+
+def test_elected_at_or_above_commit_keeps_commit_lsn() -> None:
+    a = Acceptor(1, configured(term=1, history=h((1, 100)), commit=1200), 1500)
     a.on_vote(VoteRequest(2), RecordEnd(1500))
     acts = a.on_elected(Elected(2, 1200, h((1, 100), (2, 1200))), RecordEnd(1500))
+    assert acts[0] == Truncate(1200)
     assert isinstance(acts[1], Persist) and acts[1].state.commit_lsn == 1200
     assert a.state.commit_lsn == 1200
+
+
+def test_elected_after_losing_unsynced_wal_below_commit_keeps_commit_lsn() -> None:
+    # commit_lsn was learned while the WAL up to it was written but not yet synced; a crash lost
+    # it. Cutting at the flush removes nothing acknowledged, and commit_lsn never goes down.
+    a = Acceptor(1, configured(term=1, history=h((1, 100)), commit=1400), 1000)
+    a.on_vote(VoteRequest(2), RecordEnd(1000))
+    acts = a.on_elected(Elected(2, 1500, h((1, 100), (2, 1500))), RecordEnd(1000))
+    assert acts[0] == Truncate(1000)
+    assert a.state.commit_lsn == 1400
 
 
 def test_elected_on_an_empty_store_starts_it_at_the_term_start() -> None:
@@ -366,3 +394,113 @@ def test_learning_commit_keeps_every_other_field():
     acc.elected_term = 5
     acc.on_append(Append(5, SEG, SEG + 100, SEG + 50, b"x" * 100))
     assert acc.state == replace(state, commit_lsn=SEG + 100, peer_horizon_lsn=SEG + 50)
+
+
+# ---- every field validated before anything changes (audit UA-2, DOS-1, DOS-1b, CR-2, DL-2) --------
+
+@pytest.mark.parametrize(("field", "value", "words"), [
+    ("system_id", 0, "system id"),
+    ("timeline", 0, "timeline"),
+    ("wal_seg_size", 3, "segment size"),
+    ("wal_seg_size", 1 << 31, "segment size"),
+    ("wal_seg_size", 1 << 19, "segment size"),
+    ("pg_version", 150000, "version"),
+    ("pg_version", 0, "version"),
+])
+def test_a_fresh_safekeeper_is_not_claimed_by_a_nonsense_greeting(field: str, value: int, words: str) -> None:
+    a = Acceptor(5, AcceptorState(), 0)
+    with pytest.raises(AcceptorError, match=words):
+        a.on_greeting(greeting(**{field: value}))
+    assert a.state == AcceptorState()
+
+
+def test_the_simulator_may_lower_the_segment_size_minimum() -> None:
+    a = Acceptor(5, AcceptorState(), 0, min_seg_size=1024)
+    a.on_greeting(greeting(wal_seg_size=1024))
+    assert a.state.wal_seg_size == 1024
+
+
+@pytest.mark.parametrize("term", [limits.MAX_TERM + 1, 2**64 - 1])
+def test_a_vote_request_above_the_term_bound_is_refused(term: int) -> None:
+    a = Acceptor(1, configured(term=4, history=h((4, 1000)), commit=1500), 2000)
+    before = snapshot(a)
+    with pytest.raises(AcceptorError, match="term"):
+        a.on_vote(VoteRequest(term), RecordEnd(2000))
+    assert snapshot(a) == before
+
+
+def test_a_vote_at_the_term_bound_is_granted() -> None:
+    a = Acceptor(1, configured(term=4), 0)
+    assert only_reply(a.on_vote(VoteRequest(limits.MAX_TERM), RecordEnd(0))).granted  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("history", [
+    h((3, 100), (2, 200), (5, 1000)),  # terms not ascending
+    h((2, 900), (3, 100), (5, 1000)),  # start positions going back
+    h((2, 100), (2, 200), (5, 1000)),  # a term twice
+    tuple(TermEntry(t, 1000) for t in range(1, limits.MAX_HISTORY + 2)) + h((limits.MAX_HISTORY + 5, 1000)),
+])
+def test_elected_with_a_poisoned_history_is_refused(history: TermHistory) -> None:
+    term = history[-1].term
+    a = Acceptor(1, configured(term=term - 1, history=h((1, 100))), 1000)
+    a.on_vote(VoteRequest(term), RecordEnd(1000))
+    before = snapshot(a)
+    with pytest.raises(AcceptorError, match="history"):
+        a.on_elected(Elected(term, history[-1].start_lsn, history), RecordEnd(1000))
+    assert snapshot(a) == before
+
+
+def test_elected_outside_the_wal_range_is_refused() -> None:
+    # CR-2: Elected(1, 2^64-101) on a fresh safekeeper used to start a store no segment can name.
+    a = Acceptor(1, configured(term=0), 0)
+    a.on_vote(VoteRequest(1), RecordEnd(0))
+    before = snapshot(a)
+    start = 2**64 - 101
+    with pytest.raises(AcceptorError, match="LSN"):
+        a.on_elected(Elected(1, start, h((1, start))), RecordEnd(0))
+    assert snapshot(a) == before
+
+
+def test_an_append_running_past_the_wal_range_is_refused() -> None:
+    start = limits.MAX_LSN - 10
+    a = elected_acceptor(term=1, start=start)
+    before = snapshot(a)
+    with pytest.raises(AcceptorError, match="range"):
+        a.on_append(Append(1, start, 0, 0, b"x" * 11))
+    assert snapshot(a) == before
+    assert Write(start, b"x" * 10) in a.on_append(Append(1, start, 0, 0, b"x" * 10))
+
+
+def test_only_the_connection_that_sent_elected_may_append_in_its_term() -> None:
+    # DL-2: a second connection with the right term number changes nothing.
+    owner, other = object(), object()
+    a = Acceptor(1, configured(term=2), 0)
+    a.on_vote(VoteRequest(3), RecordEnd(0))
+    a.on_elected(Elected(3, 1000, h((3, 1000))), RecordEnd(0), owner)
+    a.on_append(Append(3, 1000, 0, 0, b"abc"), owner)
+    before = snapshot(a)
+    for data in (b"zzzz", b""):
+        with pytest.raises(AcceptorError, match="does not hold the term"):
+            a.on_append(Append(3, 1003, 1003, 0, data), other)
+        assert snapshot(a) == before
+    # A stale term is still answered with the higher term, whoever asks: that fences a proposer.
+    a.on_vote(VoteRequest(4), RecordEnd(1003))
+    assert only_reply(a.on_append(Append(3, 1003, 0, 0, b"x"), other)) == AppendReply(4, 1000, 0)
+
+
+def test_the_record_end_is_reused_until_the_wal_changes() -> None:
+    # DOS-7: probes reuse one scan; a write or a cut makes it stale, even one during the scan.
+    a = elected_acceptor(term=3, start=1000)
+    assert a.cached_end() is None
+    epoch = a.wal_epoch
+    a.remember_end(epoch, RecordEnd(1000))
+    assert a.cached_end() == RecordEnd(1000)
+    a.on_append(Append(3, 1000, 0, 0, b""))  # a heartbeat writes nothing
+    assert a.cached_end() == RecordEnd(1000)
+    a.on_append(Append(3, 1000, 0, 0, b"abc"))
+    assert a.cached_end() is None
+    a.remember_end(epoch, RecordEnd(1003))  # a scan begun before that write
+    assert a.cached_end() is None
+    a.remember_end(a.wal_epoch, RecordEnd(1003))
+    a.on_elected(Elected(3, 1000, h((3, 1000))), RecordEnd(1003))
+    assert a.cached_end() is None

@@ -17,7 +17,8 @@ from sidecar.consensus.messages import Append, AppendReply, Elected, Greeting, M
 class Collector:
     """A framing server whose handler reads every message (optionally after a delay) and replies."""
 
-    def __init__(self, read_after: asyncio.Event | None = None) -> None:
+    def __init__(self, read_after: asyncio.Event | None = None, max_frame: int = codec.MAX_FRAME) -> None:
+        self.max_frame = max_frame
         self.messages: list[Message] = []
         self.error: BaseException | None = None
         self.done = asyncio.Event()
@@ -25,6 +26,7 @@ class Collector:
         self.server: asyncio.Server | None = None
 
     async def handle(self, reader: framing.FrameReader, writer: asyncio.StreamWriter) -> None:
+        reader.max_frame = self.max_frame
         try:
             if self.read_after is not None:
                 await self.read_after.wait()
@@ -131,6 +133,24 @@ def test_a_malformed_frame_fails_after_the_good_ones_before_it() -> None:
     run(main())
 
 
+def test_a_reader_refuses_frames_above_its_cap_before_allocating_them() -> None:
+    # DOS-2: an unauthenticated header announcing 16 MiB is refused as soon as it arrives.
+    async def main() -> None:
+        c = Collector(max_frame=framing.FrameReader(asyncio.get_running_loop()).max_frame)
+        port = await c.start()
+        small = [VoteRequest(1), Append(1, 0, 0, 0, b"x" * 1000)]
+        bad = codec.MAX_FRAME.to_bytes(4, "big") + b"a"
+        _, writer = await _send_in_pieces(port, b"".join(codec.encode(m) for m in small) + bad,
+                                          random.Random(4), close=False)
+        await asyncio.wait_for(c.done.wait(), 30)
+        writer.close()
+        assert [_as_bytes(m) for m in c.messages] == small
+        assert isinstance(c.error, codec.ProtocolError) and f"maximum of {64 * 1024}" in str(c.error)
+        await c.close()
+
+    run(main())
+
+
 def test_eof_inside_a_frame_is_an_incomplete_read() -> None:
     async def main() -> None:
         for cut in (2, 200, 100_000):
@@ -172,6 +192,7 @@ def test_a_client_connection_reads_frames_and_drains_its_writes() -> None:
         c = Collector()
         port = await c.start()
         reader, writer = await framing.open_connection("127.0.0.1", port)
+        reader.max_frame = codec.MAX_FRAME
         msgs = [Append(1, i << 20, 0, 0, os.urandom(1 << 20)) for i in range(8)]
         for m in msgs:
             writer.write(codec.encode(m))

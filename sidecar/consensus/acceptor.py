@@ -11,11 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from sidecar.consensus import history as hist
+from sidecar.consensus import limits
 from sidecar.consensus.messages import (
     PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply,
     Message, VoteReply, VoteRequest,
 )
 from sidecar.consensus.state import AcceptorState
+from sidecar.lsn import format_lsn
 
 
 class AcceptorError(Exception):
@@ -58,20 +60,45 @@ class RecordEnd:
 
 
 class Acceptor:
-    """Votes, term history and append ordering for one safekeeper."""
+    """Votes, term history and append ordering for one safekeeper.
 
-    def __init__(self, node_id: int, state: AcceptorState, write_lsn: int) -> None:
+    Every field of a message is checked before anything changes: a refused message raises
+    AcceptorError and leaves the state, the positions and the term's owner as they were.
+    """
+
+    def __init__(self, node_id: int, state: AcceptorState, write_lsn: int,
+                 min_seg_size: int = limits.MIN_SEG_SIZE) -> None:
         self.node_id = node_id
         self.state = state
         self.write_lsn = write_lsn  # end of WAL handed to storage
         self.flush_lsn = write_lsn  # end of WAL storage has fsynced
         self.elected_term = 0  # the term whose Elected this process has applied
+        # The connection (an opaque token from its session) whose Elected applied elected_term:
+        # the only one whose Appends are accepted in that term.
+        self.owner: object = None
+        self.min_seg_size = min_seg_size  # lowered only by the simulator's tiny segments
         self._persisted_commit = state.commit_lsn
+        # Stored WAL changes (writes, truncations) bump the epoch; a scan is reused until then.
+        self.wal_epoch = 0
+        self._end: RecordEnd | None = None
+        self._end_epoch = -1
+
+    def cached_end(self) -> RecordEnd | None:
+        """The last scan's RecordEnd, if no WAL was written or cut since it began."""
+        return self._end if self._end_epoch == self.wal_epoch else None
+
+    def remember_end(self, epoch: int, end: RecordEnd) -> None:
+        """Keep a scan that began at `epoch` (a later write makes it stale at once)."""
+        self._end, self._end_epoch = end, epoch
 
     def on_greeting(self, msg: Greeting) -> list[AcceptorAction]:
         if msg.protocol_version != PROTOCOL_VERSION:
             raise AcceptorError(
                 f"protocol version {msg.protocol_version} is not supported (this safekeeper speaks {PROTOCOL_VERSION})")
+        try:
+            limits.check_identity(msg.system_id, msg.timeline, msg.wal_seg_size, msg.pg_version, self.min_seg_size)
+        except limits.LimitError as e:
+            raise AcceptorError(f"Greeting refused: {e}") from None
         s = self.state
         if s.system_id == 0:
             self.state = replace(s, system_id=msg.system_id, wal_seg_size=msg.wal_seg_size,
@@ -88,6 +115,7 @@ class Acceptor:
 
     def on_vote(self, msg: VoteRequest, end: RecordEnd) -> list[AcceptorAction]:
         """Grant iff the term is new; the caller has flushed and scanned WAL into `end`."""
+        _check(limits.check_term, msg.term, "VoteRequest term")
         actions: list[AcceptorAction] = []
         granted = msg.term > self.state.term
         if granted:
@@ -101,12 +129,15 @@ class Acceptor:
             tail_lsn=end.tail_lsn, tail_crc=end.tail_crc)))
         return actions
 
-    def on_elected(self, msg: Elected, end: RecordEnd) -> list[AcceptorAction]:
-        """Truncate at the divergence point and adopt the proposer's history."""
+    def on_elected(self, msg: Elected, end: RecordEnd, owner: object = None) -> list[AcceptorAction]:
+        """Truncate at the divergence point, adopt the proposer's history; `owner` now holds the term."""
+        _check(limits.check_term, msg.term, "Elected term")
         if msg.term < self.state.term:
             return [Reply(ElectedReply(self.state.term, self.flush_lsn))]
         if msg.term > self.state.term:
             raise AcceptorError(f"Elected for term {msg.term} without a vote (this safekeeper is at term {self.state.term})")
+        _check(limits.check_lsn, msg.start_lsn, "Elected start LSN")
+        _check(limits.check_term_history, msg.term_history)
         last = msg.term_history[-1] if msg.term_history else None
         if last is None or (last.term, last.start_lsn) != (msg.term, msg.start_lsn):
             raise AcceptorError(f"Elected for term {msg.term}: history does not end with this term at its start LSN")
@@ -115,27 +146,44 @@ class Acceptor:
         except hist.HistoryError as e:
             raise AcceptorError(f"Elected for term {msg.term}: {e}") from e
         point = min(point, end.flush_lsn) if end.flush_lsn else point
-        new = replace(self.state, term_history=msg.term_history, commit_lsn=min(self.state.commit_lsn, point))
+        commit = self.state.commit_lsn
+        if cuts_committed(point, commit, end.flush_lsn):
+            raise AcceptorError(
+                f"Elected for term {msg.term} would truncate WAL at {format_lsn(point)}, below the "
+                f"commit position {format_lsn(commit)} this safekeeper knows: acknowledged WAL is never cut")
+        # commit_lsn stays: the WAL below it is acknowledged even where this store lacks it
+        # (written but lost unsynced in a crash), and the new term rewrites those bytes unchanged.
+        new = replace(self.state, term_history=msg.term_history)
         self.state = new
         self.write_lsn = self.flush_lsn = point
         self.elected_term = msg.term
-        self._persisted_commit = new.commit_lsn
+        self.owner = owner
+        self.wal_epoch += 1
+        self._persisted_commit = commit
         return [Truncate(point), Persist(new), Reply(ElectedReply(msg.term, point))]
 
-    def on_append(self, msg: Append) -> list[AcceptorAction]:
-        """Accept WAL in order; the reply waits for `on_flushed` unless there is nothing to write."""
+    def on_append(self, msg: Append, owner: object = None) -> list[AcceptorAction]:
+        """Accept WAL in order from the term's owner; the reply waits for `on_flushed` unless empty."""
         s = self.state
         if msg.term < s.term:
             return [Reply(AppendReply(s.term, self.flush_lsn, s.commit_lsn))]
         if msg.term != self.elected_term:
             raise AcceptorError(f"Append for term {msg.term} before Elected (safekeeper term {s.term})")
+        if owner is not self.owner:
+            raise AcceptorError(f"Append for term {msg.term} on a connection that does not hold the term: "
+                                "only the connection that sent its Elected may append")
         if msg.begin_lsn != self.write_lsn:
             raise AcceptorError(
-                f"Append at {msg.begin_lsn} does not continue the WAL written up to {self.write_lsn}")
+                f"Append at {format_lsn(msg.begin_lsn)} does not continue the WAL written up to "
+                f"{format_lsn(self.write_lsn)}")
         actions: list[AcceptorAction] = []
         if msg.data:
+            end = msg.end_lsn
+            if end > limits.MAX_LSN:
+                raise AcceptorError(f"Append ending at {end:#x} runs past PostgreSQL's WAL range")
             actions.append(Write(msg.begin_lsn, msg.data))
-            self.write_lsn = msg.end_lsn
+            self.write_lsn = end
+            self.wal_epoch += 1
         actions += self._learn(msg.commit_lsn, msg.peer_horizon_lsn)
         if not msg.data:
             actions.append(Reply(AppendReply(s.term, self.flush_lsn, self.state.commit_lsn)))
@@ -161,3 +209,19 @@ class Acceptor:
             self._persisted_commit = commit
             return [Persist(self.state)]
         return []
+
+
+def cuts_committed(point: int, commit_lsn: int, flush_lsn: int) -> bool:
+    """True if truncating stored WAL ending at `flush_lsn` to `point` removes WAL below `commit_lsn`.
+
+    A quorum acknowledged the WAL below commit_lsn: no legitimate term cuts into it.
+    """
+    return point < min(commit_lsn, flush_lsn)
+
+
+def _check(check, value, *what: str) -> None:  # type: ignore[no-untyped-def]
+    """Run a limits check; its LimitError becomes a refusal of the message."""
+    try:
+        check(value, *what)
+    except limits.LimitError as e:
+        raise AcceptorError(str(e)) from None

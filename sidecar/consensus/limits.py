@@ -22,6 +22,9 @@ MIN_SEG_SIZE, MAX_SEG_SIZE = 1 << 20, 1 << 30
 # Frames a connection may send before it is a greeted proposer: no Greeting, vote or info
 # request is this long, so nobody unauthenticated makes a safekeeper allocate more.
 PREAUTH_MAX_FRAME = 64 * 1024
+# Frames of a greeted proposer that does not hold the term: votes and Elected, whose histories
+# are bounded by MAX_HISTORY. Only the connection holding the term may send codec.MAX_FRAME.
+CONTROL_MAX_FRAME = 1024 * 1024
 
 
 class LimitError(ValueError):
@@ -82,5 +85,6 @@ def check_identity(system_id: int, timeline: int, wal_seg_size: int, pg_version:
     if not 1 <= timeline < 2**32:
         raise LimitError(f"timeline {timeline} is outside 1..{2**32 - 1}")
     check_seg_size(wal_seg_size, min_seg_size)
-    if not 90000 <= pg_version < 1_000_000:
-        raise LimitError(f"PostgreSQL version number {pg_version} is not one PostgreSQL uses")
+    # The proposer sends the major version (server_version_num // 10000, e.g. 15).
+    if not 10 <= pg_version <= 99:
+        raise LimitError(f"PostgreSQL major version {pg_version} is not one PostgreSQL uses")

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 from sidecar import framing
-from sidecar.consensus import codec
+from sidecar.consensus import codec, limits
 from sidecar.consensus.messages import Append, Message, Refusal
 from sidecar.logs import get_logger
 
@@ -74,6 +74,7 @@ class PeerLink:
                                                retry=retry_if_exception_type(OSError)):
                 with attempt:
                     reader, writer = await framing.open_connection(self.host, self.port)
+                    reader.max_frame = limits.CONTROL_MAX_FRAME  # replies: votes with bounded histories
             if await self._serve(reader, writer):
                 # Refused before any other answer, e.g. a greeting from another cluster's primary:
                 # retrying soon rarely helps, so back off instead of reconnecting (and logging the

@@ -8,16 +8,17 @@ import fcntl
 import struct
 import termios
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import google_crc32c
 
 from sidecar import framing
 from sidecar.consensus import codec
-from sidecar.consensus.acceptor import (
-    Acceptor, AcceptorAction, AcceptorError, Persist, RecordEnd, Reply, Truncate, Write,
-)
-from sidecar.consensus.messages import Append, Elected, Greeting, InfoRequest, Message, Refusal, VoteRequest
+from sidecar.consensus.acceptor import Acceptor, AcceptorError, Persist, RecordEnd, Reply, Truncate, Write
+from sidecar.consensus.messages import Append, Elected, Greeting, Message, Refusal, VoteRequest
+from sidecar.consensus.session import AcceptorSession, Role, SessionAction
 from sidecar.consensus.state import AcceptorState
 from sidecar.lsn import format_lsn
 from sidecar.logs import get_logger
@@ -33,13 +34,20 @@ TAIL_FINGERPRINT = 1024 * 1024  # bytes before flush_lsn whose CRC a vote report
 # and latency than the sync itself. More than this is synced in a thread while reading goes on.
 INLINE_FLUSH_MAX = 256 * 1024
 _FIONREAD = struct.Struct("i")
+# Connections served at once; more are closed at once, so that strangers cannot exhaust memory
+# or file descriptors that the elected proposer's reconnect needs.
+MAX_CONNECTIONS = 64
+# A connection that does not hold the term and sends nothing for this long is closed; the
+# elected proposer sends a heartbeat every second and is exempt.
+IDLE_TIMEOUT = 60.0
 _STATEFUL = (Persist, Truncate)
 
 
 class Safekeeper:
     """One acceptor process: owns the data directory, serves proposers on one port."""
 
-    def __init__(self, node_id: int, data_dir: Path, host: str, port: int) -> None:
+    def __init__(self, node_id: int, data_dir: Path, host: str, port: int,
+                 role_of: Callable[[Any], Role] = lambda transport: Role.PROPOSER) -> None:
         self.node_id = node_id
         self.data_dir = data_dir
         self.host, self.port = host, port
@@ -50,10 +58,17 @@ class Safekeeper:
         self._flush_lock = asyncio.Lock()
         self._persist_lock = asyncio.Lock()  # see _execute_stateful
         self._flush_wanted = asyncio.Event()
-        self._stream: asyncio.StreamWriter | None = None  # connection of the elected proposer
+        self.role_of = role_of  # what a connection's transport authenticated as (see sidecar.tls)
+        self._sessions: set[AcceptorSession] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self.fatal: BaseException | None = None
         self.stats = SafekeeperMetrics(node_id)
+
+    @property
+    def _stream(self) -> asyncio.StreamWriter | None:
+        """The connection of the elected proposer: where flush acknowledgements go."""
+        owner = self.acceptor.owner if self.acceptor is not None else None
+        return owner.conn if isinstance(owner, AcceptorSession) else None  # type: ignore[return-value]
 
     def proposer_address(self) -> str | None:
         """HOST:PORT of the elected proposer streaming to this safekeeper, if any."""
@@ -127,24 +142,32 @@ class Safekeeper:
                 self.storage.close()
 
     async def _connection(self, reader: framing.FrameReader, writer: asyncio.StreamWriter) -> None:
-        peer = "%s:%s" % writer.get_extra_info("peername")[:2]
-        log = self.log.bind(peer=peer)
-        greeted = False
+        log = self.log.bind(peer=_peer_name(writer))
+        if len(self._sessions) >= MAX_CONNECTIONS:
+            log.warning("connection limit reached; closing the new connection", limit=MAX_CONNECTIONS)
+            writer.close()
+            return
+        acc = self.acceptor
+        assert acc is not None
+        try:
+            session = AcceptorSession(acc, self.role_of(writer.transport), conn=writer)
+        except Exception as e:  # a certificate the hook cannot map: this connection only
+            log.warning("connection refused", reason=str(e))
+            writer.close()
+            return
+        self._sessions.add(session)
         self.stats.connections.inc()
         try:
             while True:
-                msg = await reader.read_message()
-                if isinstance(msg, InfoRequest):  # operator tooling: read-only, no Greeting needed
-                    framing.write(writer, codec.encode(info_reply(self)))
-                    await writer.drain()
-                    continue
-                if not greeted and not isinstance(msg, Greeting):
-                    raise AcceptorError(f"the first message must be a Greeting, not {type(msg).__name__}")
-                greeted = True
-                if type(msg) is Append:  # the hot path: no coroutine hops for a plain append
-                    actions = self.acceptor.on_append(msg)  # type: ignore[union-attr]
+                if session.holds_term:  # the elected proposer sends at least a heartbeat a second
+                    msg = await reader.read_message()
                 else:
-                    actions = await self._dispatch(msg, writer, log)
+                    msg = await asyncio.wait_for(reader.read_message(), IDLE_TIMEOUT)
+                if type(msg) is Append:  # the hot path: no coroutine hops for a plain append
+                    actions = session.receive(msg)
+                else:
+                    actions = await self._dispatch(session, msg, log)
+                    reader.max_frame = session.max_frame
                 if any(type(a) in _STATEFUL for a in actions):
                     await self._execute_stateful(actions, writer)
                 else:
@@ -154,53 +177,49 @@ class Safekeeper:
                     await writer.drain()  # a proposer that stops reading stops being read
         except (asyncio.IncompleteReadError, ConnectionError):
             log.info("connection closed")
+        except asyncio.TimeoutError:
+            log.info("idle connection closed", idle_seconds=IDLE_TIMEOUT)
         except codec.ProtocolError as e:
             log.warning("malformed message; closing the connection", reason=str(e))
         except AcceptorError as e:
-            log.warning("message refused; closing the connection", reason=str(e))
-            with contextlib.suppress(ConnectionError):
-                framing.write(writer, codec.encode(Refusal(str(e))))
+            log.warning("message refused; closing the connection", reason=str(e), term=acc.state.term)
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                framing.write(writer, codec.encode(Refusal(str(e)[:1000])))
                 await writer.drain()
+        except _OwnEncodeError as e:
+            log.error("cannot encode this safekeeper's reply; closing the connection", reason=str(e))
         except Exception as e:  # a storage or control-file failure: state may be half-applied
             log.critical("fatal error; stopping the safekeeper", error=repr(e))
             self.fatal = e
             if self._server is not None:
                 self._server.close()
-            raise
+            # Not re-raised: nobody awaits this task, and the log line above is the report.
         finally:
-            if self._stream is writer:
-                self._stream = None
+            session.closed()
+            self._sessions.discard(session)
             writer.close()
 
-    async def _dispatch(self, msg: Message, writer: asyncio.StreamWriter, log) -> list[AcceptorAction]:
-        acc = self.acceptor
-        assert acc is not None
+    async def _dispatch(self, session: AcceptorSession, msg: Message, log) -> list[SessionAction]:  # type: ignore[no-untyped-def]
+        """Everything but a plain Append: fetch the record end a vote or Elected needs, log, count."""
+        acc = session.acceptor
+        end = await self._flushed_record_end() if session.needs_record_end(msg) else None
+        actions = session.receive(msg, end)
         match msg:
-            case Append():
-                return acc.on_append(msg)
             case Greeting():
                 log.info("greeting", proposer=msg.proposer_id, term=acc.state.term)
-                return acc.on_greeting(msg)
             case VoteRequest():
-                end = await self._flushed_record_end()
-                actions = acc.on_vote(msg, end)
-                granted = acc.state.term == msg.term and isinstance(actions[0], Persist)
-                log.info("vote", term=msg.term, granted=granted, flush_lsn=format_lsn(end.flush_lsn))
+                granted = any(type(a) is Persist for a in actions)
+                flush = next((a.message.flush_lsn for a in actions if type(a) is Reply), 0)  # type: ignore[union-attr]
+                log.info("vote", term=msg.term, granted=granted, flush_lsn=format_lsn(flush))
                 if msg.term:  # term 0 is the proposer's pre-vote probe, not a vote
                     (self.stats.votes_granted if granted else self.stats.votes_refused).inc()
-                return actions
-            case Elected():
-                end = await self._flushed_record_end()
-                actions = acc.on_elected(msg, end)
-                if acc.elected_term == msg.term:
-                    self._stream = writer
-                    self.stats.elections.inc()
-                    log.info("elected", term=msg.term, start_lsn=format_lsn(msg.start_lsn),
-                             truncate_lsn=format_lsn(acc.write_lsn))
-                return actions
-        raise AcceptorError(f"unexpected {type(msg).__name__} from a proposer")
+            case Elected() if session.holds_term and acc.elected_term == msg.term:
+                self.stats.elections.inc()
+                log.info("elected", term=msg.term, start_lsn=format_lsn(msg.start_lsn),
+                         truncate_lsn=format_lsn(acc.write_lsn))
+        return actions
 
-    async def _execute_stateful(self, actions: list[AcceptorAction], writer: asyncio.StreamWriter) -> None:
+    async def _execute_stateful(self, actions: list[SessionAction], writer: asyncio.StreamWriter) -> None:
         # A batch that saves state or cuts WAL runs whole under the persist lock, queued in the
         # order the acceptor produced the batches (nothing yields in between). So when two
         # proposers' connections interleave, an older state is never saved over a newer one, saves
@@ -217,14 +236,16 @@ class Safekeeper:
                     case _:
                         self._apply((a,), writer)
 
-    def _apply(self, actions: list[AcceptorAction] | tuple[AcceptorAction, ...], writer: asyncio.StreamWriter) -> None:
-        """Carry out Write and Reply actions, which need no lock and never wait."""
+    def _apply(self, actions: list[SessionAction] | tuple[SessionAction, ...], writer: asyncio.StreamWriter) -> None:
+        """Carry out Write, Reply and AnswerInfo actions, which need no lock and never wait."""
         for a in actions:
             if type(a) is Write:
                 self._storage_for_write().write(a.lsn, a.data)
                 self.stats.wal_written.inc(len(a.data))
+            elif type(a) is Reply:
+                framing.write(writer, _encode_own(a.message))
             else:
-                framing.write(writer, codec.encode(a.message))  # type: ignore[union-attr]
+                framing.write(writer, _encode_own(info_reply(self)))
 
     def _storage_for_write(self) -> WalStorage:
         if self.storage is None:
@@ -274,6 +295,24 @@ class Safekeeper:
                 began = time.perf_counter()
                 flushed = await asyncio.to_thread(st.flush)
             self._synced(flushed, began)
+
+
+def _encode_own(msg: Message) -> bytes:
+    """Encode a message of ours; a failure is this safekeeper's fault, not the peer's."""
+    try:
+        return codec.encode(msg)
+    except codec.ProtocolError as e:
+        raise _OwnEncodeError(str(e)) from None
+
+
+class _OwnEncodeError(Exception):
+    """A reply this safekeeper built cannot be encoded (a bug or a limit missed on the way in)."""
+
+
+def _peer_name(writer: asyncio.StreamWriter) -> str:
+    """HOST:PORT of the peer; asyncio leaves peername None if the peer reset at once."""
+    peer = writer.get_extra_info("peername")
+    return "%s:%s" % peer[:2] if isinstance(peer, tuple) and len(peer) >= 2 else "unknown"
 
 
 def _bytes_waiting(writer: asyncio.StreamWriter) -> bool:

@@ -1,6 +1,6 @@
 """Deterministic simulation of the consensus core against a hostile, simulated world.
 
-The real `Proposer` and `Acceptor` state machines run unchanged; everything around them
+The real `Proposer`, `Acceptor` and `AcceptorSession` state machines run unchanged; everything around them
 is simulated, pure and seeded (no sockets, files or clocks), so a seed replays exactly:
 `python3 scripts/simulate.py --seeds 1 --first-seed S --trace`.
 
@@ -47,6 +47,13 @@ The model, and why it is what it is:
   second one can run against the same or another primary at the same time: the
   advisory lock that prevents this in production is not modeled, because the protocol
   must be safe without it.
+
+* Hostile peers. A connection that belongs to no proposer, greets, and claims the current
+  term without its vote (an Append after the WAL, or an Elected); one that asks for a vote in
+  the current term and sends an Elected cutting below the commit position; a read-only
+  connection trying to vote; and, where the proposer checks reported positions, a safekeeper
+  reply claiming a flush it cannot hold. Each safekeeper connection runs through the same
+  `AcceptorSession` as the server's, so these meet the real rules.
 
 `checker` states precisely which invariants of PROTOCOL.md are checked after every step.
 """

@@ -1,8 +1,9 @@
 """The simulated cluster: safekeepers, proposer services, primaries and the network between them.
 
-The world executes the actions of the real `Proposer` and `Acceptor` the way
-`sidecar/proposer/service.py` and `sidecar/safekeeper/server.py` do, and lets a seeded
-random scheduler pick the next step among everything that could happen next.
+The world executes the actions of the real `Proposer` and of one `AcceptorSession` per
+connection the way `sidecar/proposer/service.py` and `sidecar/safekeeper/server.py` do, and lets
+a seeded random scheduler pick the next step among everything that could happen next, hostile
+peers included.
 """
 
 from __future__ import annotations
@@ -14,22 +15,21 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sidecar.consensus.acceptor import (
-    Acceptor,
-    AcceptorAction,
-    AcceptorError,
-    Persist,
-    RecordEnd,
-    Reply,
-    Truncate,
-    Write,
-)
+from sidecar.consensus import history as hist
+from sidecar.consensus import proposer as proposer_mod
+from sidecar.consensus.acceptor import Acceptor, AcceptorError, Persist, RecordEnd, Reply, Truncate, Write
 from sidecar.consensus.messages import (
+    PROTOCOL_VERSION,
     Append,
+    AppendReply,
     Elected,
+    ElectedReply,
     Greeting,
+    InfoReply,
+    InfoRequest,
     Message,
     Refusal,
+    TermEntry,
     TermHistory,
     TimelineEntry,
     TimelineHistory,
@@ -48,13 +48,20 @@ from sidecar.consensus.proposer import (
     TermLost,
     VerifyPrimary,
 )
+from sidecar.consensus.session import AcceptorSession, AnswerInfo, Role, SessionAction
 from sidecar.consensus.state import AcceptorState
 from sidecar.sim.checker import Checker
 from sidecar.sim.trace import Delivery, Event, Trace, pos
-from sidecar.sim.wal import BOOT, Disk, Primary
+from sidecar.sim.wal import BOOT, Disk, Primary, encode_record
 
 SYSTEM_ID = 7301
-PG_VERSION = 15
+PG_VERSION = 15  # the major version, as the proposer reads it from server_version_num
+MIN_SEG_SIZE = 1024  # the simulator's tiny segments are below PostgreSQL's 1 MiB minimum
+ROGUE = "rogue"  # sender of the hostile connections that belong to no proposer
+# The proposer's answer to a reply that claims a flush it cannot hold (when the core has it):
+# only then does the world let safekeepers lie, since a core without it trusts them.
+DropPeer = getattr(proposer_mod, "DropPeer", None)
+TermsExhausted = getattr(proposer_mod, "TermsExhausted", None)
 NOTES = frozenset({"campaign", "elected", "streaming", "safekeeper refused"})  # Notes worth a trace line
 
 
@@ -80,6 +87,8 @@ class Profile:
     buffer_limit: int
     mid_crash: float  # chance that a safekeeper dies between two actions of one message
     rivals: float  # weight of starting a second, competing proposer
+    rogues: float  # weight of hostile connections (term hijacks, cuts below commit, read-only writers)
+    liars: float  # weight of a safekeeper reply claiming a flush it never made
 
     @staticmethod
     def draw(rng: random.Random, cfg: SimConfig) -> Profile:
@@ -91,6 +100,8 @@ class Profile:
             buffer_limit=rng.choice((64 << 20, 6000, 1500)),
             mid_crash=rng.choice((0.0, 0.002, 0.01)),
             rivals=rng.choice((0.0, 0.05, 0.3)),
+            rogues=rng.choice((0.0, 0.3, 1.0)),
+            liars=rng.choice((0.0, 0.2, 1.0)),
         )
 
 
@@ -102,7 +113,6 @@ class Safekeeper:
     persisted: AcceptorState = field(default_factory=AcceptorState)  # the control file
     acceptor: Acceptor | None = None  # None while the process is down
     conns: list[Connection] = field(default_factory=list)
-    stream: Connection | None = None  # where on_flushed replies go (the server's `_stream`)
     truncations: list[int] = field(default_factory=list)
     version: int = 0  # bumped on every change the checker looks at
     views: list = field(default_factory=list)
@@ -112,6 +122,12 @@ class Safekeeper:
     def commit_lsn(self) -> int:
         return (self.acceptor.state if self.acceptor else self.persisted).commit_lsn
 
+    @property
+    def stream(self) -> Connection | None:
+        """Where on_flushed replies go: the connection holding the term (the server's `_stream`)."""
+        owner = self.acceptor.owner if self.acceptor is not None else None
+        return owner.conn if isinstance(owner, AcceptorSession) else None  # type: ignore[return-value]
+
 
 @dataclass(eq=False)
 class Connection:
@@ -119,9 +135,10 @@ class Connection:
 
     label: str
     sender: str  # label of the Proposer instance this connection was opened for
-    svc: Service
+    svc: Service | None  # None for a hostile connection that belongs to no proposer
     sk: Safekeeper
     slow: bool
+    session: AcceptorSession
     to_sk: deque[Message] = field(default_factory=deque)
     to_prop: deque[Message] = field(default_factory=deque)
     prop_open: bool = True
@@ -129,7 +146,6 @@ class Connection:
     # The proposer closed its writer at the end of a term but its reader still holds
     # replies already received, which the next term's core will read before the EOF.
     lingering: bool = False
-    greeted: bool = False
 
     @property
     def carries_replies(self) -> bool:
@@ -191,7 +207,7 @@ class World:
         self.profile = Profile.draw(self.rng, cfg)
         self.safekeepers = [Safekeeper(f"sk{i + 1}", i + 1) for i in range(self.profile.safekeepers)]
         for sk in self.safekeepers:
-            sk.acceptor = Acceptor(sk.node_id, sk.persisted, 0)
+            sk.acceptor = Acceptor(sk.node_id, sk.persisted, 0, MIN_SEG_SIZE)
         self.by_name = {sk.name: sk for sk in self.safekeepers}
         self.primaries = [Primary("pg1", 1, ())]
         self.current = self.primaries[0]
@@ -231,6 +247,7 @@ class World:
             (p.rivals * c, self._start_rival), (3, self._new_term), (0.25 * c, self._crash_primary),
             (0.02 * c, self._promote_standby), (0.03 * c, self._restore_primary),
             (0.02 * c, self._resume_stale_primary), (0.15 * c, self._partition), (1.5, self._heal),
+            (p.rogues * c, self._rogue), (p.liars * c if DropPeer is not None else 0.0, self._lie),
         ]
         weights, total = [], 0.0
         for w, _ in table:
@@ -280,7 +297,7 @@ class World:
 
     def _deliver_to_safekeeper(self) -> bool:
         cands = [c for sk in self.safekeepers if sk.acceptor is not None for c in sk.conns
-                 if c.to_sk and (c.svc.name, sk.name) not in self.cut_off]
+                 if c.to_sk and (c.svc is None or (c.svc.name, sk.name) not in self.cut_off)]
         c = self._pick(cands)
         if c is None:
             return False
@@ -296,43 +313,32 @@ class World:
         c = self.rng.choice(cands)
         return None if c.slow and not self.scripted and self.rng.random() < 0.7 else c
 
-    def _acceptor_receive(self, c: Connection, msg: Message) -> None:
-        """The server's `_connection` loop body: dispatch, then execute the actions in order."""
-        sk, acc = c.sk, c.sk.acceptor
-        assert acc is not None
+    def _acceptor_receive(self, c: Connection, msg: Message) -> bool:
+        """The server's `_connection` loop body: the session decides, then its actions run in order."""
+        sk, session = c.sk, c.session
+        acc = session.acceptor
         try:
-            if not c.greeted and not isinstance(msg, Greeting):
-                raise AcceptorError(f"the first message must be a Greeting, not {type(msg).__name__}")
-            c.greeted = True
-            match msg:
-                case Append():
-                    actions = acc.on_append(msg)
-                    if msg.term == acc.elected_term and msg.term >= acc.state.term:
-                        self.checker.accepted(sk, msg.term, c.sender, "Append")
-                case Greeting():
-                    actions = acc.on_greeting(msg)
-                case VoteRequest():
-                    actions = acc.on_vote(msg, self._flushed_record_end(sk))
-                case Elected():
-                    actions = acc.on_elected(msg, self._flushed_record_end(sk))
-                    if acc.elected_term == msg.term:
-                        sk.stream = c  # as the server does, even for a refused late Elected
-                    if any(isinstance(a, Truncate) for a in actions):
-                        self.checker.accepted(sk, msg.term, c.sender, "Elected")
-                case _:
-                    raise AcceptorError(f"unexpected {type(msg).__name__} from a proposer")
+            end = self._flushed_record_end(sk) if session.needs_record_end(msg) else None
+            actions = session.receive(msg, end)
         except AcceptorError as e:
             self.event(sk.name, "refuses", c.label, str(e))
             self.count("refusals by safekeepers")
             if c.carries_replies:
                 c.to_prop.append(Refusal(str(e)))
             self._close_sk_end(c)
-            return
+            return False
+        if end is None and type(msg) in (VoteRequest, Elected):
+            self.count("scans reused by a vote or Elected")
+        if type(msg) is Append and msg.term == acc.elected_term and msg.term >= acc.state.term:
+            self.checker.accepted(sk, msg.term, c.sender, "Append")
+        elif type(msg) is Elected and any(isinstance(a, Truncate) for a in actions):
+            self.checker.accepted(sk, msg.term, c.sender, "Elected")
         self._execute(sk, c, actions)
+        return True
 
-    def _execute(self, sk: Safekeeper, c: Connection | None, actions: list[AcceptorAction]) -> None:
+    def _execute(self, sk: Safekeeper, c: Connection | None, actions: list[SessionAction]) -> None:
         for a in actions:
-            if self.profile.mid_crash and self.rng.random() < self.profile.mid_crash:
+            if self.profile.mid_crash and not self.scripted and self.rng.random() < self.profile.mid_crash:
                 self.event(sk.name, "dies before", type(a).__name__)
                 self._crash(sk)
                 return
@@ -352,6 +358,9 @@ class World:
                     self.checker.replied(sk, a.message)
                     if c is not None and c.carries_replies:
                         c.to_prop.append(a.message)
+                case AnswerInfo():
+                    if c is not None and c.carries_replies:
+                        c.to_prop.append(self._info(sk))
             self._changed(sk)
 
     def _fsync(self) -> bool:
@@ -400,7 +409,7 @@ class World:
             if end:
                 sk.disk.truncate(end)
             write_lsn = end
-        sk.acceptor = Acceptor(sk.node_id, state, write_lsn)
+        sk.acceptor = Acceptor(sk.node_id, state, write_lsn, MIN_SEG_SIZE)
         self._changed(sk)
         self.checker.durable(sk)
         self.event(sk.name, "restarts", f"term={state.term}", f"flush={pos(write_lsn)}")
@@ -430,12 +439,21 @@ class World:
         self._connect(*self.rng.choice(cands))
         return True
 
-    def _connect(self, svc: Service, sk: Safekeeper) -> None:
+    def _open(self, label: str, sender: str, svc: Service | None, sk: Safekeeper,
+              role: Role = Role.PROPOSER) -> Connection:
+        """A connection accepted by `sk`, with its session, as the server's `_connection` starts one."""
+        assert sk.acceptor is not None
         self._conn_seq += 1
-        c = Connection(f"{svc.label}-{sk.name}#{self._conn_seq}", svc.label, svc, sk,
-                       slow=self.rng.random() < 0.2)
-        svc.links[sk.name] = c
+        session = AcceptorSession(sk.acceptor, role)
+        c = Connection(f"{label}-{sk.name}#{self._conn_seq}", sender, svc, sk,
+                       slow=svc is not None and self.rng.random() < 0.2, session=session)
+        session.conn = c
         sk.conns.append(c)
+        return c
+
+    def _connect(self, svc: Service, sk: Safekeeper) -> None:
+        c = self._open(svc.label, svc.label, svc, sk)
+        svc.links[sk.name] = c
         self.event(svc.label, "connects", c.label)
         assert svc.core is not None
         self._run(svc, svc.core.peer_connected(sk.name))
@@ -451,7 +469,7 @@ class World:
             for _ in range(self.rng.randint(0, len(c.to_sk))):
                 c.to_sk.pop()
         svc, name = c.svc, c.sk.name
-        if svc.links.get(name) is c:
+        if svc is not None and svc.links.get(name) is c:
             svc.links[name] = None
             svc.fetches.pop(name, None)  # the service cancels the catch-up of a peer that went down
             if notify and svc.core is not None:
@@ -463,8 +481,7 @@ class World:
         c.sk_open = False
         c.to_sk.clear()
         c.sk.conns.remove(c)
-        if c.sk.stream is c:
-            c.sk.stream = None
+        c.session.closed()
 
     def _break_connection(self) -> bool:
         cands = [c for sk in self.safekeepers for c in sk.conns if c.prop_open]
@@ -514,6 +531,98 @@ class World:
         self.event("network", "heals")
         return True
 
+    # ---- hostile peers ---------------------------------------------------------------------------
+
+    def _info(self, sk: Safekeeper) -> InfoReply:
+        """What the server's `info_reply` answers: identity and positions."""
+        acc = sk.acceptor
+        assert acc is not None
+        s = acc.state
+        return InfoReply(sk.node_id, s.system_id, s.wal_seg_size, s.pg_version, s.timeline, s.term,
+                         s.term_history[-1].term if s.term_history else 0, acc.flush_lsn, s.commit_lsn,
+                         sk.stream is not None)
+
+    def _rogue(self) -> bool:
+        """A connection that belongs to no proposer tries to take the current term or cut committed WAL.
+
+        It knows everything a reader of InfoRequest knows and more (the exact write position), and
+        speaks in one burst; the session must refuse it before anything changes.
+        """
+        cands = [sk for sk in self.safekeepers if sk.acceptor is not None and sk.acceptor.state.system_id]
+        if not cands:
+            return False
+        sk = self.rng.choice(cands)
+        acc = sk.acceptor
+        assert acc is not None
+        s, kind = acc.state, self.rng.choice(("append", "elect", "cut", "read-only"))
+        greeting = Greeting(PROTOCOL_VERSION, ROGUE, SYSTEM_ID, s.timeline, s.wal_seg_size, s.pg_version)
+        term = s.term
+        role = Role.PROPOSER
+        if kind == "append":  # claim the elected term without its Elected: bytes after ours
+            if not acc.elected_term or acc.elected_term != term:
+                return False
+            junk = encode_record(acc.write_lsn, acc.write_lsn, self.rng.randbytes(self.rng.randint(1, 40)))
+            msgs: list[Message] = [greeting, Append(term, acc.write_lsn, acc.write_lsn, 0, junk)]
+        elif kind == "elect":  # claim the term without asking for a vote on this connection
+            if not s.term_history or s.term_history[-1].term != term:
+                return False
+            last = s.term_history[-1]
+            msgs = [greeting, Elected(term, last.start_lsn, s.term_history)]
+        elif kind == "cut":  # a same-term vote request, then an Elected that cuts below commit
+            flush = self.scan(sk.disk, s.term_history, sk.disk.end, fingerprint=False).flush_lsn
+            below = min(s.commit_lsn, flush)
+            if not term or below <= BOOT:
+                return False
+            low = self.rng.randint(BOOT, below - 1)
+            rogue_history = (TermEntry(term, low),)
+            try:
+                if hist.divergence_point(s.term_history, flush, rogue_history) >= below:
+                    return False
+            except hist.HistoryError:
+                return False
+            msgs = [greeting, VoteRequest(term), Elected(term, low, rogue_history)]
+        else:  # a read-only (client) certificate trying to vote
+            role = Role.CLIENT
+            msgs = [InfoRequest(), VoteRequest(term + 1)]
+        self.count(f"rogue connections ({kind})")
+        c = self._open(ROGUE, ROGUE, None, sk, role)
+        self.event(c.label, "rogue connection", kind)
+        for msg in msgs:
+            self.trace.add(Delivery(self.step_no, c.label, True, msg))
+            if not self._acceptor_receive(c, msg):
+                self.count(f"rogue connections refused ({kind})")
+                return True
+            if sk.acceptor is None:  # a crash between two actions closed it
+                self.count(f"rogue connections cut short by a crash ({kind})")
+                return True
+        self._close_sk_end(c)
+        return True
+
+    def _lie(self) -> bool:
+        """A safekeeper reply claiming a flush it cannot hold: above what it was sent, or voted with."""
+        cands = [(svc, c) for svc in self.services if svc.core is not None
+                 and svc.core.phase is proposer_mod.Phase.STREAMING
+                 for c in svc.links.values() if c is not None and c.carries_replies]
+        if not cands:
+            return False
+        svc, c = self.rng.choice(cands)
+        core = svc.core
+        assert core is not None
+        p = core.peers[c.sk.name]
+        # Far above anything the proposer can have sent by the time the lie arrives: a lie within
+        # what was sent (an fsync claimed but not done) is beyond any proposer's power to detect.
+        extra = (1 << 40) + self.rng.randint(1, 4000)
+        if p.elected:
+            lie: Message = AppendReply(core.term, p.sent_lsn + extra, core.commit_lsn)
+        elif p.vote is not None:
+            lie = ElectedReply(core.term, max(p.vote.flush_lsn, core.term_start) + extra)
+        else:
+            return False
+        self.count("lying safekeeper replies")
+        self.event(c.label, "safekeeper lies", lie)
+        c.to_prop.append(lie)
+        return True
+
     # ---- proposer side -----------------------------------------------------------------------
 
     def _config(self, primary: Primary, svc: Service) -> ProposerConfig:
@@ -557,6 +666,15 @@ class World:
                     lost = True
                 case GreetingsRefused():
                     refused = True
+                case _ if DropPeer is not None and isinstance(a, DropPeer):
+                    # The service logs the protocol error and closes that link; it reconnects later.
+                    self.count("links dropped by the proposer")
+                    self.event(svc.label, "drops", a.peer, a.reason)
+                    c = svc.links.get(a.peer)
+                    if c is not None:
+                        self._close_prop_end(c, notify=False)
+                case _ if TermsExhausted is not None and isinstance(a, TermsExhausted):
+                    self._stop_service(svc, "exits: no term left to campaign in")
                 case Note():
                     if a.event in NOTES:
                         self.event(svc.label, a.event, *(f"{k}={pos(v) if k.endswith('_lsn') else v}"
