@@ -398,7 +398,7 @@ def test_failed_fdatasync_leaves_a_durable_marker_and_the_restart_cuts_back(
         # The bytes in doubt are gone from the files, not only from this process's view.
         assert names(wal_dir) == [seg_name(1, partial=True)]
         assert (wal_dir / seg_name(1, partial=True)).read_bytes() == data[:3000] + bytes(SEG - 3000)
-        assert marker.in_doubt() is None and not marker.in_doubt_path.exists()
+        assert marker.in_doubt() is None and marker.in_doubt_path.read_bytes() == bytes(512)
     finally:
         marker.close()
 
@@ -453,7 +453,9 @@ def test_no_room_for_the_spare_is_reported_but_not_fatal(small_fs: Path) -> None
     full: list[str] = []
     with WalStorage(small_fs / "wal", SEG, 1, full.append) as s:
         s.open_at(0)
-        s.write(0, b"first")  # a segment made of the spare or fallocate'd; the next spare fails
+        spare = spare_of(small_fs / "wal")
+        wait_for(lambda: spare.exists() and spare.stat().st_size == SEG, what="the spare")
+        s.write(0, b"first")  # takes the spare; the next spare finds no room
         wait_for(lambda: full, what="the spare segment's failure to be reported")
         assert "spare" in full[0] and "disk full" in full[0]
         s.write(5, b" still writable")

@@ -138,10 +138,11 @@ class Safekeeper:
         return WalStorage(self.data_dir / "wal", state.wal_seg_size, state.timeline, self._no_space)
 
     def _no_space(self, what: str) -> None:
-        """A write found the disk full (the WAL, the spare segment): count it; the spare's is only a warning."""
-        self.stats.disk_full.inc()
-        if "spare" in what:
-            self.log.warning(what + ": the next segment may not fit")
+        """A write found the disk full (the WAL, the spare segment), or the spare failed: count, warn."""
+        if what.startswith("disk full"):
+            self.stats.disk_full.inc()
+        if "spare" in what:  # not fatal by itself: the WAL's own write says whether it is
+            self.log.warning(what + "; the next segment may fail too")
 
     def _scan(self, state: AcceptorState) -> RecordEnd:
         """End of the last complete record with a valid CRC, and a fingerprint of its bytes."""

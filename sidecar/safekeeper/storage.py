@@ -27,6 +27,7 @@ _IN_DOUBT = "the WAL on disk is in doubt: restart the safekeeper so it rescans i
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # Files beside the WAL directory (not in it: the directory holds segments only).
 IN_DOUBT_SUFFIX = ".in-doubt"
+_MARKER_SIZE = 512  # one sector: rewritten in place, so a crash leaves the old or the new text
 VERIFIED_SUFFIX = ".verified"
 
 
@@ -208,6 +209,10 @@ class WalStorage:
         self._failed: str | None = None
         self.wal_dir.mkdir(parents=True, exist_ok=True)
         self._spare = SpareSegment(self._beside(".spare"), seg_size, self._spare_failed)
+        if not self.in_doubt_path.exists():
+            # Made now, zeroed and synced, so that recording a failed fdatasync later overwrites
+            # blocks already on disk: that needs no free space on a full or failing device.
+            write_durably(self.in_doubt_path, bytes(_MARKER_SIZE))
         self._scan_dir()
         # Until open_at(), reads may go up to the raw end of the stored files (for the
         # caller's startup scan); nothing is known to be durable yet.
@@ -550,9 +555,11 @@ class WalStorage:
     def in_doubt(self) -> InDoubt | None:
         """The marker a failed fdatasync left, if any (StorageError if it is unreadable)."""
         try:
-            raw = self.in_doubt_path.read_bytes()
+            raw = self.in_doubt_path.read_bytes().rstrip(b"\0")
         except FileNotFoundError:
             return None
+        if not raw:
+            return None  # zeros: no fdatasync ever failed here
         try:
             d = json.loads(raw)
             marker = InDoubt(int(d["durable_lsn"]), int(d["written_lsn"]), str(d["reason"]))
@@ -564,15 +571,26 @@ class WalStorage:
         return marker
 
     def resolve_in_doubt(self, marker: InDoubt) -> None:
-        """Cut the WAL at the marker's durable position, durably, then remove the marker."""
+        """Cut the WAL at the marker's durable position, durably, then clear the marker."""
         self.truncate(marker.durable_lsn)
-        self.in_doubt_path.unlink()
-        fsync_dir(self.in_doubt_path.parent)
+        self._overwrite_marker(bytes(_MARKER_SIZE))
 
     def _write_in_doubt(self, marker: InDoubt) -> None:
-        body = {"durable_lsn": marker.durable_lsn, "written_lsn": marker.written_lsn, "reason": marker.reason,
-                "durable": format_lsn(marker.durable_lsn), "written": format_lsn(marker.written_lsn)}
-        write_durably(self.in_doubt_path, json.dumps(body, indent=1).encode() + b"\n")
+        body = json.dumps({"durable_lsn": marker.durable_lsn, "written_lsn": marker.written_lsn,
+                           "reason": marker.reason[:300]}).encode()
+        self._overwrite_marker(body[:_MARKER_SIZE].ljust(_MARKER_SIZE, b"\0"))
+
+    def _overwrite_marker(self, data: bytes) -> None:
+        try:
+            fd = os.open(self.in_doubt_path, os.O_WRONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            write_durably(self.in_doubt_path, data)
+            return
+        try:
+            _pwrite_all(fd, memoryview(data), 0)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
 
     def verified_lsn(self) -> int:
         """Where the record chain was last checked up to (0 if never): see walcheck.py."""
@@ -600,6 +618,9 @@ class WalStorage:
     def _spare_failed(self, e: OSError) -> None:
         if e.errno in _NO_SPACE:
             self._disk_full(f"disk full: no space for a spare WAL segment in {self.wal_dir.parent} ({e.strerror})")
+        elif self._on_disk_full is not None:
+            # Not a full disk, but a disk that fails writes is worth a word before the WAL meets it.
+            self._on_disk_full(f"making a spare WAL segment in {self.wal_dir.parent} failed: {e}")
 
     # -- helpers -------------------------------------------------------------------------
 
