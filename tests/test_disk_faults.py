@@ -1,9 +1,12 @@
-"""Disk faults on real processes and real filesystems: a full disk, damaged segments, a failed fdatasync.
+"""Disk faults on real processes and real filesystems: a full disk, damaged segments, a failed fsync.
 
-The full disk is a size-limited tmpfs the test mounts under one safekeeper's data directory
-(the tests run as root). Damage is done to a stopped safekeeper's files. A failed fdatasync
-cannot be caused on this machine (no device-mapper in the kernel), so that test patches
-os.fdatasync to raise EIO inside a real safekeeper serving real sockets in this process.
+The full disk is a size-limited tmpfs the test mounts as one safekeeper's data directory (the
+tests run as root). Damage is done to a stopped safekeeper's files. A failed fsync comes from
+a real device: ext4 on a loop device whose sparse backing file sits on a small tmpfs, so
+writeback fails once the tmpfs is full, as on a thin-provisioned volume (device-mapper's error
+target is not available in this kernel). The background flusher's failure is also tested in
+this process, with os.fdatasync patched to raise EIO, because only there can the test choose
+which sync fails.
 """
 
 from __future__ import annotations
@@ -245,6 +248,98 @@ def test_a_damaged_segment_stops_the_restart_and_commits_go_on(deployment: Deplo
     target = emit_wal(d, 1)
     wait_for(lambda: (r := d.replication_row()) is not None and r[4] is not None and parse_lsn(r[4]) >= target,
              timeout=120, what="the repaired safekeeper to catch up")
+
+
+# ---- a failed fdatasync on a real device --------------------------------------------------------
+
+class ThinDevice:
+    """ext4 on a loop device whose sparse 1 GiB backing file lives on a small tmpfs: once the
+    tmpfs is full, writeback fails and fdatasync reports it (ENOSPC from the block layer), as on
+    a thin-provisioned volume that ran out. No journal, so metadata writes cannot abort it."""
+
+    def __init__(self, base: Path, mountpoint: Path) -> None:
+        self.back, self.mountpoint = base / "thin-backing", mountpoint
+        self.loop: str | None = None
+
+    def __enter__(self) -> ThinDevice:
+        self.back.mkdir()
+        self.mountpoint.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1100m", "tmpfs", str(self.back)], check=True)
+        img = self.back / "img"
+        subprocess.run(["truncate", "-s", "1g", str(img)], check=True)
+        subprocess.run(["mkfs.ext4", "-q", "-F", "-O", "^has_journal", str(img)], check=True)
+        self.loop = subprocess.run(["losetup", "-f", "--show", str(img)], check=True, capture_output=True,
+                                   text=True).stdout.strip()
+        subprocess.run(["mount", self.loop, str(self.mountpoint)], check=True)
+        os.chmod(self.mountpoint, 0o700)
+        return self
+
+    def room(self, size: int) -> None:
+        """Let the backing file grow by `size` bytes more than it holds now."""
+        os.sync()
+        used = (self.back / "img").stat().st_blocks * 512
+        subprocess.run(["mount", "-o", f"remount,size={(used + size) >> 10}k", str(self.back)], check=True)
+
+    def __exit__(self, *exc: object) -> None:
+        subprocess.run(["umount", "-l", str(self.mountpoint)], check=False)
+        if self.loop:
+            subprocess.run(["losetup", "-d", self.loop], check=False)
+        subprocess.run(["umount", "-l", str(self.back)], check=False)
+
+
+@pytest.mark.integration
+def test_a_failed_fdatasync_stops_the_safekeeper_and_the_restart_cuts_back(pg_factory, procs, test_dir: Path) -> None:
+    from deployment import APP, wal_matches_primary
+
+    pg = pg_factory(settings={"synchronous_standby_names": APP})
+    d = Deployment(pg, procs, test_dir)
+    with ThinDevice(test_dir, d.sk_dir(1)) as thin:
+        try:
+            d.start_all()
+            with d.sql() as c:
+                c.execute("CREATE TABLE load (id int, pad text)")
+            spare = d.sk_dir(1) / "wal.spare"
+            wait_for(lambda: spare.exists() and spare.stat().st_size == SEG, what="the spare segment")
+            # Room for 2 MiB more. Segments are made of zero-filled spares, whose blocks are on
+            # the device already, so what meets the full device first is the next spare (a
+            # warning) and then the next fsync of new blocks: the control file's, or the WAL's.
+            thin.room(2 << 20)
+            writer, pump = Writer(pg.dsn()), WalPump(pg.dsn())
+            writer.start()
+            pump.start()
+            try:
+                sk1 = d.safekeepers[1]
+                assert wait_exit(sk1, timeout=180) == 1
+                failed = wait_for(lambda: (m := (d.sk_dir(1) / "wal.in-doubt").read_bytes().rstrip(b"\0")) and m)
+                marker = json.loads(failed)
+                assert "fdatasync of WAL segment" in marker["reason"] or "safekeeper.control" in marker["reason"]
+                assert "No space left on device" in marker["reason"], marker
+                assert marker["durable_lsn"] <= marker["written_lsn"]
+                log = sk1.log_text()
+                assert "fatal error; stopping the safekeeper" in log, log[-3000:]
+                assert f"in_doubt_from={format_lsn(marker['durable_lsn'])}" in log, log[-3000:]
+                assert log.count("fatal error") == 1 and "Traceback" not in log
+                stopped_at = len(writer.acked)
+                wait_for(lambda: len(writer.acked) >= stopped_at + 50, timeout=120, what="commits without it")
+            finally:
+                pump.stop()
+                acked = writer.stop()
+            assert writer.error is None, writer.error
+            all_acked_present(d, acked)
+
+            thin.room(600 << 20)  # the volume is grown; the page cache is still not trusted
+            proc = d.start_safekeeper(1)
+            target = emit_wal(d, 2)
+            wait_for(lambda: (r := d.replication_row()) is not None and r[4] is not None
+                     and parse_lsn(r[4]) >= target, timeout=120, what="the restarted safekeeper to catch up")
+            log = proc.log_text()
+            assert "cutting the WAL back to what was durable" in log and format_lsn(marker["durable_lsn"]) in log
+            assert not (d.sk_dir(1) / "wal.in-doubt").read_bytes().strip(b"\0")
+            start = d.history_start(1)
+            assert wal_matches_primary(d, 1, start, target), "the refetched WAL differs from the primary's"
+            all_acked_present(d, acked)
+        finally:
+            procs.kill_all()
 
 
 # ---- start-up errors of the command -------------------------------------------------------------

@@ -54,6 +54,7 @@ class Safekeeper:
         self._flush_wanted = asyncio.Event()
         self._stream: asyncio.StreamWriter | None = None  # connection of the elected proposer
         self._tasks: set[asyncio.Task[None]] = set()
+        self._serving: asyncio.Task | None = None
         self.fatal: BaseException | None = None  # the error that stops the process
         self.stopped: str | None = None  # why nothing is accepted any more (a full disk, or fatal)
         self.disk_full = False
@@ -114,8 +115,8 @@ class Safekeeper:
         marker = st.in_doubt()
         if marker is None:
             return
-        self.log.warning("an earlier fdatasync failed: cutting the WAL back to what was durable before it; "
-                         "the proposer sends the rest again", durable_lsn=format_lsn(marker.durable_lsn),
+        self.log.warning("an fsync failed before the last stop: cutting the WAL back to what was durable before "
+                         "it; the proposer sends the rest again", durable_lsn=format_lsn(marker.durable_lsn),
                          in_doubt_to=format_lsn(marker.written_lsn), failure=marker.reason)
         try:
             st.resolve_in_doubt(marker)
@@ -174,6 +175,7 @@ class Safekeeper:
     async def serve(self) -> None:
         """Listen and serve until cancelled."""
         self._server = await framing.start_server(self._connection, self.host, self.port)
+        self._serving = asyncio.current_task()
         self.log.info("listening", address=f"{self.host}:{self.port}")
         flusher = asyncio.create_task(self._flusher())
         try:
@@ -357,11 +359,16 @@ class Safekeeper:
         self.stopped = f"stopped after a fatal error: {e}"
         self.fatal = e
         doubt = {}
-        if isinstance(e, WalInDoubt) and st is not None:
+        if st is not None:
+            # Whatever failed (a control-file fsync as much as the WAL's), this process's view of
+            # the WAL above its last good flush is not to be trusted at the next start either.
+            st.mark_in_doubt(str(e))
             doubt = {"in_doubt_from": format_lsn(st.flush_lsn), "in_doubt_to": format_lsn(st.write_lsn)}
         log.critical("fatal error; stopping the safekeeper", error=str(e), **doubt)
         if self._server is not None:
             self._server.close()
+        if self._serving is not None:
+            self._serving.cancel()  # uvloop's close() does not end serve_forever()
 
 
 def _bytes_waiting(writer: asyncio.StreamWriter) -> bool:

@@ -207,6 +207,7 @@ class WalStorage:
         self._positioned = False
         self._closed = False
         self._failed: str | None = None
+        self._marked = False  # an in-doubt marker was written by this process
         self.wal_dir.mkdir(parents=True, exist_ok=True)
         self._spare = SpareSegment(self._beside(".spare"), seg_size, self._spare_failed)
         if not self.in_doubt_path.exists():
@@ -360,16 +361,26 @@ class WalStorage:
         # new process reading the page cache, would "succeed": never trust this view of the
         # WAL again. The marker makes the next start cut the WAL back to what was durable.
         with self._lock:
-            durable, written = self._flush_lsn, self._write_lsn
-            doubt = (f"WAL from {format_lsn(durable)} to {format_lsn(written)} is in doubt")
-            try:
-                self._write_in_doubt(InDoubt(durable, written, what))
-                then = f"the next start cuts the WAL back to {format_lsn(durable)} (marker {self.in_doubt_path})"
-            except OSError as e:
-                then = (f"the marker {self.in_doubt_path} could not be written ({e}): reboot the machine "
-                        f"before restarting this safekeeper, or remove its WAL above {format_lsn(durable)}")
-            self._failed = f"{what}; {doubt}; {then}"
+            self._failed = f"{what}; {self._mark_in_doubt(what)}"
         raise WalInDoubt(self._failed)
+
+    def mark_in_doubt(self, what: str) -> None:
+        """After any fatal failure: the next start cuts the WAL back to the last good flush."""
+        with self._lock:
+            self._mark_in_doubt(what)
+
+    def _mark_in_doubt(self, what: str) -> str:
+        durable, written = self._flush_lsn, self._write_lsn
+        doubt = f"WAL from {format_lsn(durable)} to {format_lsn(written)} is in doubt"
+        if self._marked or not self._positioned:  # unpositioned: nothing was ever flushed here
+            return doubt
+        self._marked = True
+        try:
+            self._write_in_doubt(InDoubt(durable, written, what))
+            return f"{doubt}; the next start cuts the WAL back to {format_lsn(durable)} (marker {self.in_doubt_path})"
+        except (OSError, StorageError) as e:
+            return (f"{doubt}; the marker {self.in_doubt_path} could not be written ({e}): reboot the machine "
+                    f"before restarting this safekeeper, or remove its WAL above {format_lsn(durable)}")
 
     def _finish_all(self, done: list[_Open]) -> None:
         """Rename filled, fdatasync'ed segments to their final names and close them."""
@@ -695,8 +706,12 @@ def write_durably(path: Path, data: bytes) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
         _pwrite_all(fd, memoryview(data), 0)
-        os.fsync(fd)
-    except OSError:
+        try:
+            os.fsync(fd)
+        except OSError as e:
+            # Whatever the errno, ENOSPC included (a thin device): a failed fsync is fatal.
+            raise StorageError(f"fsync of {tmp} failed: {e}") from None
+    except (OSError, StorageError):
         os.close(fd)
         tmp.unlink(missing_ok=True)
         raise
