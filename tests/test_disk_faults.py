@@ -457,3 +457,66 @@ def test_a_failed_fdatasync_in_the_flusher_stops_the_safekeeper(tmp_path: Path, 
         assert sk.storage.read(SEG, 2 * SEG) == wal[:durable - SEG]
     finally:
         sk.storage.close()
+
+
+# ---- a full disk, seen from the tools ------------------------------------------------------------
+
+def test_a_full_disk_is_what_check_health_and_metrics_say(tmp_path: Path) -> None:
+    from prometheus_client import generate_latest
+
+    from sidecar.ops.probe import ProbeError, probe_safekeeper
+    from walbuilder import WalBuilder
+
+    seg = 1 << 20
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(small)], check=True)
+    b = WalBuilder(seg, seg_size=seg, sysid=SYSID)
+    b.fill_to(5 * seg, 300)
+    wal = b.bytes()
+
+    async def main() -> None:
+        sk = Safekeeper(1, small, "127.0.0.1", 0)
+        sk.open()
+        mon = SafekeeperMonitor(sk)
+        server = asyncio.ensure_future(sk.serve())
+        await until(lambda: sk._server is not None and sk._server.sockets, "the safekeeper to listen")
+        addr = "127.0.0.1:%d" % sk._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        reader, writer = await framing.open_connection(*addr.split(":"))
+
+        async def send(msg):
+            framing.write(writer, codec.encode(msg))
+            return await asyncio.wait_for(reader.read_message(), 10)
+
+        assert isinstance(await send(Greeting(PROTOCOL_VERSION, "p", SYSID, 1, seg, 150004)), GreetingReply)
+        await send(VoteRequest(1))
+        await send(Elected(1, seg, (TermEntry(1, seg),)))
+        acked = seg
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            for off in range(0, len(wal), 200_000):  # until the disk is full and the link drops
+                reply = await send(Append(1, seg + off, 0, 0, wal[off:off + 200_000]))
+                if isinstance(reply, AppendReply):
+                    acked = max(acked, reply.flush_lsn)
+        writer.close()
+        assert sk.disk_full and sk.fatal is None and not server.done(), "a full disk fences, it does not exit"
+        with pytest.raises(ProbeError, match="it refused: disk full: no space for WAL"):
+            await probe_safekeeper(addr, 5)
+        health = mon.health()
+        assert health.status == 503 and health.body.startswith(b"disk full"), health
+        text = generate_latest(sk.stats.registry).decode()
+        assert "walsidecar_safekeeper_disk_full 1.0" in text.replace('{safekeeper_id="1"}', "")
+        server.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await server
+        # Everything acknowledged is there at the next start.
+        again = Safekeeper(1, small, "127.0.0.1", 0)
+        again.open()
+        try:
+            assert again.acceptor.write_lsn >= max(r.end_lsn for r in b.records if r.end_lsn <= acked)
+        finally:
+            again.storage.close()
+
+    try:
+        run(main())
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=True)
