@@ -25,7 +25,7 @@ from sidecar.logs import get_logger
 from sidecar.metrics import SafekeeperMetrics
 from sidecar.safekeeper.control import ControlData, control_path, load_control, remove_leftovers, save_control
 from sidecar.safekeeper.monitor import info_reply
-from sidecar.safekeeper.storage import StorageError, WalInDoubt, WalStorage, is_disk_full
+from sidecar.safekeeper.storage import DiskFull, StorageError, WalInDoubt, WalStorage, is_disk_full
 from sidecar.safekeeper.walcheck import StartupError, check_stored_wal
 from sidecar.wal.reader import find_end_of_wal
 
@@ -196,7 +196,7 @@ class Safekeeper:
         try:
             while True:
                 msg = await reader.read_message()
-                if self.stopped is not None:  # a full disk: say why to whoever asks, change nothing
+                if self.stopped is not None:  # a full disk (or exiting): say why to whoever asks, change nothing
                     raise AcceptorError(self.stopped)
                 if isinstance(msg, InfoRequest):  # operator tooling: read-only, no Greeting needed
                     framing.write(writer, codec.encode(info_reply(self)))
@@ -349,7 +349,7 @@ class Safekeeper:
             return
         st = self.storage
         if is_disk_full(e) and not isinstance(e, WalInDoubt):
-            if not isinstance(e, StorageError):  # the control file: the WAL's own error counted already
+            if not isinstance(e, DiskFull):  # a WAL write's was counted where it happened
                 self.stats.disk_full.inc()
             self.disk_full = True
             self.stopped = str(e) if str(e).startswith("disk full") else f"disk full: {e}"
