@@ -3,6 +3,10 @@
 A segment being written is `NAME.partial`; it gets its final name only after all of its
 bytes were fdatasync'ed, so a final name always means "complete and durable". Positions
 are raw byte positions: finding the end of the last valid record is the caller's job.
+
+Beside the WAL directory `wal/`: `wal.spare` (the next segment, zero-filled ahead),
+`wal.in-doubt` (after a failed fsync: the last durable position, for the next start to cut
+back to) and `wal.verified` (where the start-up check of the record chain resumes).
 """
 
 from __future__ import annotations
