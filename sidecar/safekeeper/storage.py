@@ -27,7 +27,7 @@ MAX_SEGMENT_SIZE = 1024 * 1024 * 1024
 MAX_TIMELINE = 0xFFFFFFFF
 _ZEROS = memoryview(bytes(1024 * 1024))
 _PARTIAL = ".partial"
-_IN_DOUBT = "the WAL on disk is in doubt: restart the safekeeper so it rescans it"
+_IN_DOUBT = "the WAL above the last flush is in doubt: the next start cuts it back there"
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # Files beside the WAL directory (not in it: the directory holds segments only).
 IN_DOUBT_SUFFIX = ".in-doubt"
@@ -58,7 +58,7 @@ def is_disk_full(e: BaseException) -> bool:
 
 @dataclass(frozen=True)
 class InDoubt:
-    """What the marker left by a failed fdatasync says: WAL in [durable_lsn, written_lsn) may be lost."""
+    """The marker a failed fsync (or any fatal failure) leaves: WAL in [durable_lsn, written_lsn) may be lost."""
 
     durable_lsn: int
     written_lsn: int
