@@ -99,7 +99,8 @@ def _check_page_headers(path: Path, segno: int, seg: int, system_id: int | None)
             try:
                 validate_page_header(parse_page_header(raw), lsn, seg, system_id=system_id)
             except WalFormatError as e:
-                raise StartupError(f"WAL segment {path} has a bad page header at {format_lsn(lsn)}: {e}; {_HINT}") from None
+                raise StartupError(
+                    f"WAL segment {path} has a bad page header at {format_lsn(lsn)}: {e}; {_HINT}") from None
     finally:
         os.close(fd)
 
