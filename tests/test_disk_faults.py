@@ -401,12 +401,14 @@ def test_a_missing_last_completed_segment_is_a_clean_error(tmp_path: Path) -> No
 
 # ---- a failed fdatasync in the background flusher -----------------------------------------------
 
-def test_a_failed_fdatasync_in_the_flusher_stops_the_safekeeper(tmp_path: Path, monkeypatch) -> None:
-    """DOS-6: an Append above INLINE_FLUSH_MAX is synced by the thread path; EIO there is fatal at once."""
+@pytest.mark.parametrize("rest", [INLINE_FLUSH_MAX + 100_000, 50_000], ids=["flusher thread", "event loop"])
+def test_a_failed_fdatasync_stops_the_safekeeper(tmp_path: Path, monkeypatch, rest: int) -> None:
+    """DOS-6: an Append above INLINE_FLUSH_MAX is synced by the flusher thread, a smaller one on the
+    event loop; EIO is fatal at once on either path."""
     from walbuilder import WalBuilder
 
     b = WalBuilder(SEG, seg_size=SEG, sysid=SYSID)
-    b.fill_to(SEG + 600_000, 300)
+    b.fill_to(SEG + 100_000 + rest, 300)
     durable = next(r for r in b.records if r.end_lsn > SEG + 100_000).end_lsn
     wal = b.bytes()
 
@@ -433,10 +435,10 @@ def test_a_failed_fdatasync_in_the_flusher_stops_the_safekeeper(tmp_path: Path, 
             raise OSError(errno.EIO, "Input/output error (injected)")
 
         monkeypatch.setattr(os, "fdatasync", eio)
-        rest = wal[durable - SEG:]
-        assert len(rest) > INLINE_FLUSH_MAX  # so the thread path syncs it
-        framing.write(writer, codec.encode(Append(1, durable, 0, 0, rest)))
-        await until(lambda: sk.fatal is not None, "the flusher's failure to stop the safekeeper")
+        tail = wal[durable - SEG:]
+        assert (len(tail) > INLINE_FLUSH_MAX) == (rest > INLINE_FLUSH_MAX)
+        framing.write(writer, codec.encode(Append(1, durable, 0, 0, tail)))
+        await until(lambda: sk.fatal is not None, "the failed sync to stop the safekeeper")
         health = mon.health()
         assert health.status == 503 and b"in doubt" in health.body, health
         with contextlib.suppress(asyncio.CancelledError):  # as run_until_signal takes it
