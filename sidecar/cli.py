@@ -49,14 +49,14 @@ def safekeeper(id: int, listen: str, data_dir: Path, metrics: str | None, log_fo
     from sidecar.runtime import run_until_signal
     from sidecar.safekeeper.control import ControlFileError
     from sidecar.safekeeper.monitor import SafekeeperMonitor
-    from sidecar.safekeeper.server import Safekeeper
+    from sidecar.safekeeper.server import Safekeeper, StartupError
 
     configure(log_format, log_level)
     host, port = _listen(listen)
     sk = Safekeeper(id, data_dir, host, port)
     try:
         sk.open()
-    except ControlFileError as e:
+    except (ControlFileError, StartupError) as e:
         raise click.ClickException(str(e)) from e
     monitor = SafekeeperMonitor(sk)
     endpoint = monitor.endpoint(*parse_listen(metrics)) if metrics else None

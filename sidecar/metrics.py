@@ -70,6 +70,9 @@ class SafekeeperMetrics:
                                  registry=r).labels(sk)
         self.connections = Counter("walsidecar_safekeeper_connections", "Connections accepted.",
                                    ["safekeeper_id"], registry=r).labels(sk)
+        self.disk_full = Counter("walsidecar_safekeeper_disk_full_errors",
+                                 "Writes that found no space (ENOSPC): WAL, control file or the spare segment.",
+                                 ["safekeeper_id"], registry=r).labels(sk)
 
     def add_collector(self, collect: Callable[[], Iterable[Metric]]) -> None:
         """Register scrape-time gauges produced by `collect`."""

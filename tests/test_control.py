@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -160,3 +161,30 @@ def test_leftover_tmp_without_control_file_is_still_fresh(tmp_path: Path) -> Non
     assert load_control(tmp_path) is None
     remove_leftovers(tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_keeps_the_old_control_file_and_leaves_no_temp_file(tmp_path: Path) -> None:
+    import dataclasses
+    import errno
+    import subprocess
+
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], check=True)
+    try:
+        save_control(small, SAMPLE)
+        fd = os.open(small / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            with pytest.raises(OSError):  # take every block left
+                while True:
+                    os.write(fd, bytes(4096))
+        finally:
+            os.close(fd)
+        bigger = dataclasses.replace(SAMPLE.state, term_history=tuple(TermEntry(t, t << 24) for t in range(1, 400)))
+        with pytest.raises(OSError) as err:
+            save_control(small, ControlData(3, bigger))
+        assert err.value.errno == errno.ENOSPC
+        assert load_control(small) == SAMPLE
+        assert sorted(p.name for p in small.iterdir()) == sorted([CONTROL_FILE, "filler"])
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=True)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import random
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -11,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE, segment_file_name
-from sidecar.safekeeper.storage import StorageError, WalStorage
+from sidecar.safekeeper.storage import DiskFull, StorageError, WalInDoubt, WalStorage
 
 MIB = 1024 * 1024
 SEG = MIB
@@ -361,3 +363,124 @@ def test_leftover_spares_are_checked_at_start(wal_dir: Path) -> None:
         assert not tmp.exists() and not spare.exists()
     finally:
         s.close()
+
+
+# ---- a failed fdatasync, a full disk --------------------------------------------------------
+
+def eio(fd: int) -> None:
+    raise OSError(errno.EIO, "Input/output error (injected)")
+
+
+def test_failed_fdatasync_leaves_a_durable_marker_and_the_restart_cuts_back(
+        wal_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = payload(SEG + 5000, seed=7)
+    s = WalStorage(wal_dir, SEG, 1)
+    s.open_at(SEG)
+    s.write(SEG, data[:3000])
+    assert s.flush() == SEG + 3000
+    s.write(SEG + 3000, data[3000:])
+    with monkeypatch.context() as m:
+        m.setattr(os, "fdatasync", eio)
+        with pytest.raises(WalInDoubt, match=r"WAL from 0/100BB8 to 0/201388 is in doubt"):
+            s.flush()
+    # Never again in this process, even though fdatasync now "works".
+    with pytest.raises(StorageError, match="in doubt"):
+        s.flush()
+    with pytest.raises(StorageError, match="in doubt"):
+        s.write(s.write_lsn, b"more")
+    s.close()
+    marker = WalStorage(wal_dir, SEG, 1)
+    try:
+        doubt = marker.in_doubt()
+        assert doubt is not None and (doubt.durable_lsn, doubt.written_lsn) == (SEG + 3000, 2 * SEG + 5000)
+        assert "fdatasync of WAL segment" in doubt.reason and "Input/output error" in doubt.reason
+        marker.resolve_in_doubt(doubt)
+        # The bytes in doubt are gone from the files, not only from this process's view.
+        assert names(wal_dir) == [seg_name(1, partial=True)]
+        assert (wal_dir / seg_name(1, partial=True)).read_bytes() == data[:3000] + bytes(SEG - 3000)
+        assert marker.in_doubt() is None and marker.in_doubt_path.read_bytes() == bytes(512)
+    finally:
+        marker.close()
+
+
+def test_an_unreadable_marker_is_an_error_not_ignored(wal_dir: Path) -> None:
+    with WalStorage(wal_dir, SEG, 1) as s:
+        s.in_doubt_path.write_text("{not json")
+        with pytest.raises(StorageError, match="unreadable"):
+            s.in_doubt()
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path):
+    """A real 3 MiB tmpfs mounted for the test (the test runs as root)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m,mode=0700", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_a_full_disk_fails_the_write_that_needs_a_segment_and_keeps_what_was_synced(small_fs: Path) -> None:
+    full: list[str] = []
+    s = WalStorage(small_fs / "wal", SEG, 1, full.append)
+    try:
+        s.open_at(0)
+        data = payload(2 * SEG, seed=8)
+        s.write(0, data[:SEG])
+        assert s.flush() == SEG
+        # 3 MiB hold three segments at most, spare included: the fourth finds no space.
+        with pytest.raises(DiskFull, match="disk full: no space for WAL at") as err:
+            s.write(SEG, data[SEG:] + payload(2 * SEG, seed=9))
+        assert "WAL up to 0/100000 is durable" in str(err.value)
+        assert any(m.startswith("disk full") for m in full)
+        # No sparse segment was left behind: the one that did not fit is gone.
+        for p in (small_fs / "wal").iterdir():
+            assert os.stat(p).st_blocks * 512 >= p.stat().st_size, f"{p.name} is sparse"
+        with pytest.raises(StorageError, match="disk full"):
+            s.write(s.write_lsn, b"x")
+    finally:
+        s.close()
+    with WalStorage(small_fs / "wal", SEG, 1) as again:
+        assert again.read(0, SEG) == data[:SEG]
+
+
+def test_no_room_for_the_spare_is_reported_but_not_fatal(small_fs: Path) -> None:
+    from helpers import wait_for
+
+    (small_fs / "filler").write_bytes(bytes(3 * SEG // 2))  # room for one segment, not for two
+    full: list[str] = []
+    with WalStorage(small_fs / "wal", SEG, 1, full.append) as s:
+        s.open_at(0)
+        spare = spare_of(small_fs / "wal")
+        wait_for(lambda: spare.exists() and spare.stat().st_size == SEG, what="the spare")
+        s.write(0, b"first")  # takes the spare; the next spare finds no room
+        wait_for(lambda: full, what="the spare segment's failure to be reported")
+        assert "spare" in full[0] and "disk full" in full[0]
+        s.write(5, b" still writable")
+        assert s.flush() == 20
+
+
+def test_fallocate_falls_back_to_ftruncate_only_where_it_is_unsupported(
+        wal_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def unsupported(fd: int, off: int, size: int) -> None:
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    with WalStorage(wal_dir, SEG, 1) as s:
+        s._spare.stop()  # so the new segment is presized, not taken from a spare
+        s.open_at(0)
+        s.write(0, b"abc")
+        assert (wal_dir / seg_name(0, partial=True)).stat().st_size == SEG
+
+
+def test_a_cut_below_the_checkpoint_lowers_it_first(store: WalStorage) -> None:
+    store.open_at(0)
+    store.write(0, payload(3 * SEG + 10))
+    store.flush()
+    store.set_verified(3 * SEG)
+    store.truncate(SEG + 100)
+    assert store.verified_lsn() == SEG
+    store.truncate(SEG + 50)
+    assert store.verified_lsn() == SEG

@@ -260,7 +260,8 @@ class Checker:
         for addr, r in zip(self.s.safekeepers, replies):
             name = f"safekeeper {addr}"
             if isinstance(r, ProbeError):
-                self.add(_fail(name, f"unreachable: {r}",
+                up = str(r).startswith("it refused")  # running but stopped, by a full disk say: it says why
+                self.add(_fail(name, str(r) if up else f"unreachable: {r}", "read its log" if up else
                                f"start it (walsidecar safekeeper --listen {addr} ...) or fix --safekeepers"))
                 continue
             tail = f"id {r.node_id}, term {r.term}, flush_lsn {format_lsn(r.flush_lsn)}" + \

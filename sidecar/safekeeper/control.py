@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ import google_crc32c
 
 from sidecar.consensus.messages import TermEntry, TimelineEntry
 from sidecar.consensus.state import AcceptorState
-from sidecar.safekeeper.storage import fsync_dir
+from sidecar.safekeeper.storage import write_durably
 
 CONTROL_FILE = "safekeeper.control"
 CONTROL_MAGIC = b"WSKC"
@@ -68,21 +67,13 @@ def remove_leftovers(data_dir: Path) -> None:
 
 
 def save_control(data_dir: Path, data: ControlData) -> None:
-    """Durably replace the control file: write a temp file, fsync, rename, fsync the directory."""
-    path = control_path(data_dir)
-    tmp = path.with_name(CONTROL_FILE + ".tmp")
+    """Durably replace the control file: write a temp file, fsync, rename, fsync the directory.
+
+    On a full disk the temp file is removed and the old control file stays as it was.
+    """
     body = json.dumps(_encode(data), separators=(",", ":")).encode("utf-8")
     blob = _HEADER.pack(CONTROL_MAGIC, CONTROL_VERSION, len(body), google_crc32c.value(body)) + body
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        view = memoryview(blob)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    write_durably(control_path(data_dir), blob)
 
 
 def _unframe(path: Path, raw: bytes) -> bytes:

@@ -44,8 +44,14 @@ class SafekeeperMonitor:
         return HttpEndpoint(host, port, {
             "/metrics": metrics_handler(self.sk.stats.registry),
             "/status": lambda: json_response(self.status()),
-            "/health": lambda: Response(200, "text/plain", b"ok\n"),
+            "/health": self.health,
         }, what="safekeeper metrics")
+
+    def health(self) -> Response:
+        """200 while the safekeeper accepts WAL; 503 and the reason once it stopped (a full disk, a failed fsync)."""
+        if self.sk.stopped is not None:
+            return Response(503, "text/plain", f"{self.sk.stopped}\n".encode())
+        return Response(200, "text/plain", b"ok\n")
 
     def _log_context(self, node: object) -> dict[str, object]:
         acc = self.sk.acceptor
@@ -77,6 +83,7 @@ class SafekeeperMonitor:
             "peer_horizon_lsn": format_lsn(s.peer_horizon_lsn) if s else None,
             "proposer": sk.proposer_address(),
             "fatal": repr(sk.fatal) if sk.fatal is not None else None,
+            "stopped": sk.stopped,
         }
 
     def _collect(self) -> Iterable[Metric]:
@@ -102,5 +109,7 @@ class SafekeeperMonitor:
                 s.commit_lsn if s else 0)
         yield g("walsidecar_safekeeper_peer_horizon_lsn_bytes", "Position every safekeeper holds, as last learned.",
                 s.peer_horizon_lsn if s else 0)
+        yield g("walsidecar_safekeeper_disk_full", "1 once a full disk stopped this safekeeper acknowledging WAL "
+                "(free space, then restart it).", 1 if sk.disk_full else 0)
         yield g("walsidecar_safekeeper_proposer_connected", "1 while an elected proposer streams to this safekeeper.",
                 1 if sk.proposer_address() is not None else 0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import fcntl
 import struct
 import termios
@@ -23,9 +24,10 @@ from sidecar.consensus.state import AcceptorState
 from sidecar.lsn import format_lsn
 from sidecar.logs import get_logger
 from sidecar.metrics import SafekeeperMetrics
-from sidecar.safekeeper.control import ControlData, load_control, remove_leftovers, save_control
+from sidecar.safekeeper.control import ControlData, control_path, load_control, remove_leftovers, save_control
 from sidecar.safekeeper.monitor import info_reply
-from sidecar.safekeeper.storage import WalStorage
+from sidecar.safekeeper.storage import DiskFull, StorageError, WalInDoubt, WalStorage, is_disk_full
+from sidecar.safekeeper.walcheck import StartupError, check_stored_wal
 from sidecar.wal.reader import find_end_of_wal
 
 TAIL_FINGERPRINT = 1024 * 1024  # bytes before flush_lsn whose CRC a vote reports
@@ -61,7 +63,10 @@ class Safekeeper:
         self.role_of = role_of  # what a connection's transport authenticated as (see sidecar.tls)
         self._sessions: set[AcceptorSession] = set()
         self._tasks: set[asyncio.Task[None]] = set()
-        self.fatal: BaseException | None = None
+        self._serving: asyncio.Task | None = None
+        self.fatal: BaseException | None = None  # the error that stops the process
+        self.stopped: str | None = None  # why nothing is accepted any more (a full disk, or fatal)
+        self.disk_full = False
         self.stats = SafekeeperMetrics(node_id)
 
     @property
@@ -80,7 +85,17 @@ class Safekeeper:
     # ---- start-up ---------------------------------------------------------------------------
 
     def open(self) -> None:
-        """Load the control file and find the end of valid WAL (ControlFileError if corrupt)."""
+        """Load the control file, check the stored WAL and find its end.
+
+        Raises ControlFileError or StartupError, with a message for the operator, when it must not start.
+        """
+        try:
+            self._open()
+        except (OSError, StorageError) as e:  # permissions, a vanished file, an unusable marker
+            raise StartupError(f"safekeeper {self.node_id} cannot start from {self.data_dir}: {e}") from e
+
+    def _open(self) -> None:
+        began = time.perf_counter()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         remove_leftovers(self.data_dir)
         control = load_control(self.data_dir)
@@ -90,14 +105,60 @@ class Safekeeper:
         state = control.state if control else AcceptorState()
         write_lsn = 0
         if state.wal_seg_size:
-            self.storage = WalStorage(self.data_dir / "wal", state.wal_seg_size, state.timeline)
+            try:
+                self.storage = self._new_storage(state)
+            except ValueError as e:
+                raise StartupError(f"{control_path(self.data_dir)} holds an invalid value: {e}; "
+                                   f"restore it or re-create this safekeeper from its peers") from None
+            self._cut_in_doubt(self.storage)
+            checked_to = check_stored_wal(self.storage, state.system_id or None)
             end = self._scan(state).flush_lsn
             if end:
                 self.storage.open_at(end)
+                # The next start walks the record chain from here (see walcheck.py).
+                self.storage.set_verified(end - end % state.wal_seg_size)
             write_lsn = end
+            state = self._commit_within(state, end)
+            self.log.info("stored WAL checked", durable_end=format_lsn(checked_to), flush_lsn=format_lsn(end),
+                          seconds=round(time.perf_counter() - began, 3))
         self.acceptor = Acceptor(self.node_id, state, write_lsn)
         self.log.info("safekeeper opened", term=state.term, flush_lsn=format_lsn(write_lsn),
                       commit_lsn=format_lsn(state.commit_lsn), data_dir=str(self.data_dir))
+
+    def _cut_in_doubt(self, st: WalStorage) -> None:
+        """After a failed fdatasync, cut the WAL back to what was durable before it (never trust the page cache)."""
+        marker = st.in_doubt()
+        if marker is None:
+            return
+        self.log.warning("an fsync failed before the last stop: cutting the WAL back to what was durable before "
+                         "it; the proposer sends the rest again", durable_lsn=format_lsn(marker.durable_lsn),
+                         in_doubt_to=format_lsn(marker.written_lsn), failure=marker.reason)
+        try:
+            st.resolve_in_doubt(marker)
+        except StorageError as e:
+            raise StartupError(f"cannot cut the WAL in doubt back to {format_lsn(marker.durable_lsn)} as "
+                               f"{st.in_doubt_path} asks: {e}") from e
+
+    def _commit_within(self, state: AcceptorState, end: int) -> AcceptorState:
+        """commit_lsn means "quorum-acknowledged and present here": WAL lost in a crash (never
+        acknowledged by this node) or cut as in doubt takes it down with it, loudly."""
+        if state.commit_lsn <= end:
+            return state
+        self.log.warning("the stored WAL ends below the commit position this safekeeper had learned; lowering it",
+                         commit_lsn=format_lsn(state.commit_lsn), flush_lsn=format_lsn(end))
+        state = dataclasses.replace(state, commit_lsn=end, peer_horizon_lsn=min(state.peer_horizon_lsn, end))
+        save_control(self.data_dir, ControlData(self.node_id, state))
+        return state
+
+    def _new_storage(self, state: AcceptorState) -> WalStorage:
+        return WalStorage(self.data_dir / "wal", state.wal_seg_size, state.timeline, self._no_space)
+
+    def _no_space(self, what: str) -> None:
+        """A write found the disk full (the WAL, the spare segment), or the spare failed: count, warn."""
+        if what.startswith("disk full"):
+            self.stats.disk_full.inc()
+        if "spare" in what:  # not fatal by itself: the WAL's own write says whether it is
+            self.log.warning(what + "; the next segment may fail too")
 
     def _scan(self, state: AcceptorState) -> RecordEnd:
         """End of the last complete record with a valid CRC, and a fingerprint of its bytes."""
@@ -129,6 +190,7 @@ class Safekeeper:
     async def serve(self) -> None:
         """Listen and serve until cancelled."""
         self._server = await framing.start_server(self._connection, self.host, self.port)
+        self._serving = asyncio.current_task()
         self.log.info("listening", address=f"{self.host}:{self.port}")
         flusher = asyncio.create_task(self._flusher())
         try:
@@ -163,6 +225,8 @@ class Safekeeper:
                     msg = await reader.read_message()
                 else:
                     msg = await asyncio.wait_for(reader.read_message(), IDLE_TIMEOUT)
+                if self.stopped is not None:  # a full disk (or exiting): say why to whoever asks, change nothing
+                    raise AcceptorError(self.stopped)
                 if type(msg) is Append:  # the hot path: no coroutine hops for a plain append
                     actions = session.receive(msg)
                 else:
@@ -189,11 +253,7 @@ class Safekeeper:
         except _OwnEncodeError as e:
             log.error("cannot encode this safekeeper's reply; closing the connection", reason=str(e))
         except Exception as e:  # a storage or control-file failure: state may be half-applied
-            log.critical("fatal error; stopping the safekeeper", error=repr(e))
-            self.fatal = e
-            if self._server is not None:
-                self._server.close()
-            # Not re-raised: nobody awaits this task, and the log line above is the report.
+            self._stop(e, log)
         finally:
             session.closed()
             self._sessions.discard(session)
@@ -249,8 +309,7 @@ class Safekeeper:
 
     def _storage_for_write(self) -> WalStorage:
         if self.storage is None:
-            s = self.acceptor.state  # type: ignore[union-attr]
-            self.storage = WalStorage(self.data_dir / "wal", s.wal_seg_size, s.timeline)
+            self.storage = self._new_storage(self.acceptor.state)  # type: ignore[union-attr]
         return self.storage
 
     async def _flushed_record_end(self) -> RecordEnd:
@@ -290,11 +349,47 @@ class Safekeeper:
             self._flush_wanted.clear()
             async with self._flush_lock:
                 st, acc = self.storage, self.acceptor
-                if st is None or acc is None or st.flush_lsn >= acc.write_lsn:
+                if st is None or acc is None or st.flush_lsn >= acc.write_lsn or self.stopped is not None:
                     continue
                 began = time.perf_counter()
-                flushed = await asyncio.to_thread(st.flush)
+                try:
+                    flushed = await asyncio.to_thread(st.flush)
+                except Exception as e:  # as fatal here as on the loop: nobody else would notice
+                    self._stop(e, self.log)
+                    return
             self._synced(flushed, began)
+
+    def _stop(self, e: BaseException, log) -> None:
+        """Stop for good after a storage or control-file failure, saying why once.
+
+        A full disk leaves the process up but refusing everything, so `check`, /health and the
+        metrics say why; any other failure (an fdatasync above all, as PostgreSQL PANICs)
+        stops the process.
+        """
+        if self.stopped is not None:
+            return
+        st = self.storage
+        if is_disk_full(e) and not isinstance(e, WalInDoubt):
+            if not isinstance(e, DiskFull):  # a WAL write's was counted where it happened
+                self.stats.disk_full.inc()
+            self.disk_full = True
+            self.stopped = str(e) if str(e).startswith("disk full") else f"disk full: {e}"
+            log.critical("disk full: no longer acknowledging WAL; free space, then restart the safekeeper",
+                         error=self.stopped, flush_lsn=format_lsn(st.flush_lsn) if st else None)
+            return
+        self.stopped = f"stopped after a fatal error: {e}"
+        self.fatal = e
+        doubt = {}
+        if st is not None:
+            # Whatever failed (a control-file fsync as much as the WAL's), this process's view of
+            # the WAL above its last good flush is not to be trusted at the next start either.
+            st.mark_in_doubt(str(e))
+            doubt = {"in_doubt_from": format_lsn(st.flush_lsn), "in_doubt_to": format_lsn(st.write_lsn)}
+        log.critical("fatal error; stopping the safekeeper", error=str(e), **doubt)
+        if self._server is not None:
+            self._server.close()
+        if self._serving is not None:
+            self._serving.cancel()  # uvloop's close() does not end serve_forever()
 
 
 def _encode_own(msg: Message) -> bytes:

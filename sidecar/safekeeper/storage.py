@@ -3,13 +3,20 @@
 A segment being written is `NAME.partial`; it gets its final name only after all of its
 bytes were fdatasync'ed, so a final name always means "complete and durable". Positions
 are raw byte positions: finding the end of the last valid record is the caller's job.
+
+Beside the WAL directory `wal/`: `wal.spare` (the next segment, zero-filled ahead),
+`wal.in-doubt` (after a failed fsync: the last durable position, for the next start to cut
+back to) and `wal.verified` (where the start-up check of the record chain resumes).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import json
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,11 +27,42 @@ MAX_SEGMENT_SIZE = 1024 * 1024 * 1024
 MAX_TIMELINE = 0xFFFFFFFF
 _ZEROS = memoryview(bytes(1024 * 1024))
 _PARTIAL = ".partial"
-_IN_DOUBT = "the WAL on disk is in doubt: restart the safekeeper so it rescans it"
+_IN_DOUBT = "the WAL above the last flush is in doubt: the next start cuts it back there"
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+# Files beside the WAL directory (not in it: the directory holds segments only).
+IN_DOUBT_SUFFIX = ".in-doubt"
+_MARKER_SIZE = 512  # one sector: rewritten in place, so a crash leaves the old or the new text
+VERIFIED_SUFFIX = ".verified"
 
 
 class StorageError(Exception):
     """Misuse of the WAL storage, or an I/O failure that leaves the stored WAL in doubt."""
+
+
+class DiskFull(StorageError):
+    """A write found no space (ENOSPC/EDQUOT); nothing fsynced before it is in doubt."""
+
+
+class WalInDoubt(StorageError):
+    """An fdatasync of the WAL failed: WAL above the last good flush may not be on disk."""
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """True for a lack of space, the error itself or one that caused it."""
+    while e is not None:
+        if isinstance(e, DiskFull) or (isinstance(e, OSError) and e.errno in _NO_SPACE):
+            return True
+        e = e.__cause__  # type: ignore[assignment]
+    return False
+
+
+@dataclass(frozen=True)
+class InDoubt:
+    """The marker a failed fsync (or any fatal failure) leaves: WAL in [durable_lsn, written_lsn) may be lost."""
+
+    durable_lsn: int
+    written_lsn: int
+    reason: str
 
 
 def fsync_dir(path: Path) -> None:
@@ -72,8 +110,9 @@ class SpareSegment:
     the current segment fills, so the zeros cost no commit any latency.
     """
 
-    def __init__(self, path: Path, size: int) -> None:
+    def __init__(self, path: Path, size: int, on_error: Callable[[OSError], None] | None = None) -> None:
         self.path = path
+        self._on_error = on_error
         self._tmp = path.with_name(path.name + ".tmp")
         self.size = size
         self._lock = threading.Lock()
@@ -122,9 +161,12 @@ class SpareSegment:
                     continue
             try:
                 self._make()
-            except OSError:
-                # A full disk, say: new segments are then fallocate'd, which reports it properly.
+            except OSError as e:
+                # No spare is not fatal: the next segment is then fallocate'd, and a full disk
+                # fails there, before any WAL byte is written. But it is reported now.
                 self._tmp.unlink(missing_ok=True)
+                if self._on_error is not None:
+                    self._on_error(e)
 
     def _make(self) -> None:
         fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
@@ -152,10 +194,12 @@ class WalStorage:
     close() wait for a running flush. Call open_at() once before the first write.
     """
 
-    def __init__(self, wal_dir: Path, seg_size: int, timeline: int) -> None:
+    def __init__(self, wal_dir: Path, seg_size: int, timeline: int,
+                 on_disk_full: Callable[[str], None] | None = None) -> None:
         _check_seg_size(seg_size)
         _check_timeline(timeline)
         self.wal_dir = Path(wal_dir)
+        self._on_disk_full = on_disk_full
         self.seg_size = seg_size
         self._timeline = timeline
         self._lock = threading.Lock()        # guards every field below
@@ -167,9 +211,13 @@ class WalStorage:
         self._positioned = False
         self._closed = False
         self._failed: str | None = None
+        self._marked = False  # an in-doubt marker was written by this process
         self.wal_dir.mkdir(parents=True, exist_ok=True)
-        # Beside the WAL directory, not in it: the directory holds segments only.
-        self._spare = SpareSegment(self.wal_dir.with_name(self.wal_dir.name + ".spare"), seg_size)
+        self._spare = SpareSegment(self._beside(".spare"), seg_size, self._spare_failed)
+        if not self.in_doubt_path.exists():
+            # Made now, zeroed and synced, so that recording a failed fdatasync later overwrites
+            # blocks already on disk: that needs no free space on a full or failing device.
+            write_durably(self.in_doubt_path, bytes(_MARKER_SIZE))
         self._scan_dir()
         # Until open_at(), reads may go up to the raw end of the stored files (for the
         # caller's startup scan); nothing is known to be durable yet.
@@ -227,8 +275,13 @@ class WalStorage:
                     view = self._write_piece(view)
             except OSError as e:
                 # As in PostgreSQL, a failed WAL write is fatal: bytes past write_lsn may now
-                # be neither the old zeros nor the new data.
+                # be neither the old zeros nor the new data. Nothing below flush_lsn is touched.
                 where = f"{format_lsn(self._write_lsn)} in {self.wal_dir}"
+                if e.errno in _NO_SPACE:
+                    self._failed = (f"disk full: no space for WAL at {where} ({e.strerror}); WAL up to "
+                                    f"{format_lsn(self._flush_lsn)} is durable; free space, then restart")
+                    self._disk_full(self._failed)
+                    raise DiskFull(self._failed) from e
                 self._failed = f"writing WAL at {where} failed: {e}; {_IN_DOUBT}"
                 raise StorageError(self._failed) from e
 
@@ -308,11 +361,30 @@ class WalStorage:
             self._fail(f"fsync of WAL directory {self.wal_dir} failed: {e}")
 
     def _fail(self, what: str) -> None:
-        # After a failed fsync the kernel may have dropped the dirty pages and a retry
-        # would "succeed": never trust this process's view of the WAL again.
+        # After a failed fsync the kernel may have dropped the dirty pages and a retry, or a
+        # new process reading the page cache, would "succeed": never trust this view of the
+        # WAL again. The marker makes the next start cut the WAL back to what was durable.
         with self._lock:
-            self._failed = f"{what}; {_IN_DOUBT}"
-        raise StorageError(self._failed)
+            self._failed = f"{what}; {self._mark_in_doubt(what)}"
+        raise WalInDoubt(self._failed)
+
+    def mark_in_doubt(self, what: str) -> None:
+        """After any fatal failure: the next start cuts the WAL back to the last good flush."""
+        with self._lock:
+            self._mark_in_doubt(what)
+
+    def _mark_in_doubt(self, what: str) -> str:
+        durable, written = self._flush_lsn, self._write_lsn
+        doubt = f"WAL from {format_lsn(durable)} to {format_lsn(written)} is in doubt"
+        if self._marked or not self._positioned:  # unpositioned: nothing was ever flushed here
+            return doubt
+        self._marked = True
+        try:
+            self._write_in_doubt(InDoubt(durable, written, what))
+            return f"{doubt}; the next start cuts the WAL back to {format_lsn(durable)} (marker {self.in_doubt_path})"
+        except (OSError, StorageError) as e:
+            return (f"{doubt}; the marker {self.in_doubt_path} could not be written ({e}): reboot the machine "
+                    f"before restarting this safekeeper, or remove its WAL above {format_lsn(durable)}")
 
     def _finish_all(self, done: list[_Open]) -> None:
         """Rename filled, fdatasync'ed segments to their final names and close them."""
@@ -394,6 +466,9 @@ class WalStorage:
                     f"cannot cut the WAL at {format_lsn(lsn)}: the stored WAL ends at "
                     f"{format_lsn(self._write_lsn)} and a gap cannot be stored")
             try:
+                if lsn < self.verified_lsn():
+                    # Durably first: the bytes written over the cut were never checked.
+                    self.set_verified(lsn - lsn % self.seg_size)
                 self._cut(lsn)
             except OSError as e:
                 self._failed = f"cutting the WAL at {format_lsn(lsn)} failed: {e}; {_IN_DOUBT}"
@@ -404,17 +479,22 @@ class WalStorage:
         open_segs = {s.segno: s for s in self._done + ([self._cur] if self._cur else [])}
         self._cur, self._done = None, []
         self._finalize_below(cut_segno, open_segs)
-        if off:
-            self._cur = self._cut_segment(cut_segno, off, open_segs.pop(cut_segno, None))
-        # Delete in ascending order: whatever subset survives a crash, the WAL stops at the
-        # first missing segment, so no cut bytes reappear after surviving ones.
-        for segno in sorted(s for s in self._files if s > cut_segno or (s == cut_segno and not off)):
+        # Delete from the highest down, each deletion durable before the next, and only then
+        # zero the tail of the cut segment: a crash at any point leaves a prefix of the old
+        # WAL without gaps (as if the cut had not begun), never a gap, which the start-up
+        # check takes for a lost segment.
+        for segno in sorted((s for s in self._files if s > cut_segno or (s == cut_segno and not off)),
+                            reverse=True):
             seg = open_segs.pop(segno, None)
             if seg is not None:
                 os.close(seg.fd)
             self._path(segno).unlink()
             del self._files[segno]
-        fsync_dir(self.wal_dir)
+            fsync_dir(self.wal_dir)
+        if off:
+            self._cur = self._cut_segment(cut_segno, off, open_segs.pop(cut_segno, None))
+        else:
+            fsync_dir(self.wal_dir)
         self._dir_dirty = False
         self._write_lsn = self._flush_lsn = lsn
         self._positioned = True
@@ -441,6 +521,14 @@ class WalStorage:
         created = segno not in self._files
         if seg is None:
             seg = self._open_for_write(segno)
+        if not self._files[segno].partial:
+            # The .partial name first, durably: a crash before the zeros are durable leaves the
+            # old bytes (a prefix of the old WAL), never a final-named file ending in zeros,
+            # which the start-up check would take for damage.
+            tli = self._files[segno].tli
+            os.replace(self._path(segno), self.wal_dir / (segment_file_name(tli, segno, self.seg_size) + _PARTIAL))
+            self._files[segno] = _File(tli, True)
+        fsync_dir(self.wal_dir)
         zero_end = self.seg_size
         if created:
             zero_end = off
@@ -450,14 +538,8 @@ class WalStorage:
         pos = off
         while pos < zero_end:
             pos += os.pwrite(seg.fd, _ZEROS[:zero_end - pos], pos)
-        # Zeros first, durably, then the rename: a crash in between leaves a final-named
-        # file whose tail is already cut, never a .partial that still holds cut records.
         os.fdatasync(seg.fd)
         seg.dirty = False
-        if not self._files[segno].partial:
-            tli = self._files[segno].tli
-            os.replace(self._path(segno), self.wal_dir / (segment_file_name(tli, segno, self.seg_size) + _PARTIAL))
-            self._files[segno] = _File(tli, True)
         return seg
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -478,6 +560,82 @@ class WalStorage:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # -- files beside the WAL directory ----------------------------------------------------
+
+    @property
+    def in_doubt_path(self) -> Path:
+        return self._beside(IN_DOUBT_SUFFIX)
+
+    def in_doubt(self) -> InDoubt | None:
+        """The marker a failed fdatasync left, if any (StorageError if it is unreadable)."""
+        try:
+            raw = self.in_doubt_path.read_bytes().rstrip(b"\0")
+        except FileNotFoundError:
+            return None
+        if not raw:
+            return None  # zeros: no fdatasync ever failed here
+        try:
+            d = json.loads(raw)
+            marker = InDoubt(int(d["durable_lsn"]), int(d["written_lsn"]), str(d["reason"]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise StorageError(f"{self.in_doubt_path} is unreadable ({e}): it marks WAL in doubt after a failed "
+                               f"fdatasync; restore it, or remove this safekeeper's WAL and the file") from e
+        if not 0 <= marker.durable_lsn <= marker.written_lsn:
+            raise StorageError(f"{self.in_doubt_path}: invalid positions {d}")
+        return marker
+
+    def resolve_in_doubt(self, marker: InDoubt) -> None:
+        """Cut the WAL at the marker's durable position, durably, then clear the marker."""
+        self.truncate(marker.durable_lsn)
+        self._overwrite_marker(bytes(_MARKER_SIZE))
+
+    def _write_in_doubt(self, marker: InDoubt) -> None:
+        body = json.dumps({"durable_lsn": marker.durable_lsn, "written_lsn": marker.written_lsn,
+                           "reason": marker.reason[:300]}).encode()
+        self._overwrite_marker(body[:_MARKER_SIZE].ljust(_MARKER_SIZE, b"\0"))
+
+    def _overwrite_marker(self, data: bytes) -> None:
+        try:
+            fd = os.open(self.in_doubt_path, os.O_WRONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            write_durably(self.in_doubt_path, data)
+            return
+        try:
+            _pwrite_all(fd, memoryview(data), 0)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    def verified_lsn(self) -> int:
+        """Where the record chain was last checked up to (0 if never): see walcheck.py."""
+        try:
+            return int(self._beside(VERIFIED_SUFFIX).read_text().strip(), 16)
+        except (FileNotFoundError, ValueError):
+            return 0  # unknown: the next start checks everything
+
+    def set_verified(self, lsn: int) -> None:
+        write_durably(self._beside(VERIFIED_SUFFIX), f"{lsn:X}\n".encode())
+
+    def segment_files(self) -> list[tuple[int, Path, bool, int]]:
+        """(segno, path, partial, size in bytes) of every stored segment file, by segno."""
+        with self._lock:
+            paths = [(segno, self._path(segno), f.partial) for segno, f in sorted(self._files.items())]
+        return [(segno, path, partial, path.stat().st_size) for segno, path, partial in paths]
+
+    def _beside(self, suffix: str) -> Path:
+        return self.wal_dir.with_name(self.wal_dir.name + suffix)
+
+    def _disk_full(self, what: str) -> None:
+        if self._on_disk_full is not None:
+            self._on_disk_full(what)
+
+    def _spare_failed(self, e: OSError) -> None:
+        if e.errno in _NO_SPACE:
+            self._disk_full(f"disk full: no space for a spare WAL segment in {self.wal_dir.parent} ({e.strerror})")
+        elif self._on_disk_full is not None:
+            # Not a full disk, but a disk that fails writes is worth a word before the WAL meets it.
+            self._on_disk_full(f"making a spare WAL segment in {self.wal_dir.parent} failed: {e}")
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -540,8 +698,30 @@ def _presize(fd: int, size: int) -> None:
     try:
         # Reserving the blocks now makes a full disk fail here, not in the middle of a write.
         os.posix_fallocate(fd, 0, size)
-    except OSError:
-        os.ftruncate(fd, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise  # ENOSPC above all: a sparse file would only fail later, mid-write
+        os.ftruncate(fd, size)  # a filesystem without fallocate
+
+
+def write_durably(path: Path, data: bytes) -> None:
+    """Replace `path` with `data`: temp file, fsync, rename, fsync the directory."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        _pwrite_all(fd, memoryview(data), 0)
+        try:
+            os.fsync(fd)
+        except OSError as e:
+            # Whatever the errno, ENOSPC included (a thin device): a failed fsync is fatal.
+            raise StorageError(f"fsync of {tmp} failed: {e}") from None
+    except (OSError, StorageError):
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
