@@ -425,7 +425,7 @@ def test_a_failed_fdatasync_stops_the_safekeeper(tmp_path: Path, monkeypatch, re
             framing.write(writer, codec.encode(msg))
             return await asyncio.wait_for(reader.read_message(), 10)
 
-        assert isinstance(await send(Greeting(PROTOCOL_VERSION, "p", SYSID, 1, SEG, 150004)), GreetingReply)
+        assert isinstance(await send(Greeting(PROTOCOL_VERSION, "p", SYSID, 1, SEG, 15)), GreetingReply)
         assert isinstance(await send(VoteRequest(1)), VoteReply)
         assert isinstance(await send(Elected(1, SEG, (TermEntry(1, SEG),))), ElectedReply)
         first = await send(Append(1, SEG, 0, 0, wal[:durable - SEG]))  # synced on the loop
@@ -490,7 +490,7 @@ def test_a_full_disk_is_what_check_health_and_metrics_say(tmp_path: Path) -> Non
             framing.write(writer, codec.encode(msg))
             return await asyncio.wait_for(reader.read_message(), 10)
 
-        assert isinstance(await send(Greeting(PROTOCOL_VERSION, "p", SYSID, 1, seg, 150004)), GreetingReply)
+        assert isinstance(await send(Greeting(PROTOCOL_VERSION, "p", SYSID, 1, seg, 15)), GreetingReply)
         await send(VoteRequest(1))
         await send(Elected(1, seg, (TermEntry(1, seg),)))
         acked = seg
