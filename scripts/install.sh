@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install what walsidecar needs on Debian 12: PostgreSQL 15 server/client, a Java 17 runtime for the WAL
-# analytics (PySpark), and the package itself with its analytics and test extras.
+# analytics (PySpark), iproute2 (network namespaces for chaos partitions), and the package itself with its
+# analytics and test extras.
 # Idempotent; when everything is already present it only runs a few quick checks.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -41,6 +42,14 @@ if ! java_ok; then
     export DEBIAN_FRONTEND=noninteractive
     as_root apt-get update -q
     as_root apt-get install -y -q --no-install-recommends openjdk-17-jre-headless
+fi
+
+# scripts/chaos.py --kinds partition runs safekeepers in network namespaces: `ip netns`, veth pairs.
+if ! command -v ip >/dev/null 2>&1; then
+    echo "install.sh: no ip command; installing iproute2" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    as_root apt-get update -q
+    as_root apt-get install -y -q --no-install-recommends iproute2
 fi
 
 if ! id -u postgres >/dev/null 2>&1; then
