@@ -66,7 +66,7 @@ installed_ok() {
 import importlib.metadata, os, sys
 import sidecar, psycopg, psycopg_pool, click, tenacity, google_crc32c, structlog, pytest, pytest_timeout, prometheus_client, pydantic_settings
 import pyspark, pyarrow, pandas, numba, matplotlib, boto3, lz4, zstandard, moto.server
-import testcontainers, docker
+import testcontainers, docker, hypothesis
 importlib.metadata.version("walsidecar")
 sys.exit(0 if os.path.realpath(sidecar.__file__).startswith(sys.argv[1] + os.sep) else 1)
 PY
