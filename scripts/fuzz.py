@@ -358,8 +358,7 @@ def check_framing(inp: dict[str, Any], stats: Stats, loop: asyncio.AbstractEvent
                     buf[:n] = chunk[:n]
                     pending_chunk = chunk[n:]
                     reader.buffer_updated(n)
-            if not transport.paused or not error:
-                reader.eof_received()
+            reader.eof_received()  # read_message reports an error before the end of the stream
             while read_one():
                 pass
         except Violation:
@@ -462,15 +461,18 @@ class Harness:
         elif op == "restart":
             self._restart()
         elif op == "close":
-            self.node.greeted.pop(step["conn"], None)
-            if self.node.elected_conn == step["conn"]:
-                self.node.elected_conn = None
+            self._close(step["conn"])
+
+    def _close(self, conn: int) -> None:
+        self.node.greeted.pop(conn, None)
+        if self.node.elected_conn == conn:
+            self.node.elected_conn = None
 
     def _frames(self, conn: int, data: bytes, end_lsn: int | None) -> None:
         try:
             msgs = codec.FrameDecoder().feed(data)
         except codec.ProtocolError:
-            self.run({"op": "close", "conn": conn})  # the server drops a connection that sends garbage
+            self._close(conn)  # the server drops a connection that sends garbage
             return
         except Exception as e:
             self.stats.violate("only-protocol-errors", f"FrameDecoder.feed raised {e!r}")
@@ -501,7 +503,7 @@ class Harness:
             st_.refused += 1
             if self._snapshot() != before:
                 st_.violate("refusal-changes-nothing", f"{msg!r:.200} was refused ({e}) but changed the acceptor")
-            self.run({"op": "close", "conn": conn})
+            self._close(conn)
             return
         except Violation:
             raise
