@@ -16,18 +16,25 @@ core (the rule is being added); its violations are counted, not raised. A violat
 check is a crash: the smallest failing input hypothesis finds is saved under
 tests/fuzz_regressions/ and tests/test_fuzz.py replays it. Exit status 1 if there was a crash.
 
-hypothesis rather than atheris: atheris 3.0 installs here, but libFuzzer ends the process when it
-stops and works on flat byte strings; the acceptor needs state-dependent sequences that shrink to
-a readable regression, and hypothesis's `target()` steers them towards deeper protocol states.
+Engines: the byte targets (codec, framing) run under atheris where it is installed: libFuzzer,
+coverage-guided over the instrumented wire layer, in a child process per target (libFuzzer ends
+the process it runs in). The acceptor always runs under hypothesis: it needs state-dependent
+sequences that shrink to a readable regression, and `target()` steers them towards deeper
+protocol states. `--engine hypothesis` runs everything under hypothesis.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import importlib.util
 import json
+import os
 import random
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -36,6 +43,15 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+# A child of the atheris engine instruments the wire layer for coverage before anything imports it.
+ATHERIS_CHILD = __name__ == "__main__" and sys.argv[1:2] == ["--atheris-child"]
+if ATHERIS_CHILD:
+    import atheris
+
+    with atheris.instrument_imports(include=["sidecar"]):
+        import sidecar.consensus.codec
+        import sidecar.framing  # noqa: F401
 
 import click  # noqa: E402
 from hypothesis import HealthCheck, Phase, given, settings, target  # noqa: E402
@@ -213,9 +229,13 @@ def _norm(msg: Message) -> Message:
     return replace(msg, data=bytes(msg.data)) if isinstance(msg, Append) else msg
 
 
+reference_frames: list[bytes] = []  # the frames the last reference() call decoded
+
+
 def reference(data: bytes) -> tuple[list[Message], bool, int]:
     """Frame by frame: the messages before the first bad frame, whether there is one, bytes left over."""
-    pos, out = 0, []
+    pos, out, frames = 0, [], reference_frames
+    frames.clear()
     while len(data) - pos >= codec.FRAME_HEADER_SIZE:
         length = int.from_bytes(data[pos:pos + 4], "big")
         if length == 0 or length > codec.MAX_FRAME:
@@ -226,6 +246,7 @@ def reference(data: bytes) -> tuple[list[Message], bool, int]:
             out.append(codec.decode(data[pos + 4], data[pos + 5:pos + 4 + length]))
         except codec.ProtocolError:
             return out, True, 0
+        frames.append(data[pos:pos + 4 + length])
         pos += 4 + length
     return out, False, len(data) - pos
 
@@ -259,6 +280,11 @@ def check_codec(inp: dict[str, Any], stats: Stats, loop: asyncio.AbstractEventLo
                 stats.violate("round-trip", f"frame {frame[:40].hex()}... did not round-trip: {msg!r:.200}")
     want = reference(data)
     stats.messages += len(want[0])
+    for msg, frame in zip(want[0], reference_frames):
+        # Whatever decodes encodes back to the same bytes: one encoding per message (a Greeting of
+        # another protocol version aside, decoded to its version alone).
+        if not (isinstance(msg, Greeting) and msg.protocol_version != PROTOCOL_VERSION) and codec.encode(msg) != frame:
+            stats.violate("round-trip", f"frame {frame[:40].hex()} decodes to {msg!r:.200}, which encodes differently")
     # FrameDecoder in chunks: messages arrive across feeds, the error once.
     dec, got, error = codec.FrameDecoder(), [], False
     for chunk in _split(data, inp["chunks"]):
@@ -693,6 +719,66 @@ def drive(data: st.DataObject, h: Harness, max_steps: int = 40) -> None:
 
 # ---- running ---------------------------------------------------------------------------------
 
+BYTE_TARGETS = ("codec", "framing")
+
+
+def atheris_input(raw: bytes) -> dict[str, Any]:
+    """The byte targets' input from libFuzzer's bytes: the first picks chunk sizes, the rest is the stream."""
+    n = raw[0] if raw else 0
+    return {"kind": "atheris", "data": raw[1:].hex(), "chunks": [1 + (n & 7), 1 + (n >> 3) * 997], "messages": []}
+
+
+SEED_MESSAGES = (
+    IDENTITY, GreetingReply(1, 2), VoteRequest(3), VoteReply(3, True, 0x1000000, (TermEntry(1, 0x1000000),),
+                                                            (TimelineEntry(1, 0x2000000),), 0x1000000, 7),
+    Elected(3, 0x1000000, (TermEntry(1, 0), TermEntry(3, 0x1000000))), ElectedReply(3, 0x1000000),
+    Append(3, 0x1000000, 0x1000000, 0, b"wal"), Append(3, 0x1000000, 0, 0, bytes(16 * 1024)), AppendReply(3, 1, 1),
+    Refusal("no"), InfoRequest(), InfoReply(1, 2, 3, 4, 5, 6, 7, 8, 9, True),
+)
+
+
+def _seed_corpus(directory: Path) -> str:
+    """One frame of each message type, and all of them in a row, as libFuzzer's starting inputs."""
+    directory.mkdir()
+    frames = [codec.encode(m) for m in SEED_MESSAGES]
+    for i, frame in enumerate([*frames, b"".join(frames)]):
+        (directory / f"seed-{i}").write_bytes(bytes([i * 37 & 0xFF]) + frame)
+    return str(directory)
+
+
+def _artifact_input(work: Path) -> dict[str, Any] | None:
+    found = sorted(p for p in work.iterdir() if p.name.startswith(("crash-", "oom-", "timeout-", "leak-")))
+    return atheris_input(found[0].read_bytes()) if found else None
+
+
+def atheris_child(name: str, libfuzzer_args: list[str]) -> None:
+    """Run libFuzzer on one byte target until it stops; never returns."""
+    out = Path(os.environ["WALSIDECAR_FUZZ_OUT"])
+    stats, loop = Stats(), asyncio.new_event_loop()
+    check = check_codec if name == "codec" else check_framing
+    runs = 0
+
+    def save_counts() -> None:
+        (out / "stats.json").write_text(json.dumps({"messages": stats.messages, "violations": stats.violations}))
+
+    def one(raw: bytes) -> None:
+        nonlocal runs
+        inp = atheris_input(raw)
+        runs += 1
+        try:
+            check(inp, stats, loop)
+        except Exception as e:
+            save_counts()
+            check_name = e.check if isinstance(e, Violation) else "only-protocol-errors"
+            body = {"check": check_name, "error": f"{type(e).__name__}: {e}", "input": inp}
+            (out / "crash.json").write_text(json.dumps(body))
+            raise
+        if runs % 1000 == 0:
+            save_counts()
+
+    atheris.Setup([sys.argv[0], *libfuzzer_args], one)
+    atheris.Fuzz()
+
 
 @dataclass
 class Crash:
@@ -712,8 +798,10 @@ class Fuzzer:
     """Runs the targets in batches of hypothesis examples; counts, and keeps the crashes."""
 
     def __init__(self, seed: int, corpus: Path | None = None, regressions: Path | None = REGRESSIONS,
-                 save_pending: frozenset[str] = frozenset()) -> None:
+                 save_pending: frozenset[str] = frozenset(), engine: str = "hypothesis") -> None:
         self.seed = seed
+        self.engine = engine
+        self.engines = dict.fromkeys(TARGETS, "hypothesis")
         self.stats = {t: Stats(strict=save_pending) for t in TARGETS}
         self.crashes: list[Crash] = []
         self.regressions = regressions
@@ -811,17 +899,53 @@ class Fuzzer:
         """Until `seconds` have passed, or `examples` per target; returns the seconds taken."""
         t0 = time.monotonic()
         self.replay_corpus()
+        native = [t for t in targets if t in BYTE_TARGETS] if self.engine == "atheris" else []
+        for name in native:  # an equal share of the time each, or `examples` runs
+            self.engines[name] = "atheris"
+            self.run_atheris(name, None if seconds is None else seconds / len(targets), examples)
+        targets = tuple(t for t in targets if t not in native)
         if examples is not None:
             for name in targets:
                 self.batch(name, examples)
             return time.monotonic() - t0
         assert seconds is not None
-        while time.monotonic() - t0 < seconds:
+        while targets and time.monotonic() - t0 < seconds:
             for name in targets:
                 if time.monotonic() - t0 >= seconds:
                     break
                 self.batch(name, batch)
         return time.monotonic() - t0
+
+    def run_atheris(self, name: str, seconds: float | None, runs: int | None) -> None:
+        """libFuzzer on one byte target in a child process; its counts and any crash come back in files."""
+        stats = self.stats[name]
+        with tempfile.TemporaryDirectory(prefix="walsidecar-fuzz-") as work:
+            args = [sys.executable, str(Path(__file__).resolve()), "--atheris-child", name, f"-seed={self.seed + 1}",
+                    f"-artifact_prefix={work}/", "-max_len=20000", "-print_final_stats=1", "-close_fd_mask=1"]
+            args.append(f"-runs={runs}" if runs is not None else f"-max_total_time={max(1, round(seconds or 1))}")
+            if self.corpus is not None:  # the first directory is where libFuzzer keeps what it finds
+                (self.corpus / f"atheris-{name}").mkdir(parents=True, exist_ok=True)
+                args.append(str(self.corpus / f"atheris-{name}"))
+            args.append(_seed_corpus(Path(work) / "seeds"))
+            env = {**os.environ, "WALSIDECAR_FUZZ_OUT": work}
+            out = subprocess.run(args, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, check=False)
+            done = re.search(r"stat::number_of_executed_units:\s*(\d+)", out.stderr)
+            stats.inputs += int(done.group(1)) if done else 0
+            counts = Path(work, "stats.json")
+            if counts.exists():
+                child = json.loads(counts.read_text())
+                stats.messages += child["messages"]
+                for check, n in child["violations"].items():
+                    stats.violations[check] = stats.violations.get(check, 0) + n
+            crash_file = Path(work, "crash.json")
+            if crash_file.exists() or out.returncode != 0:
+                body = json.loads(crash_file.read_text()) if crash_file.exists() else {
+                    "check": "only-protocol-errors", "error": out.stderr[-2000:],
+                    "input": _artifact_input(Path(work))}
+                crash = Crash(name, body["check"], body["error"], body["input"])
+                stats.crashes += 1
+                crash.file = self.save(crash)
+                self.crashes.append(crash)
 
     def summary(self, seconds: float) -> dict[str, Any]:
         pending = {n: c.pending for n, c in CHECKS.items() if c.pending}
@@ -834,7 +958,7 @@ class Fuzzer:
             "invalid_input_state_changes_enforced": sum(
                 v for s in self.stats.values() for n, v in s.violations.items()
                 if CHECKS[n].invalid_input and not CHECKS[n].pending),
-            "targets": {t: {"inputs": s.inputs, "messages": s.messages, "refused": s.refused, "crashes": s.crashes,
+            "targets": {t: {"engine": self.engines[t], "inputs": s.inputs, "messages": s.messages, "refused": s.refused, "crashes": s.crashes,
                             "violations": dict(sorted(s.violations.items())), "examples": s.examples}
                         for t, s in self.stats.items()},
             "checks": {n: {"rule": c.rule, "pending": c.pending, "invalid_input": c.invalid_input}
@@ -859,12 +983,14 @@ def replay(path: Path) -> Stats:
 
 
 def table(summary: dict[str, Any]) -> str:
-    rows = [f"{'target':<10}{'inputs':>9}{'messages':>10}{'refused':>9}{'crashes':>9}  violations of pending checks"]
+    rows = [f"{'target':<10}{'engine':<12}{'inputs':>9}{'messages':>10}{'refused':>9}{'crashes':>9}  "
+            "violations of pending checks"]
     for name, t in summary["targets"].items():
         if not t["inputs"]:
             continue
         pend = ", ".join(f"{k}={v}" for k, v in t["violations"].items()) or "-"
-        rows.append(f"{name:<10}{t['inputs']:>9}{t['messages']:>10}{t['refused']:>9}{t['crashes']:>9}  {pend}")
+        rows.append(f"{name:<10}{t['engine']:<12}{t['inputs']:>9}{t['messages']:>10}{t['refused']:>9}"
+                    f"{t['crashes']:>9}  {pend}")
     rows.append(f"total: {summary['inputs']} inputs in {summary['seconds']}s, crashes={summary['crashes']}, "
                 f"state changes from invalid input: {summary['invalid_input_state_changes_enforced']} under "
                 f"enforced checks, {summary['invalid_input_state_changes']} counting pending ones, seed={summary['seed']}")
@@ -882,6 +1008,9 @@ def table(summary: dict[str, Any]) -> str:
               help="Byte files here are fed to the codec and framing first; hypothesis keeps its examples "
                    "database in CORPUS/hypothesis, so later runs start from what earlier ones found.")
 @click.option("--targets", default=",".join(TARGETS), show_default=True, help="Comma-separated targets.")
+@click.option("--engine", type=click.Choice(["auto", "atheris", "hypothesis"]), default="auto", show_default=True,
+              help="What fuzzes the codec and the framing: atheris (coverage-guided, if installed) or hypothesis. "
+                   "The acceptor always runs under hypothesis.")
 @click.option("--regressions", type=click.Path(file_okay=False, path_type=Path), default=REGRESSIONS,
               show_default=True, help="Where a crash's input is saved.")
 @click.option("--save-pending", "save_pending", multiple=True, metavar="CHECK",
@@ -890,7 +1019,7 @@ def table(summary: dict[str, Any]) -> str:
 @click.option("--json", "json_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the summary as JSON to this file.")
 def main(seconds: float | None, examples: int | None, seed: int | None, corpus: Path | None, targets: str,
-         regressions: Path, save_pending: tuple[str, ...], json_file: Path | None) -> None:
+         engine: str, regressions: Path, save_pending: tuple[str, ...], json_file: Path | None) -> None:
     """Fuzz the codec, the framing and message sequences into the acceptor; exit 1 on a crash."""
     if (seconds is None) == (examples is None):
         raise click.UsageError("give --seconds N or --examples N")
@@ -901,8 +1030,12 @@ def main(seconds: float | None, examples: int | None, seed: int | None, corpus: 
     strict = pending if "all" in save_pending else set(save_pending)
     if strict - pending:
         raise click.BadParameter(f"not pending: {', '.join(sorted(strict - pending))}", param_hint="--save-pending")
+    has_atheris = importlib.util.find_spec("atheris") is not None
+    if engine == "atheris" and not has_atheris:
+        raise click.UsageError("--engine atheris: the atheris package is not installed (pip install atheris)")
+    engine = engine if engine != "auto" else "atheris" if has_atheris else "hypothesis"
     seed = seed if seed is not None else random.SystemRandom().randrange(2**31)
-    fz = Fuzzer(seed, corpus, regressions, frozenset(strict))
+    fz = Fuzzer(seed, corpus, regressions, frozenset(strict), engine)
     try:
         took = fz.run(chosen, seconds, examples)
     finally:
@@ -915,4 +1048,6 @@ def main(seconds: float | None, examples: int | None, seed: int | None, corpus: 
 
 
 if __name__ == "__main__":
+    if ATHERIS_CHILD:
+        atheris_child(sys.argv[2], sys.argv[3:])
     main()

@@ -17,7 +17,8 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "fuzz.py"
 REGRESSIONS = Path(__file__).resolve().parent / "fuzz_regressions"
-EXAMPLES = 250  # generated inputs per target: about 15 s in all
+EXAMPLES = 200  # inputs per target under hypothesis: about 12 s in all
+ATHERIS_RUNS = 2000  # libFuzzer runs per byte target
 
 
 def _load_fuzz():
@@ -32,13 +33,18 @@ def _load_fuzz():
 fuzz = _load_fuzz()
 
 
-def test_fuzzer_finds_no_crash(tmp_path: Path) -> None:
+def _fuzz(tmp_path: Path, *args: str) -> dict:
     report = tmp_path / "fuzz.json"
-    out = subprocess.run([sys.executable, str(SCRIPT), "--examples", str(EXAMPLES), "--seed", "1",
-                          "--regressions", str(tmp_path / "found"), "--json", str(report)],
+    out = subprocess.run([sys.executable, str(SCRIPT), "--seed", "1", "--regressions", str(tmp_path / "found"),
+                          "--json", str(report), *args],
                          capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL, check=False)
     assert out.returncode == 0, f"stdout:\n{out.stdout}\nstderr:\n{out.stderr[-4000:]}"
-    summary = json.loads(report.read_text())
+    assert not (tmp_path / "found").exists() or not list((tmp_path / "found").iterdir())
+    return json.loads(report.read_text())
+
+
+def test_fuzzer_finds_no_crash(tmp_path: Path) -> None:
+    summary = _fuzz(tmp_path, "--engine", "hypothesis", "--examples", str(EXAMPLES))
     assert summary["crashes"] == 0, summary["crash_errors"]
     assert summary["invalid_input_state_changes_enforced"] == 0, summary["targets"]
     for name in fuzz.TARGETS:
@@ -46,7 +52,16 @@ def test_fuzzer_finds_no_crash(tmp_path: Path) -> None:
     # The sequences got past the greeting into votes, elections and appends.
     assert summary["targets"]["acceptor"]["messages"] > EXAMPLES * 5
     assert summary["targets"]["acceptor"]["messages"] > summary["targets"]["acceptor"]["refused"]
-    assert not (tmp_path / "found").exists() or not list((tmp_path / "found").iterdir())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("atheris") is None, reason="atheris is not installed")
+def test_coverage_guided_byte_fuzzing_finds_no_crash(tmp_path: Path) -> None:
+    summary = _fuzz(tmp_path, "--engine", "atheris", "--targets", "codec,framing", "--examples", str(ATHERIS_RUNS))
+    assert summary["crashes"] == 0, summary["crash_errors"]
+    for name in ("codec", "framing"):
+        t = summary["targets"][name]
+        assert t["engine"] == "atheris" and t["inputs"] >= ATHERIS_RUNS, (name, t)
+        assert t["messages"] > 0, "libFuzzer's inputs reach the decoders"
 
 
 def _saved() -> list[Path]:
