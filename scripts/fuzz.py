@@ -443,6 +443,11 @@ def deliver(node: Node, conn: int, msg: Message, end: RecordEnd) -> list[Accepto
     raise AcceptorError(f"unexpected {type(msg).__name__} from a proposer")
 
 
+def disconnect(node: Node, conn: int) -> None:
+    """Connection `conn` closed (or was dropped by the safekeeper): the other half of `deliver`."""
+    node.greeted.pop(conn, None)
+
+
 def _invalid_fields(msg: Message) -> str:
     """Why a message's fields are outside consensus/limits.py, or ''."""
     try:
@@ -471,6 +476,8 @@ class Harness:
         self.stats = stats
         self.node = Node()
         self.steps: list[dict[str, Any]] = []
+        self.seen: set[int] = set()  # connections that have sent something
+        self.greeted: set[int] = set()  # connections whose Greeting was accepted since they opened
         self.accepted = 0  # messages not refused: how deep a sequence got (hypothesis targets it)
 
     def _snapshot(self) -> tuple[Any, ...]:
@@ -490,7 +497,8 @@ class Harness:
             self._close(step["conn"])
 
     def _close(self, conn: int) -> None:
-        self.node.greeted.pop(conn, None)
+        self.greeted.discard(conn)
+        disconnect(self.node, conn)
         if self.node.elected_conn == conn:
             self.node.elected_conn = None
 
@@ -521,7 +529,8 @@ class Harness:
         before = self._snapshot()
         acc_before = node.acceptor
         fresh = node.saved.system_id == 0 and acc_before.state.system_id == 0
-        greeted = node.greeted.get(conn, False)
+        greeted = conn in self.greeted
+        self.seen.add(conn)
         end = self._record_end(end_lsn) if isinstance(msg, (VoteRequest, Elected)) else RecordEnd(0)
         try:
             actions = deliver(node, conn, msg, end)
@@ -537,6 +546,8 @@ class Harness:
             st_.violate("only-refusals", f"{type(msg).__name__} raised {e!r}")
             return
         self.accepted += 1
+        if isinstance(msg, Greeting):
+            self.greeted.add(conn)
         changed = self._snapshot() != before
         a = node.acceptor
         if changed and not greeted and not isinstance(msg, Greeting):
@@ -605,9 +616,9 @@ class Harness:
         s.end = s.synced
         if s.start is not None and s.end <= s.start:
             s.start, s.end, s.synced = None, 0, 0
+        for conn in self.seen:
+            self._close(conn)
         node.acceptor = Acceptor(1, node.saved, s.end if s.start is not None else 0)
-        node.greeted.clear()
-        node.elected_conn = None
         self._invariants(before, restart=True)
 
     def _invariants(self, before: tuple[Any, ...], restart: bool = False) -> None:
