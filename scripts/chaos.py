@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
-"""Lost-write checker under chaos: kill safekeepers, the sidecar and the primary while writers commit.
+"""Lost-write checker under chaos: kill safekeepers, the sidecar and the primary, and cut safekeepers
+off the network, while writers commit.
 
 Builds its own deployment on 127.0.0.1 (a PostgreSQL 15 primary, 3 safekeepers, the proposer),
-runs writer threads that record every acknowledged commit, and each round kills one thing
-(kill -9 of one safekeeper, kill -9 of the sidecar, or an immediate-mode stop of the primary),
-restarts it and waits for commits to flow again. At the end every acknowledged key must be in
-the table and every safekeeper's WAL must equal the primary's byte for byte.
+runs writer threads that record every acknowledged commit, and each round does one thing of the
+kinds asked for: kill -9 of one safekeeper, kill -9 of the sidecar, an immediate-mode stop of the
+primary, or a partition (one or two safekeepers' links taken down, then brought back up); then it
+waits for commits to flow again. With partitions, each safekeeper runs as a separate host in a
+network namespace of its own (tests/netns.py), reached over a veth link that is really cut.
+At the end every acknowledged key must be in the table and every safekeeper's WAL must equal the
+primary's byte for byte.
 """
 
 from __future__ import annotations
@@ -29,21 +33,25 @@ from typing import Any, TypeVar
 REPO = Path(__file__).resolve().parent.parent
 # Run this checkout's package, in this process and in every child it starts.
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # netns.py
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
 
 import click  # noqa: E402
+import netns  # noqa: E402
 import psycopg  # noqa: E402
 
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE, format_lsn, parse_lsn, segment_file_name  # noqa: E402
 from sidecar.pgcluster import ClusterError, LocalCluster  # noqa: E402
-from sidecar.processes import Child  # noqa: E402
+from sidecar.processes import Child, sidecar_argv  # noqa: E402
 from sidecar.safekeeper.control import load_control  # noqa: E402
 
 APP = "walsidecar"
 SAFEKEEPERS = 3
 KEY_STRIDE = 10**12  # writer w inserts keys (w + 1) * KEY_STRIDE + 1, + 2, ...
 PROGRESS_WRITES = 50  # acknowledged writes that prove commits flow
-ACTIONS = ("safekeeper", "sidecar", "primary")
+ACTIONS = ("safekeeper", "sidecar", "primary")  # the default kinds of round
+KINDS = (*ACTIONS, "partition")
+PARTITION_HOLD = (1.0, 4.0)  # seconds two safekeepers stay cut off, while no commit may be acknowledged
 T = TypeVar("T")
 
 
@@ -58,10 +66,12 @@ class Interrupted(Exception):
 @dataclass
 class Summary:
     seed: int
+    kinds: str = ",".join(ACTIONS)
     rounds: int = 0
     safekeeper_kills: int = 0
     sidecar_kills: int = 0
     primary_crashes: int = 0
+    partitions: int = 0
     acknowledged: int = 0
     lost: int = 0
     wal_mismatches: int = 0
@@ -78,9 +88,10 @@ class Summary:
         """The one-line summary printed last."""
         return (f"summary: rounds={self.rounds} safekeeper_kills={self.safekeeper_kills} "
                 f"sidecar_kills={self.sidecar_kills} primary_crashes={self.primary_crashes} "
+                f"partitions={self.partitions} "
                 f"acknowledged={self.acknowledged} lost={self.lost} wal_mismatches={self.wal_mismatches} "
                 f"unknown={self.unknown} unsafe_acks={self.unsafe_acks} seconds={self.seconds:.1f} "
-                f"seed={self.seed} result={self.result}")
+                f"seed={self.seed} kinds={self.kinds} result={self.result}")
 
 
 # ---- ports and WAL files ---------------------------------------------------------------------
@@ -143,23 +154,38 @@ def first_difference(ours: Path, theirs: Path, start: int, end: int) -> int | No
 
 
 class Deployment:
-    """A primary, three safekeepers and the proposer, each started and stopped by this script."""
+    """A primary, three safekeepers and the proposer, each started and stopped by this script.
 
-    def __init__(self, base: Path) -> None:
+    With `hosts` (network namespaces, one per safekeeper) each safekeeper runs inside its own and
+    listens on its address there; the primary and the proposer stay in the root namespace.
+    """
+
+    def __init__(self, base: Path, hosts: netns.Hosts | None = None) -> None:
         self.base = base
+        self.hosts = hosts
         taken: set[int] = set()
         self.cluster = LocalCluster(base / "pg", pick_port(taken), log_file=base / "postgres.log")
         self.sk_ports = [pick_port(taken) for _ in range(SAFEKEEPERS)]
-        addresses = ",".join(f"127.0.0.1:{p}" for p in self.sk_ports)
-        self.safekeepers = {
-            i: Child.sidecar(f"safekeeper{i}", ["safekeeper", "--id", str(i), "--listen",
-                                                f"127.0.0.1:{self.sk_ports[i - 1]}", "--data-dir",
-                                                str(self.sk_dir(i))], base / f"safekeeper{i}.log")
-            for i in range(1, SAFEKEEPERS + 1)}
+        self.safekeepers = {i: self._safekeeper(i) for i in range(1, SAFEKEEPERS + 1)}
+        addresses = ",".join(self.sk_address(i) for i in range(1, SAFEKEEPERS + 1))
         self.proposer = Child.sidecar("proposer", ["start", "--pg-dsn", self.cluster.dsn(), "--safekeepers",
                                                    addresses, "--application-name", APP], base / "proposer.log")
         self.down: set[str] = set()  # children killed on purpose and not restarted yet
         self._conn: psycopg.Connection | None = None
+
+    def sk_host(self, i: int) -> str:
+        """The one address safekeeper i listens on and is reached at (its namespace's, if it has one)."""
+        return self.hosts[i].address if self.hosts is not None else "127.0.0.1"
+
+    def sk_address(self, i: int) -> str:
+        return f"{self.sk_host(i)}:{self.sk_ports[i - 1]}"
+
+    def _safekeeper(self, i: int) -> Child:
+        argv = sidecar_argv("safekeeper", "--id", str(i), "--listen", self.sk_address(i),
+                            "--data-dir", str(self.sk_dir(i)))
+        if self.hosts is not None:
+            argv = self.hosts[i].argv(argv)
+        return Child(f"safekeeper{i}", argv, self.base / f"safekeeper{i}.log")
 
     def sk_dir(self, i: int) -> Path:
         return self.base / f"sk{i}"
@@ -259,6 +285,8 @@ class Deployment:
                 print(f"chaos: could not stop the primary: {e}", file=sys.stderr)
         for child in [self.proposer, *self.safekeepers.values()]:
             child.stop(timeout=10)
+        if self.hosts is not None:
+            self.hosts.close()
 
 
 # ---- writers ---------------------------------------------------------------------------------
@@ -321,10 +349,11 @@ class Chaos:
     """The writers, the seeded chaos schedule and the checks."""
 
     def __init__(self, deployment: Deployment, summary: Summary, rounds: int, writers: int,
-                 round_timeout: float) -> None:
+                 round_timeout: float, kinds: tuple[str, ...] = ACTIONS) -> None:
         self.d = deployment
         self.summary = summary
         self.rounds = rounds
+        self.kinds = kinds
         self.rng = random.Random(summary.seed)
         self.round_timeout = round_timeout
         self.writers = [Writer(i, deployment.cluster.dsn()) for i in range(writers)]
@@ -378,7 +407,7 @@ class Chaos:
 
     def round(self, n: int) -> None:
         d, rng, s = self.d, self.rng, self.summary
-        action = rng.choice(ACTIONS)
+        action = rng.choice(self.kinds)
         time.sleep(rng.uniform(0.0, 0.3))
         t0 = time.monotonic()
         before = self.acked()
@@ -410,6 +439,8 @@ class Chaos:
             d.mark(d.proposer, f"round {n}: restarting after kill -9")
             d.proposer.start()
             d.down.discard(d.proposer.name)
+        elif action == "partition":
+            what = self.partition(n)
         else:
             what = "immediate stop of the primary"
             d.cluster.crash()
@@ -433,6 +464,42 @@ class Chaos:
         print(f"round {n}/{self.rounds}: {what}: {restarted - before:+d} writes in {down_for:.1f}s, "
               f"recovered in {recovered:.1f}s; acknowledged {self.acked()}, unknown {self.unknown()}",
               flush=True)
+
+    def partition(self, n: int) -> str:
+        """Cut one or two safekeepers' links under load, then heal them; returns what was done.
+
+        With one cut off, commits go on with the other two. With two, none sent after the cut may be
+        acknowledged until the links are back (the caller then waits for commits to flow again).
+        """
+        d, rng, s = self.d, self.rng, self.summary
+        assert d.hosts is not None, "partitions need the safekeepers in network namespaces"
+        cut = sorted(rng.sample(range(1, SAFEKEEPERS + 1), rng.choice((1, 2))))
+        names = " and ".join(f"safekeeper {i}" for i in cut)
+        for child in [d.proposer, *(d.safekeepers[i] for i in cut)]:
+            d.mark(child, f"round {n}: cutting the links of {names}")
+        before = self.acked()
+        s.partitions += 1
+        try:
+            for i in cut:
+                d.hosts[i].cut()
+            cut_at = time.monotonic()
+            if len(cut) == 1:
+                self.wait(lambda: self.acked() >= before + PROGRESS_WRITES, self.round_timeout,
+                          f"{PROGRESS_WRITES} writes with {names} cut off (2 of 3 reachable)")
+                time.sleep(rng.uniform(*PARTITION_HOLD))  # long enough for TCP to back off
+            else:
+                time.sleep(rng.uniform(*PARTITION_HOLD))
+                unsafe = self.acked_between(cut_at, time.monotonic())
+                if unsafe:
+                    s.unsafe_acks += unsafe
+                    raise ChaosFailure(f"{unsafe} commits were acknowledged with {names} cut off "
+                                       "(1 of 3 reachable, no quorum)")
+        finally:
+            for i in cut:
+                d.hosts[i].heal()
+        for child in [d.proposer, *(d.safekeepers[i] for i in cut)]:
+            d.mark(child, f"round {n}: links of {names} healed")
+        return f"partition of {names}"
 
     def finish(self) -> None:
         """Stop writers, wait for every safekeeper, check keys and WAL."""
@@ -468,6 +535,16 @@ class Chaos:
             print(f"LOST WRITES: {len(lost)} acknowledged keys are missing, e.g. {lost[:20]}", file=sys.stderr)
 
 
+def parse_kinds(text: str) -> tuple[str, ...]:
+    """The --kinds list, in the order given, checked against KINDS."""
+    chosen = tuple(dict.fromkeys(k.strip() for k in text.split(",") if k.strip()))
+    unknown = [k for k in chosen if k not in KINDS]
+    if unknown or not chosen:
+        raise click.BadParameter(f"{', '.join(unknown) or 'nothing'}: choose from {', '.join(KINDS)}",
+                                 param_hint="--kinds")
+    return chosen
+
+
 def _raise_interrupted(signum: int, frame: object) -> None:
     raise Interrupted(signal.Signals(signum).name)
 
@@ -480,16 +557,24 @@ def _raise_interrupted(signum: int, frame: object) -> None:
 @click.option("--writers", type=click.IntRange(min=1), default=4, show_default=True, help="Writer threads.")
 @click.option("--round-timeout", type=click.FloatRange(min=1), default=120, show_default=True,
               help="Seconds a round may take to recover before it counts as a failure.")
+@click.option("--kinds", default=",".join(ACTIONS), show_default=True,
+              help=f"Comma-separated kinds of round to choose from: {', '.join(KINDS)}. "
+                   "`partition` runs each safekeeper in a network namespace of its own (needs root and iproute2).")
 @click.option("--keep", is_flag=True, help="Keep the data directory even when every check passes.")
 @click.option("--json", "json_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the summary as JSON to this file.")
 def main(rounds: int, seed: int | None, base_dir: Path | None, writers: int, round_timeout: float,
-         keep: bool, json_file: Path | None) -> None:
-    """Kill safekeepers, the sidecar and the primary at random while writers commit, then check
-    that no acknowledged write was lost and that every safekeeper's WAL equals the primary's.
+         kinds: str, keep: bool, json_file: Path | None) -> None:
+    """Kill safekeepers, the sidecar and the primary, and cut safekeepers off the network, at random
+    while writers commit, then check that no acknowledged write was lost and that every safekeeper's
+    WAL equals the primary's.
 
     Exits 0 when every check passed, 1 on a lost write, a WAL mismatch or a failed round.
     """
+    chosen = parse_kinds(kinds)
+    partitions = "partition" in chosen
+    if partitions and (reason := netns.unavailable()):
+        raise click.UsageError(f"--kinds partition: {reason}")
     seed = seed if seed is not None else random.SystemRandom().randrange(2**31)
     if base_dir is None:
         base = Path(tempfile.mkdtemp(prefix="walsidecar-chaos-", dir="/tmp"))
@@ -499,8 +584,8 @@ def main(rounds: int, seed: int | None, base_dir: Path | None, writers: int, rou
             raise click.BadParameter(f"{base} exists and is not empty", param_hint="--dir")
         base.mkdir(parents=True, exist_ok=True)
     os.chmod(base, 0o755)  # the postgres OS user must reach the cluster below it
-    summary = Summary(seed=seed, data_dir=str(base))
-    print(f"chaos: {rounds} rounds, seed {seed}, {writers} writers, in {base}", flush=True)
+    summary = Summary(seed=seed, kinds=",".join(chosen), data_dir=str(base))
+    print(f"chaos: {rounds} rounds of {', '.join(chosen)}, seed {seed}, {writers} writers, in {base}", flush=True)
     t0 = time.monotonic()
     d: Deployment | None = None
     chaos: Chaos | None = None
@@ -508,9 +593,14 @@ def main(rounds: int, seed: int | None, base_dir: Path | None, writers: int, rou
     old_int = signal.signal(signal.SIGINT, _raise_interrupted)
     old_term = signal.signal(signal.SIGTERM, _raise_interrupted)
     code = 1
+    hosts: netns.Hosts | None = None
     try:
-        d = Deployment(base)
-        chaos = Chaos(d, summary, rounds, writers, round_timeout)
+        if partitions:
+            hosts = netns.Hosts(SAFEKEEPERS)
+            print("chaos: safekeepers run in network namespaces at "
+                  + ", ".join(f"{h.namespace} ({h.address})" for h in hosts), flush=True)
+        d = Deployment(base, hosts)
+        chaos = Chaos(d, summary, rounds, writers, round_timeout, chosen)
         chaos.run()
         ok = summary.lost == 0 and summary.wal_mismatches == 0 and summary.unsafe_acks == 0
         summary.result = "ok" if ok else "fail"
@@ -540,6 +630,8 @@ def main(rounds: int, seed: int | None, base_dir: Path | None, writers: int, rou
             summary.unknown = summary.unknown or chaos.unknown()
         if d is not None:
             d.close()
+        if hosts is not None:
+            hosts.close()  # again, in case the deployment was never made
         signal.signal(signal.SIGINT, old_int)
         signal.signal(signal.SIGTERM, old_term)
     summary.seconds = time.monotonic() - t0

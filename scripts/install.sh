@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install what walsidecar needs on Debian 12: PostgreSQL 15 server/client, a Java 17 runtime for the WAL
-# analytics (PySpark), and the package itself with its analytics and test extras.
+# analytics (PySpark), iproute2 (network namespaces for chaos partitions), and the package itself with its
+# analytics and test extras.
 # Idempotent; when everything is already present it only runs a few quick checks.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -43,6 +44,14 @@ if ! java_ok; then
     as_root apt-get install -y -q --no-install-recommends openjdk-17-jre-headless
 fi
 
+# scripts/chaos.py --kinds partition runs safekeepers in network namespaces: `ip netns`, veth pairs.
+if ! command -v ip >/dev/null 2>&1; then
+    echo "install.sh: no ip command; installing iproute2" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    as_root apt-get update -q
+    as_root apt-get install -y -q --no-install-recommends iproute2
+fi
+
 if ! id -u postgres >/dev/null 2>&1; then
     as_root useradd --system --home-dir /var/lib/postgresql --create-home --shell /bin/bash postgres
 fi
@@ -57,7 +66,7 @@ installed_ok() {
 import importlib.metadata, os, sys
 import sidecar, psycopg, psycopg_pool, click, tenacity, google_crc32c, structlog, pytest, pytest_timeout, prometheus_client, pydantic_settings
 import pyspark, pyarrow, pandas, numba, matplotlib, boto3, lz4, zstandard, moto.server
-import testcontainers, docker
+import testcontainers, docker, hypothesis
 importlib.metadata.version("walsidecar")
 sys.exit(0 if os.path.realpath(sidecar.__file__).startswith(sys.argv[1] + os.sep) else 1)
 PY
