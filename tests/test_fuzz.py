@@ -1,8 +1,8 @@
 """scripts/fuzz.py: a fixed number of inputs per target finds no crash, and every saved input replays.
 
-tests/fuzz_regressions/ holds inputs the fuzzer saved: crashes (fixed since, or this fails) and one
-example of each pending check, a rule today's core is known to break. Those are expected failures
-until the rule is enforced; then the strict xfail fails and says to clear `pending` in CHECKS.
+tests/fuzz_regressions/ holds inputs the fuzzer saved: crashes (fixed since, or this fails) and, as
+audit-*.json, one sequence per rule the audit found broken. A check marked `pending` in CHECKS (a rule
+the core does not enforce yet) replays as a strict expected failure, so enforcing it says to clear it.
 """
 
 from __future__ import annotations
