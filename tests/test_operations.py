@@ -202,7 +202,7 @@ def test_metrics_endpoints_are_scraped_and_parsed(ops: Ops) -> None:
                      safekeeper_id=sid) > 0
         assert value(s, "walsidecar_safekeeper_proposer_connected", safekeeper_id=sid) == 1
         doc = status_json(addr)
-        assert doc["id"] == i and doc["proposer"] is not None and parse_lsn(doc["flush_lsn"]) > 0
+        assert doc["id"] == i and doc["proposer_connected"] and parse_lsn(doc["flush_lsn"]) > 0
     def all_streaming() -> dict | None:
         doc = status_json(ops.proposer_metrics)
         return doc if {r["state"] for r in doc["safekeepers"]} == {"streaming"} else None

@@ -62,7 +62,7 @@ class SafekeeperMonitor:
             "version": __version__,
             "id": sk.node_id,
             "listen": f"{sk.host}:{sk.port}",
-            "data_dir": str(sk.data_dir),
+            "insecure": sk.ssl_context is None,
             "uptime_seconds": round(time.monotonic() - self.started, 1),
             "system_id": str(s.system_id) if s and s.system_id else None,
             "timeline": s.timeline if s else None,
@@ -75,8 +75,9 @@ class SafekeeperMonitor:
             "write_lsn": format_lsn(acc.write_lsn) if acc else None,
             "commit_lsn": format_lsn(s.commit_lsn) if s else None,
             "peer_horizon_lsn": format_lsn(s.peer_horizon_lsn) if s else None,
-            "proposer": sk.proposer_address(),
-            "fatal": repr(sk.fatal) if sk.fatal is not None else None,
+            # No proposer address, paths or error texts: a stranger may read this; the log has them.
+            "proposer_connected": sk.proposer_address() is not None,
+            "fatal": type(sk.fatal).__name__ if sk.fatal is not None else None,
         }
 
     def _collect(self) -> Iterable[Metric]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import ssl
 import struct
 import termios
 import time
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import google_crc32c
 
-from sidecar import framing
+from sidecar import framing, tls
 from sidecar.consensus import codec
 from sidecar.consensus.acceptor import (
     Acceptor, AcceptorAction, AcceptorError, Persist, RecordEnd, Reply, Truncate, Write,
@@ -39,8 +40,10 @@ _STATEFUL = (Persist, Truncate)
 class Safekeeper:
     """One acceptor process: owns the data directory, serves proposers on one port."""
 
-    def __init__(self, node_id: int, data_dir: Path, host: str, port: int) -> None:
+    def __init__(self, node_id: int, data_dir: Path, host: str, port: int,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.node_id = node_id
+        self.ssl_context = ssl_context  # None: --insecure, every connection may act as a proposer
         self.data_dir = data_dir
         self.host, self.port = host, port
         self.log = get_logger(node=node_id)
@@ -113,8 +116,10 @@ class Safekeeper:
 
     async def serve(self) -> None:
         """Listen and serve until cancelled."""
-        self._server = await framing.start_server(self._connection, self.host, self.port)
-        self.log.info("listening", address=f"{self.host}:{self.port}")
+        tls_args = {} if self.ssl_context is None else \
+            {"ssl": self.ssl_context, "ssl_handshake_timeout": tls.HANDSHAKE_TIMEOUT}
+        self._server = await framing.start_server(self._connection, self.host, self.port, **tls_args)
+        self.log.info("listening", address=f"{self.host}:{self.port}", tls=self.ssl_context is not None)
         flusher = asyncio.create_task(self._flusher())
         try:
             async with self._server:
@@ -128,7 +133,9 @@ class Safekeeper:
 
     async def _connection(self, reader: framing.FrameReader, writer: asyncio.StreamWriter) -> None:
         peer = "%s:%s" % writer.get_extra_info("peername")[:2]
-        log = self.log.bind(peer=peer)
+        # A handshake without a certificate from the deployment's CA never gets here.
+        ident = tls.peer_identity(writer) if self.ssl_context is not None else None
+        log = self.log.bind(peer=peer, **({"peer_cert": str(ident)} if ident else {}))
         greeted = False
         self.stats.connections.inc()
         try:
@@ -138,6 +145,11 @@ class Safekeeper:
                     framing.write(writer, codec.encode(info_reply(self)))
                     await writer.drain()
                     continue
+                # ROLE GATE (minimal; to be folded into the acceptor session's role check): with TLS,
+                # only a proposer certificate may change anything; any other role may only ask for info.
+                if self.ssl_context is not None and (ident is None or ident.role != "proposer"):
+                    raise AcceptorError(f"a {ident or 'certificate without a role'} may only send InfoRequest, "
+                                        f"not {type(msg).__name__}")
                 if not greeted and not isinstance(msg, Greeting):
                     raise AcceptorError(f"the first message must be a Greeting, not {type(msg).__name__}")
                 greeted = True
