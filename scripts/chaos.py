@@ -34,6 +34,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get
 import click  # noqa: E402
 import psycopg  # noqa: E402
 
+from sidecar.certs import ensure_node  # noqa: E402
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE, format_lsn, parse_lsn, segment_file_name  # noqa: E402
 from sidecar.pgcluster import ClusterError, LocalCluster  # noqa: E402
 from sidecar.processes import Child  # noqa: E402
@@ -151,13 +152,18 @@ class Deployment:
         self.cluster = LocalCluster(base / "pg", pick_port(taken), log_file=base / "postgres.log")
         self.sk_ports = [pick_port(taken) for _ in range(SAFEKEEPERS)]
         addresses = ",".join(f"127.0.0.1:{p}" for p in self.sk_ports)
+        # Every link is mutually authenticated TLS, as in production: one CA, a certificate per process.
         self.safekeepers = {
             i: Child.sidecar(f"safekeeper{i}", ["safekeeper", "--id", str(i), "--listen",
                                                 f"127.0.0.1:{self.sk_ports[i - 1]}", "--data-dir",
-                                                str(self.sk_dir(i))], base / f"safekeeper{i}.log")
+                                                str(self.sk_dir(i)), "--certs-dir",
+                                                str(ensure_node(base / "ca", base / "certs" / f"safekeeper{i}",
+                                                                "safekeeper", i))], base / f"safekeeper{i}.log")
             for i in range(1, SAFEKEEPERS + 1)}
         self.proposer = Child.sidecar("proposer", ["start", "--pg-dsn", self.cluster.dsn(), "--safekeepers",
-                                                   addresses, "--application-name", APP], base / "proposer.log")
+                                                   addresses, "--application-name", APP, "--certs-dir",
+                                                   str(ensure_node(base / "ca", base / "certs" / "proposer",
+                                                                   "proposer"))], base / "proposer.log")
         self.down: set[str] = set()  # children killed on purpose and not restarted yet
         self._conn: psycopg.Connection | None = None
 
