@@ -2,7 +2,7 @@
 
 A certificate says who its holder is in the subject: `O=walsidecar`, `OU=<role>` (proposer,
 safekeeper or client) and `CN=<role>`, or `CN=safekeeper-<id>` for a safekeeper.
-`ssl.SSLSocket.getpeercert()` shows both (see `sidecar.tls.peer_identity`). The subject
+`ssl.SSLSocket.getpeercert()` shows both (see `sidecar.tls.peer_role`). The subject
 alternative names list the DNS names and IP addresses the holder is reached at; a proposer
 checks them against the address it dialled. Keys are EC P-256, written 0600 when created.
 """
@@ -112,10 +112,11 @@ def create_node(ca_dir: Path, certs_dir: Path, role: str, node_id: int | None = 
 
 def ensure_node(ca_dir: Path, certs_dir: Path, role: str, node_id: int | None = None,
                 hosts: tuple[str, ...] = ()) -> Path:
-    """A certificates directory for one process, made (with the CA) unless it is there already."""
+    """A certificates directory for one process, made (with the CA) unless one from this CA is there."""
     if not (ca_dir / CA_CERT).exists():
         create_ca(ca_dir)
-    if not all((certs_dir / n).exists() for n in (CA_CERT, NODE_CERT, NODE_KEY)):
+    there = all((certs_dir / n).exists() for n in (CA_CERT, NODE_CERT, NODE_KEY))
+    if not there or load_ca(ca_dir)[0] not in _read_bundle(certs_dir / CA_CERT):
         create_node(ca_dir, certs_dir, role, node_id, hosts, overwrite=True)
     return certs_dir
 

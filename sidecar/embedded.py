@@ -53,6 +53,8 @@ class Embedded:
                   f"  check:   walsidecar check --config {config}\n"
                   f"  metrics: http://{self.metrics[0]}/metrics (proposer), "
                   + ", ".join(f"http://{m}/metrics" for m in self.metrics[1:]) + " (safekeepers)\n"
+                  + ("  INSECURE: --insecure, the safekeeper links run without TLS\n" if self.insecure else
+                     f"  TLS: CA in {self.base}/ca, a certificate per process in {self.base}/certs\n")
                   "Press Ctrl-C to stop.\n", flush=True)
             while not stop():
                 self._check_children()

@@ -4,7 +4,7 @@ A certificates directory (made by `walsidecar certs create-node`) holds `ca.crt`
 deployment's CA, or during a rotation a bundle of the old and the new one), `node.crt` and
 `node.key`. Both ends present a certificate and accept only one signed by that CA; nothing
 else (no system trust store) is trusted. What a peer may do follows from its role
-(`peer_identity`), which the CA wrote into its certificate (see sidecar/certs.py).
+(`peer_role`), which the CA wrote into its certificate (see sidecar/certs.py).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def identity_of(cert: dict[str, Any] | None) -> Identity | None:
     return Identity(role, int(num))
 
 
-def peer_identity(transport_or_writer: Any) -> Identity | None:
+def peer_role(transport_or_writer: Any) -> Identity | None:
     """Who the peer of a TLS connection is (None: not TLS, or no role we know)."""
     return identity_of(transport_or_writer.get_extra_info("peercert"))
 

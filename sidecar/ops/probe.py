@@ -24,7 +24,7 @@ class ProbeError(Exception):
 
 async def probe_safekeeper(address: str, timeout: float, ssl_context: ssl.SSLContext | None = None) -> InfoReply:
     """Send an InfoRequest (read-only: it binds nothing and needs no Greeting), over TLS given a context."""
-    from sidecar.tls import peer_identity, server_hostname
+    from sidecar.tls import peer_role, server_hostname
     host, port = parse_address(address)
     tls_args = {} if ssl_context is None else {"ssl": ssl_context, "server_hostname": server_hostname(host)}
     try:
@@ -38,9 +38,9 @@ async def probe_safekeeper(address: str, timeout: float, ssl_context: ssl.SSLCon
     except OSError as e:
         # asyncio's message ("Connect call failed") hides the reason the errno gives.
         raise ProbeError(os.strerror(e.errno) if e.errno else str(e)) from None
-    if ssl_context is not None and getattr(peer_identity(writer), "role", None) != "safekeeper":
+    if ssl_context is not None and getattr(peer_role(writer), "role", None) != "safekeeper":
         writer.close()
-        raise ProbeError(f"its certificate ({peer_identity(writer) or 'no role'}) is not a safekeeper's")
+        raise ProbeError(f"its certificate ({peer_role(writer) or 'no role'}) is not a safekeeper's")
     try:
         writer.write(codec.encode(InfoRequest()))
         msg = await asyncio.wait_for(codec.read_message(reader), timeout)

@@ -80,7 +80,7 @@ class PeerLink:
                                                before_sleep=self._tls_failed):
                 with attempt:
                     reader, writer = await framing.open_connection(self.host, self.port, **tls_args)
-            ident = tls.peer_identity(writer) if self._ssl is not None else None
+            ident = tls.peer_role(writer) if self._ssl is not None else None
             if self._ssl is not None and (ident is None or ident.role != "safekeeper"):
                 self.log.error("refusing the peer: its certificate is not a safekeeper's", peer_cert=str(ident))
                 writer.close()
@@ -119,8 +119,14 @@ class PeerLink:
                 refused = refused or (isinstance(msg, Refusal) and not answered)
                 answered = answered or not isinstance(msg, Refusal)
                 self._on_message(self.name, msg)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            self.log.warning("connection lost")
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            if self._ssl is not None and not answered and isinstance(e, asyncio.IncompleteReadError):
+                # TLS 1.3 checks our certificate after the handshake; a refusal reads as a silent close.
+                refused = True  # so back off: a certificate it does not accept will not change in 50 ms
+                self.log.warning("the safekeeper closed the connection before answering: does it trust this "
+                                 "proposer's certificate (the same CA)?")
+            else:
+                self.log.warning("connection lost")
         except codec.ProtocolError as e:
             self.log.error("malformed message from safekeeper; reconnecting", reason=str(e))
         finally:

@@ -134,7 +134,8 @@ class Safekeeper:
     async def _connection(self, reader: framing.FrameReader, writer: asyncio.StreamWriter) -> None:
         peer = "%s:%s" % writer.get_extra_info("peername")[:2]
         # A handshake without a certificate from the deployment's CA never gets here.
-        ident = tls.peer_identity(writer) if self.ssl_context is not None else None
+        ident = tls.peer_role(writer) if self.ssl_context is not None else None
+        read_only = self.ssl_context is not None and (ident is None or ident.role != "proposer")
         log = self.log.bind(peer=peer, **({"peer_cert": str(ident)} if ident else {}))
         greeted = False
         self.stats.connections.inc()
@@ -147,7 +148,7 @@ class Safekeeper:
                     continue
                 # ROLE GATE (minimal; to be folded into the acceptor session's role check): with TLS,
                 # only a proposer certificate may change anything; any other role may only ask for info.
-                if self.ssl_context is not None and (ident is None or ident.role != "proposer"):
+                if read_only:
                     raise AcceptorError(f"a {ident or 'certificate without a role'} may only send InfoRequest, "
                                         f"not {type(msg).__name__}")
                 if not greeted and not isinstance(msg, Greeting):
