@@ -55,7 +55,7 @@ class Embedded:
                   + ", ".join(f"http://{m}/metrics" for m in self.metrics[1:]) + " (safekeepers)\n"
                   + ("  INSECURE: --insecure, the safekeeper links run without TLS\n" if self.insecure else
                      f"  TLS: CA in {self.base}/ca, a certificate per process in {self.base}/certs\n")
-                  "Press Ctrl-C to stop.\n", flush=True)
+                  + "Press Ctrl-C to stop.\n", flush=True)
             while not stop():
                 self._check_children()
                 time.sleep(0.2)
