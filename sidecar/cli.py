@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -20,12 +21,13 @@ METRICS_HELP = ("HOST:PORT to serve Prometheus /metrics and a JSON /status on (e
                 "off when not given. Plain HTTP on loopback, HTTPS with the --certs-dir certificate elsewhere.")
 
 
-def insecure_warning(log, what: str) -> None:  # type: ignore[no-untyped-def]
+def insecure_warning(log: Any, what: str) -> None:
     log.warning(f"--insecure: {what} without TLS or authentication; anyone who can reach it can change "
                 "safekeeper state. Use --certs-dir outside debugging (see `walsidecar certs --help`)")
 
 
-def _endpoint(monitor, metrics: str | None, certs_dir: Path | None):  # type: ignore[no-untyped-def]
+def _endpoint(monitor: Any, metrics: str | None, certs_dir: Path | None) -> Any:
+    """The monitor's endpoint at `metrics` (None: off), over HTTPS off loopback given certificates."""
     from sidecar.http import endpoint_tls, parse_listen
     if not metrics:
         return None

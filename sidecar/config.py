@@ -318,9 +318,9 @@ CONFIG_OPTION = click.option(
     help="TOML file with options (flags win over it, it wins over WALSIDECAR_* variables).")
 
 
-def tls_options(role: str):  # type: ignore[no-untyped-def]
+def tls_options(role: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """--certs-dir and --insecure, for every command that talks to safekeepers."""
-    def wrap(f):  # type: ignore[no-untyped-def]
+    def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
         f = click.option("--insecure", is_flag=True,
                          help="Run without TLS or authentication: anyone who can reach a safekeeper's port can "
                               "change its state. For debugging only.")(f)

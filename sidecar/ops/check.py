@@ -15,6 +15,7 @@ from sidecar.consensus.messages import InfoReply
 from sidecar.lsn import format_lsn
 from sidecar.ops.probe import ProbeError, connect, fetch_status, probe_safekeeper, redact_dsn
 from sidecar.proposer import primary as pg
+from sidecar.tls import TlsError, client_context
 
 Status = Literal["OK", "WARNING", "FAILED"]
 
@@ -60,7 +61,6 @@ class Checker:
         self.system_id: int | None = None
         self.seg_size: int | None = None
         self.pg_major: int | None = None
-        from sidecar.tls import client_context
         self.ssl = client_context(s.certs_dir) if s.certs_dir is not None else None
 
     def add(self, c: Check) -> None:
@@ -385,7 +385,6 @@ def render(s: CheckSettings, checks: list[Check], fmt: str) -> str:
 
 def run_check(s: CheckSettings) -> int:
     """Print the checks; the exit code is 1 if any FAILED."""
-    from sidecar.tls import TlsError
     try:
         checker = Checker(s)
     except TlsError as e:

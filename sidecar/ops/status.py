@@ -21,6 +21,7 @@ from sidecar.config import StatusSettings
 from sidecar.consensus.messages import InfoReply
 from sidecar.lsn import format_lsn, parse_lsn
 from sidecar.ops.probe import ProbeError, connect, fetch_status, probe_safekeeper, redact_dsn
+from sidecar.tls import TlsError, client_context
 
 COLUMNS = ("Safekeeper", "Address", "State", "Term", "Flush LSN", "Lag (bytes)", "Lag (s)", "Last contact")
 
@@ -29,7 +30,6 @@ async def gather(s: StatusSettings) -> dict[str, Any]:
     """Ask every source given; each failure is recorded, not raised."""
     doc: dict[str, Any] = {"time": datetime.now().astimezone().isoformat(timespec="seconds")}
     tasks: dict[str, Any] = {}
-    from sidecar.tls import client_context
     ctx = client_context(s.certs_dir) if s.certs_dir is not None else None
     if s.insecure:
         doc["insecure"] = True
@@ -195,7 +195,6 @@ def _healthy(s: StatusSettings, doc: dict[str, Any]) -> bool:
 
 def run_status(s: StatusSettings) -> int:
     """Print once, or every --watch seconds until Ctrl-C (or --count times); 1 if the sources are unreachable."""
-    from sidecar.tls import TlsError
     n = 0
     while True:
         try:
