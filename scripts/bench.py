@@ -7,7 +7,8 @@ the same disk and fsync on everywhere:
 * async          no synchronous standby (the upper bound)
 * receivewal-1   one `pg_receivewal --synchronous` as the synchronous standby
 * native-quorum  three `pg_receivewal --synchronous`, `ANY 2 (r1, r2, r3)`
-* walsidecar     three safekeepers, quorum 2
+* walsidecar     three safekeepers, quorum 2, mutually authenticated TLS on every link
+* walsidecar-insecure  the same with --insecure: no TLS (walsidecar ÷ walsidecar-insecure is TLS's cost)
 
 Rounds are interleaved (A B C D, A B C D, ...); each configuration starts from a fresh copy
 of one template cluster. Workloads: pgbench TPC-B with 1 client (latency) and 16 clients
@@ -51,11 +52,15 @@ sys.path.insert(1, str(ROOT / "scripts"))  # bench_wal_analytics
 
 from sidecar.lsn import parse_lsn  # noqa: E402
 from sidecar.pgcluster import ClusterError, LocalCluster, find_bin_dir  # noqa: E402
-from sidecar.processes import Child  # noqa: E402
+from sidecar.certs import ensure_node  # noqa: E402
+from sidecar.processes import Child, tls_args  # noqa: E402
 
-CONFIGS = ("async", "receivewal-1", "native-quorum", "walsidecar")
+CONFIGS = ("async", "receivewal-1", "native-quorum", "walsidecar", "walsidecar-insecure")
+# walsidecar with mutually authenticated TLS on every link (the default), and with --insecure: the difference
+# is what TLS costs.
+SIDECAR_CONFIGS = ("walsidecar", "walsidecar-insecure")
 WORKLOADS = ("pgbench-1", "pgbench-16", "bulk", "catchup", "wal-analytics")
-CATCHUP_CONFIGS = ("native-quorum", "walsidecar")  # a receiver can be down without stopping commits
+CATCHUP_CONFIGS = ("native-quorum", *SIDECAR_CONFIGS)  # a receiver can be down without stopping commits
 SIDECAR_APP = "walsidecar"
 MB, GB = 1_000_000, 1_000_000_000
 BULK_ROW_PAD = 1000  # bytes of text per bulk row: about 1.1 kB of WAL
@@ -75,6 +80,7 @@ STANDBY_NAMES = {
     "receivewal-1": "r1",
     "native-quorum": "ANY 2 (r1, r2, r3)",
     "walsidecar": SIDECAR_APP,
+    "walsidecar-insecure": SIDECAR_APP,
 }
 
 
@@ -260,7 +266,7 @@ class Setup:
             self._start_receivewal(["r1"])
         elif self.config == "native-quorum":
             self._start_receivewal(["r1", "r2", "r3"])
-        elif self.config == "walsidecar":
+        elif self.config in SIDECAR_CONFIGS:
             self._start_walsidecar()
         self.wait_synchronous()
 
@@ -277,7 +283,7 @@ class Setup:
         for i in range(1, 4):
             self.start_receiver(f"safekeeper{i}")
         args = ["start", "--pg-dsn", self.cluster.dsn(), "--safekeepers", ",".join(self.sk_addrs),
-                "--application-name", SIDECAR_APP]
+                "--application-name", SIDECAR_APP, *tls_args(self.certs("proposer"))]
         child = Child.sidecar("proposer", args, self.base / "proposer.log")
         self.receivers["proposer"] = Receiver("proposer", child.start())
 
@@ -285,7 +291,8 @@ class Setup:
         """Start (or restart) one receiver by name: r1..r3 or safekeeper1..3."""
         if name.startswith("safekeeper"):
             i = int(name.removeprefix("safekeeper"))
-            args = ["safekeeper", "--id", str(i), "--listen", self.sk_addrs[i - 1], "--data-dir", str(self.base / name)]
+            args = ["safekeeper", "--id", str(i), "--listen", self.sk_addrs[i - 1], "--data-dir", str(self.base / name),
+                    *tls_args(self.certs(name, "safekeeper", i))]
             child = Child.sidecar(name, args, self.base / f"{name}.log")
         else:
             dsn = f"host=127.0.0.1 port={self.port} user=postgres application_name={name}"
@@ -297,12 +304,18 @@ class Setup:
             raise BenchError(f"{name} is already running")
         self.receivers[name] = Receiver(name, child.start())
 
+    def certs(self, name: str, role: str = "proposer", node_id: int | None = None) -> Path | None:
+        """A walsidecar process's certificates (made before anything is measured); None without TLS."""
+        if self.config == "walsidecar-insecure":
+            return None
+        return ensure_node(self.base / "ca", self.base / "certs" / name, role, node_id)
+
     def stop_receiver(self, name: str) -> None:
         self.receivers[name].child.stop(timeout=15)
 
     def standby_names(self) -> list[str]:
         """application_name of each synchronous standby the configuration has."""
-        if self.config == "walsidecar":
+        if self.config in SIDECAR_CONFIGS:
             return [SIDECAR_APP]
         return [n for n in self.receivers if n.startswith("r")]
 
@@ -478,7 +491,7 @@ def standby_lsn(setup: Setup, name: str, column: str) -> int | None:
 
 def catchup(setup: Setup, nbytes: int, timeout: float = 600) -> dict[str, Any]:
     """One receiver down while `nbytes` of WAL are written (CPU and RSS measured), then restarted."""
-    if setup.config == "walsidecar":
+    if setup.config in SIDECAR_CONFIGS:
         victim, name, column = "safekeeper3", SIDECAR_APP, "replay_lsn"  # replay = flushed on every safekeeper
     else:
         victim, name, column = "r3", "r3", "flush_lsn"
@@ -486,7 +499,7 @@ def catchup(setup: Setup, nbytes: int, timeout: float = 600) -> dict[str, Any]:
         c.execute("CHECKPOINT")
     setup.down.add(victim)
     setup.stop_receiver(victim)
-    behind = standby_lsn(setup, SIDECAR_APP, column) if setup.config == "walsidecar" else None
+    behind = standby_lsn(setup, SIDECAR_APP, column) if setup.config in SIDECAR_CONFIGS else None
     meter = Meter(setup.measured_pids())
     written = with_usage(write_wal(setup, nbytes, timeout=timeout), meter.finish())
     if behind is None:
@@ -685,17 +698,17 @@ METRICS = (
     Metric("pgbench 16 clients: CPU ms per transaction, all receivers", "pgbench-16", "receivers_cpu_ms_per_txn",
            False, 3, CONFIGS[1:]),
     Metric("pgbench 16 clients: sidecar (proposer) CPU ms per transaction", "pgbench-16", "sidecar_cpu_ms_per_txn",
-           False, 3, ("walsidecar",)),
+           False, 3, SIDECAR_CONFIGS),
     Metric("bulk ingest: WAL MB/s", "bulk", "wal_mb_s", True, 0),
     Metric("bulk ingest: CPU s per GB, all receivers", "bulk", "all_receivers_cpu_s_per_gb", False, 2,
            CONFIGS[1:]),
-    Metric("bulk ingest: sidecar (proposer) CPU s per GB", "bulk", "sidecar_cpu_s_per_gb", False, 2, ("walsidecar",)),
-    Metric("bulk ingest: sidecar peak RSS (MB)", "bulk", "sidecar_peak_rss_mb", False, 0, ("walsidecar",)),
+    Metric("bulk ingest: sidecar (proposer) CPU s per GB", "bulk", "sidecar_cpu_s_per_gb", False, 2, SIDECAR_CONFIGS),
+    Metric("bulk ingest: sidecar peak RSS (MB)", "bulk", "sidecar_peak_rss_mb", False, 0, SIDECAR_CONFIGS),
     Metric("one receiver down: WAL MB/s", "catchup", "dead_run.wal_mb_s", True, 0, CATCHUP_CONFIGS),
     Metric("one safekeeper down: sidecar CPU s per GB", "catchup", "sidecar_cpu_s_per_gb_dead", False, 2,
-           ("walsidecar",)),
+           SIDECAR_CONFIGS),
     Metric("one safekeeper down: sidecar peak RSS (MB)", "catchup", "sidecar_peak_rss_mb_dead", False, 0,
-           ("walsidecar",)),
+           SIDECAR_CONFIGS),
     Metric("catch-up of the restarted receiver: MB/s", "catchup", "catchup_mb_s", True, 0, CATCHUP_CONFIGS),
 )
 
@@ -723,7 +736,9 @@ def markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
     configs = [c for c in CONFIGS if c in s["configs"]]
     head = ["metric (median of rounds)", *configs]
-    ratio_to = [c for c in ("native-quorum", "receivewal-1") if c in configs and "walsidecar" in configs]
+    # walsidecar ÷ walsidecar-insecure is what TLS costs.
+    ratio_to = [c for c in ("native-quorum", "receivewal-1", "walsidecar-insecure")
+                if c in configs and "walsidecar" in configs]
     head += [f"walsidecar ÷ {c}" for c in ratio_to]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m in METRICS:
@@ -813,7 +828,8 @@ def chart(report: dict[str, Any], path: Path, log: Callable[[str], None]) -> Non
     shown = [m for m in shown if any(values(report, m, c) for c in configs)]
     if not shown:
         return
-    colors = {"async": "#9e9e9e", "receivewal-1": "#64b5f6", "native-quorum": "#1565c0", "walsidecar": "#e65100"}
+    colors = {"async": "#9e9e9e", "receivewal-1": "#64b5f6", "native-quorum": "#1565c0", "walsidecar": "#e65100",
+              "walsidecar-insecure": "#ffb74d"}
     cols = 3
     rows = (len(shown) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)

@@ -40,6 +40,7 @@ import click  # noqa: E402
 import netns  # noqa: E402
 import psycopg  # noqa: E402
 
+from sidecar.certs import ensure_node  # noqa: E402
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE, format_lsn, parse_lsn, segment_file_name  # noqa: E402
 from sidecar.pgcluster import ClusterError, LocalCluster  # noqa: E402
 from sidecar.processes import Child, sidecar_argv  # noqa: E402
@@ -169,7 +170,9 @@ class Deployment:
         self.safekeepers = {i: self._safekeeper(i) for i in range(1, SAFEKEEPERS + 1)}
         addresses = ",".join(self.sk_address(i) for i in range(1, SAFEKEEPERS + 1))
         self.proposer = Child.sidecar("proposer", ["start", "--pg-dsn", self.cluster.dsn(), "--safekeepers",
-                                                   addresses, "--application-name", APP], base / "proposer.log")
+                                                   addresses, "--application-name", APP, "--certs-dir",
+                                                   str(ensure_node(base / "ca", base / "certs" / "proposer",
+                                                                   "proposer"))], base / "proposer.log")
         self.down: set[str] = set()  # children killed on purpose and not restarted yet
         self._conn: psycopg.Connection | None = None
 
@@ -181,8 +184,10 @@ class Deployment:
         return f"{self.sk_host(i)}:{self.sk_ports[i - 1]}"
 
     def _safekeeper(self, i: int) -> Child:
+        certs = ensure_node(self.base / "ca", self.base / "certs" / f"safekeeper{i}", "safekeeper", i,
+                            hosts=("localhost", self.sk_host(i)))
         argv = sidecar_argv("safekeeper", "--id", str(i), "--listen", self.sk_address(i),
-                            "--data-dir", str(self.sk_dir(i)))
+                            "--data-dir", str(self.sk_dir(i)), "--certs-dir", str(certs))
         if self.hosts is not None:
             argv = self.hosts[i].argv(argv)
         return Child(f"safekeeper{i}", argv, self.base / f"safekeeper{i}.log")

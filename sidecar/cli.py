@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
 from sidecar import __version__
-from sidecar.config import SafekeeperSettings, StartSettings, UpSettings, configured
+from sidecar.config import SafekeeperSettings, StartSettings, UpSettings, configured, tls_options
 from sidecar.logs import configure, get_logger
 
 # Every option also comes from --config (TOML) or WALSIDECAR_<OPTION>: see sidecar/config.py.
@@ -17,7 +18,23 @@ LOG_FORMAT = click.option("--log-format", type=click.Choice(["plain", "json"]), 
 LOG_LEVEL = click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
                          default="info", show_default=True, help="Least severe log level shown.")
 METRICS_HELP = ("HOST:PORT to serve Prometheus /metrics and a JSON /status on (e.g. 127.0.0.1:9187); "
-                "off when not given.")
+                "off when not given. Plain HTTP on loopback, HTTPS with the --certs-dir certificate elsewhere.")
+
+
+def insecure_warning(log: Any, what: str) -> None:
+    log.warning(f"--insecure: {what} without TLS or authentication; anyone who can reach it can change "
+                "safekeeper state. Use --certs-dir outside debugging (see `walsidecar certs --help`)")
+
+
+def _endpoint(monitor: Any, metrics: str | None, certs_dir: Path | None) -> Any:
+    """The monitor's endpoint at `metrics` (None: off), over HTTPS off loopback given certificates."""
+    from sidecar.http import endpoint_tls, parse_listen
+    if not metrics:
+        return None
+    host, port = parse_listen(metrics)
+    endpoint = monitor.endpoint(host, port)
+    endpoint.ssl_context = endpoint_tls(host, certs_dir)
+    return endpoint
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -40,26 +57,32 @@ def _listen(value: str) -> tuple[str, int]:
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Where the control file and WAL segments live. Required.")
 @click.option("--metrics", help=METRICS_HELP)
+@tls_options("safekeeper")
 @LOG_FORMAT
 @LOG_LEVEL
 @configured(SafekeeperSettings)
-def safekeeper(id: int, listen: str, data_dir: Path, metrics: str | None, log_format: str, log_level: str) -> None:
+def safekeeper(id: int, listen: str, data_dir: Path, metrics: str | None, certs_dir: Path | None, insecure: bool,
+               log_format: str, log_level: str) -> None:
     """Run a safekeeper: store WAL durably and vote in proposer elections."""
-    from sidecar.http import parse_listen, run_with_endpoint
+    from sidecar.http import run_with_endpoint
     from sidecar.runtime import run_until_signal
     from sidecar.safekeeper.control import ControlFileError
     from sidecar.safekeeper.monitor import SafekeeperMonitor
     from sidecar.safekeeper.server import Safekeeper, StartupError
+    from sidecar.tls import TlsError, server_context
 
     configure(log_format, log_level)
     host, port = _listen(listen)
-    sk = Safekeeper(id, data_dir, host, port)
     try:
+        ctx = server_context(certs_dir) if certs_dir is not None else None
+        sk = Safekeeper(id, data_dir, host, port, ctx)
         sk.open()
-    except (ControlFileError, StartupError) as e:
+        monitor = SafekeeperMonitor(sk)
+        endpoint = _endpoint(monitor, metrics, certs_dir)
+    except (ControlFileError, StartupError, TlsError) as e:
         raise click.ClickException(str(e)) from e
-    monitor = SafekeeperMonitor(sk)
-    endpoint = monitor.endpoint(*parse_listen(metrics)) if metrics else None
+    if insecure:
+        insecure_warning(get_logger(node=id), f"listening on {listen}")
     try:
         run_until_signal(run_with_endpoint(sk.serve(), endpoint))
     except OSError as e:
@@ -83,27 +106,35 @@ def safekeeper(id: int, listen: str, data_dir: Path, metrics: str | None, log_fo
 @click.option("--quorum-wait-alert", type=float, default=10.0, show_default=True,
               help="Log an error and set walsidecar_proposer_quorum_wait_alert when WAL has waited this many "
                    "seconds for the quorum (commits are hanging); 0 turns it off.")
+@tls_options("proposer")
 @LOG_FORMAT
 @LOG_LEVEL
 @configured(StartSettings)
 def start(pg_dsn: str, safekeepers: tuple[str, ...], quorum: int, application_name: str, slot: str,
           wal_buffer: int, allow_primary_mismatch: bool, metrics: str | None, quorum_wait_alert: float,
-          log_format: str, log_level: str) -> None:
+          certs_dir: Path | None, insecure: bool, log_format: str, log_level: str) -> None:
     """Run the WAL proposer attached to a primary."""
-    from sidecar.http import parse_listen, run_with_endpoint
+    from sidecar.http import run_with_endpoint
     from sidecar.proposer.monitor import ProposerMonitor
     from sidecar.proposer.primary import PrimaryConfigError
     from sidecar.proposer.service import PrimaryMismatch, ProposerService, StartOptions
     from sidecar.runtime import run_until_signal
+    from sidecar.tls import TlsError, client_context
 
     configure(log_format, log_level)
     log = get_logger(role="proposer")
     if len(safekeepers) < 3:
         log.warning("fewer than 3 safekeepers: losing any one of them stops commits", safekeepers=len(safekeepers))
     monitor = ProposerMonitor(quorum_wait_alert or None)
-    service = ProposerService(StartOptions(pg_dsn, safekeepers, quorum, application_name, slot, allow_primary_mismatch,
-                                           wal_buffer * 1024 * 1024), monitor=monitor)
-    endpoint = monitor.endpoint(*parse_listen(metrics)) if metrics else None
+    try:
+        ctx = client_context(certs_dir) if certs_dir is not None else None
+        service = ProposerService(StartOptions(pg_dsn, safekeepers, quorum, application_name, slot,
+                                               allow_primary_mismatch, wal_buffer * 1024 * 1024, ctx), monitor=monitor)
+        endpoint = _endpoint(monitor, metrics, certs_dir)
+    except TlsError as e:
+        raise click.ClickException(str(e)) from e
+    if insecure:
+        insecure_warning(log, "talking to the safekeepers")
     try:
         run_until_signal(run_with_endpoint(service.run(), endpoint))
     except OSError as e:
@@ -122,15 +153,62 @@ def start(pg_dsn: str, safekeepers: tuple[str, ...], quorum: int, application_na
               help="First of three consecutive safekeeper ports.")
 @click.option("--metrics-port", type=int, default=7610, show_default=True,
               help="First of four consecutive metrics ports (proposer, then safekeepers 1-3); 0 picks free ports.")
+@click.option("--insecure", is_flag=True,
+              help="Run the safekeeper links without TLS (for debugging); by default `up` makes its own CA "
+                   "and certificates under --dir.")
 @LOG_FORMAT
 @LOG_LEVEL
 @configured(UpSettings)
-def up(dir: Path, pg_port: int, safekeeper_port: int, metrics_port: int, log_format: str, log_level: str) -> None:
+def up(dir: Path, pg_port: int, safekeeper_port: int, metrics_port: int, insecure: bool, log_format: str,
+       log_level: str) -> None:
     """Run the embedded default: a local PostgreSQL, 3 safekeepers and the proposer, until Ctrl-C."""
     from sidecar.embedded import Embedded
 
     configure(log_format, log_level)
-    Embedded(dir, pg_port, safekeeper_port, log_format, metrics_port=metrics_port).run()
+    Embedded(dir, pg_port, safekeeper_port, log_format, metrics_port=metrics_port, insecure=insecure).run()
+
+
+@main.group()
+def certs() -> None:
+    """Make the deployment's CA and a certificate for each process (mutually authenticated TLS)."""
+
+
+@certs.command("create-ca")
+@click.option("--ca-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Where to write ca.crt and ca.key (0600). Keep ca.key off the servers.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing CA (every certificate it signed stops working).")
+def create_ca(ca_dir: Path, overwrite: bool) -> None:
+    """Create the deployment's certificate authority: CA_DIR/ca.crt and CA_DIR/ca.key."""
+    from sidecar.certs import CertsError
+    from sidecar.certs import create_ca as make
+    try:
+        path = make(ca_dir, overwrite=overwrite)
+    except CertsError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(f"wrote {path} and {ca_dir / 'ca.key'}")
+
+
+@certs.command("create-node")
+@click.option("--ca-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="The CA's directory (from `walsidecar certs create-ca`).")
+@click.option("--certs-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Where to write ca.crt, node.crt and node.key (0600): one directory per process.")
+@click.option("--role", required=True, type=click.Choice(["proposer", "safekeeper", "client"]),
+              help="proposer (`walsidecar start`), safekeeper (needs --id) or client (`check`, `status`: read-only).")
+@click.option("--id", "node_id", type=int, help="The safekeeper's --id (safekeeper certificates only).")
+@click.option("--host", "hosts", multiple=True,
+              help="DNS name or IP address the process is reached at (repeatable); default localhost and 127.0.0.1.")
+@click.option("--overwrite", is_flag=True, help="Replace existing node.crt and node.key (e.g. to reissue them).")
+def create_node(ca_dir: Path, certs_dir: Path, role: str, node_id: int | None, hosts: tuple[str, ...],
+                overwrite: bool) -> None:
+    """Create a certificate for one process, signed by the CA: CERTS_DIR/ca.crt, node.crt, node.key."""
+    from sidecar.certs import CertsError
+    from sidecar.certs import create_node as make
+    try:
+        ident = make(ca_dir, certs_dir, role, node_id, hosts, overwrite=overwrite)
+    except CertsError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(f"wrote {certs_dir}/node.crt ({ident}) and node.key, signed by {ca_dir}/ca.crt")
 
 
 def _register_operator_commands() -> None:

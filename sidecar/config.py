@@ -67,6 +67,28 @@ class Settings(BaseSettings):
         return init_settings, env_settings
 
 
+class TlsSettings(Settings):
+    """How a command authenticates its links: a certificates directory, or an explicit --insecure."""
+
+    cert_role: ClassVar[str] = "client"
+    certs_dir: Path | None = None
+    insecure: bool = False
+
+    @model_validator(mode="after")
+    def _tls(self) -> TlsSettings:
+        from sidecar.certs import make_commands
+        if self.certs_dir is not None and self.insecure:
+            raise ValueError("give either --certs-dir or --insecure, not both")
+        if self.certs_dir is None and not self.insecure:
+            role = "safekeeper --id N" if self.cert_role == "safekeeper" else self.cert_role
+            raise ValueError(
+                "no certificates: walsidecar links use mutually authenticated TLS. Make a CA once and a "
+                "certificates directory for each process:\n    " + make_commands(role=role).replace("\n", "\n  ")
+                + "\n  then give --certs-dir DIR (certs_dir in the --config file, or WALSIDECAR_CERTS_DIR); "
+                "or --insecure (WALSIDECAR_INSECURE=1) to run without authentication, for debugging only")
+        return self
+
+
 class PrimarySettings(Settings):
     """The primary and the names the sidecar uses on it."""
 
@@ -108,8 +130,9 @@ class SafekeepersMixin(Settings):
         return self
 
 
-class SafekeeperSettings(Settings):
+class SafekeeperSettings(TlsSettings):
     command: ClassVar[str] = "safekeeper"
+    cert_role: ClassVar[str] = "safekeeper"
     id: int = Field(ge=1)
     listen: str = "127.0.0.1:7601"
     data_dir: Path
@@ -126,8 +149,9 @@ class SafekeeperSettings(Settings):
         return _listen(v)
 
 
-class StartSettings(PrimarySettings, SafekeepersMixin):
+class StartSettings(PrimarySettings, SafekeepersMixin, TlsSettings):
     command: ClassVar[str] = "start"
+    cert_role: ClassVar[str] = "proposer"
     pg_dsn: str = Field(min_length=1)
     safekeepers: Annotated[tuple[str, ...], NoDecode] = Field(min_length=1)
     wal_buffer: int = Field(64, ge=1)
@@ -141,7 +165,7 @@ class StartSettings(PrimarySettings, SafekeepersMixin):
         return _listen(v)
 
 
-class CheckSettings(PrimarySettings, SafekeepersMixin):
+class CheckSettings(PrimarySettings, SafekeepersMixin, TlsSettings):
     command: ClassVar[str] = "check"
     pg_dsn: str = Field(min_length=1)
     safekeepers: Annotated[tuple[str, ...], NoDecode] = Field(min_length=1)
@@ -155,7 +179,7 @@ class CheckSettings(PrimarySettings, SafekeepersMixin):
         return _listen(v)
 
 
-class StatusSettings(PrimarySettings, SafekeepersMixin):
+class StatusSettings(PrimarySettings, SafekeepersMixin, TlsSettings):
     command: ClassVar[str] = "status"
     proposer_metrics: str | None = None
     pg_dsn: str | None = None
@@ -193,6 +217,7 @@ class UpSettings(Settings):
     pg_port: int = Field(55432, ge=1, le=65535)
     safekeeper_port: int = Field(7601, ge=1, le=65533)
     metrics_port: int = Field(7610, ge=0, le=65532)
+    insecure: bool = False
 
 
 # Keys valid somewhere: a top-level key unknown to every command is a typo, not another command's option.
@@ -291,6 +316,18 @@ def _explain(e: ValidationError, cls: type[Settings], flags: dict[str, Any], fro
 CONFIG_OPTION = click.option(
     "--config", "config_file", type=click.Path(dir_okay=False, path_type=Path), envvar="WALSIDECAR_CONFIG",
     help="TOML file with options (flags win over it, it wins over WALSIDECAR_* variables).")
+
+
+def tls_options(role: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """--certs-dir and --insecure, for every command that talks to safekeepers."""
+    def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
+        f = click.option("--insecure", is_flag=True,
+                         help="Run without TLS or authentication: anyone who can reach a safekeeper's port can "
+                              "change its state. For debugging only.")(f)
+        return click.option("--certs-dir", type=click.Path(file_okay=False, path_type=Path),
+                            help=f"Directory with ca.crt, node.crt and node.key (a {role} certificate from "
+                                 "`walsidecar certs create-node`). Required unless --insecure.")(f)
+    return wrap
 
 
 def configured(cls: type[Settings]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

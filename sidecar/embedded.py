@@ -12,7 +12,7 @@ import psycopg
 
 from sidecar.logs import get_logger
 from sidecar.pgcluster import LocalCluster
-from sidecar.processes import Child
+from sidecar.processes import Child, tls_args
 
 APP = "walsidecar"
 SAFEKEEPERS = 3
@@ -26,8 +26,9 @@ class Embedded:
     """Supervise the embedded default until SIGINT/SIGTERM, then stop everything it started."""
 
     def __init__(self, base_dir: Path, pg_port: int, sk_port: int, log_format: str = "plain",
-                 metrics_port: int = 7610) -> None:
+                 metrics_port: int = 7610, insecure: bool = False) -> None:
         self.base = base_dir.absolute()
+        self.insecure = insecure
         self.cluster = LocalCluster(self.base / "pg", pg_port, log_file=self.base / "postgres.log")
         self.sk_addrs = [f"127.0.0.1:{sk_port + i}" for i in range(SAFEKEEPERS)]
         # Proposer first, then one per safekeeper.
@@ -52,7 +53,9 @@ class Embedded:
                   f"  check:   walsidecar check --config {config}\n"
                   f"  metrics: http://{self.metrics[0]}/metrics (proposer), "
                   + ", ".join(f"http://{m}/metrics" for m in self.metrics[1:]) + " (safekeepers)\n"
-                  "Press Ctrl-C to stop.\n", flush=True)
+                  + ("  INSECURE: --insecure, the safekeeper links run without TLS\n" if self.insecure else
+                     f"  TLS: CA in {self.base}/ca, a certificate per process in {self.base}/certs\n")
+                  + "Press Ctrl-C to stop.\n", flush=True)
             while not stop():
                 self._check_children()
                 time.sleep(0.2)
@@ -69,10 +72,18 @@ class Embedded:
         self.cluster.start()
         for i, addr in enumerate(self.sk_addrs, start=1):
             self._spawn(f"safekeeper{i}", "safekeeper", "--id", str(i), "--listen", addr,
-                        "--data-dir", str(self.base / f"safekeeper{i}"), "--metrics", self.metrics[i])
+                        "--data-dir", str(self.base / f"safekeeper{i}"), "--metrics", self.metrics[i],
+                        *tls_args(self._certs(f"safekeeper{i}", "safekeeper", i)))
         self._spawn("proposer", "start", "--pg-dsn", self.cluster.dsn(), "--safekeepers", ",".join(self.sk_addrs),
-                    "--application-name", APP, "--metrics", self.metrics[0])
+                    "--application-name", APP, "--metrics", self.metrics[0], *tls_args(self._certs("proposer")))
         self._wait_sync()
+
+    def _certs(self, name: str, role: str = "proposer", node_id: int | None = None) -> Path | None:
+        """This process's certificates under DIR/certs, signed by DIR/ca (made once, reused); None if insecure."""
+        if self.insecure:
+            return None
+        from sidecar.certs import ensure_node
+        return ensure_node(self.base / "ca", self.base / "certs" / name, role, node_id)
 
     def _spawn(self, name: str, *args: str) -> None:
         # A session of its own: Ctrl-C reaches only `up`, which stops children in the right order.
@@ -117,7 +128,8 @@ class Embedded:
             f"pg_dsn = {_toml_str(dsn)}\n"
             f"safekeepers = {_toml_str(','.join(self.sk_addrs))}\n"
             f"application_name = {_toml_str(APP)}\n"
-            f"proposer_metrics = {_toml_str(self.metrics[0])}\n")
+            f"proposer_metrics = {_toml_str(self.metrics[0])}\n"
+            + ("insecure = true\n" if self.insecure else f"certs_dir = {_toml_str(str(self._certs('client', 'client')))}\n"))
         return path
 
 

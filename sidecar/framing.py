@@ -254,8 +254,8 @@ async def start_server(
     return await loop.create_server(lambda: _ServerFrameReader(loop), host, port, **kwargs)
 
 
-async def open_connection(host: str, port: int) -> tuple[FrameReader, asyncio.StreamWriter]:
+async def open_connection(host: str, port: int, **kwargs: Any) -> tuple[FrameReader, asyncio.StreamWriter]:
     """Like asyncio.open_connection, with a FrameReader in place of the StreamReader."""
     loop = asyncio.get_running_loop()
-    transport, protocol = await loop.create_connection(lambda: FrameReader(loop), host, port)
+    transport, protocol = await loop.create_connection(lambda: FrameReader(loop), host, port, **kwargs)
     return protocol, asyncio.StreamWriter(transport, protocol, None, loop)

@@ -2,15 +2,20 @@
 
 Handlers are synchronous and read in-memory state only, so a scrape never waits on the
 primary or a safekeeper. One request per connection (Prometheus and curl are happy with that).
+Everything served is read-only. On a loopback address it is plain HTTP; anywhere else it is
+HTTPS with the node's certificate (`--certs-dir`), or plain HTTP only under `--insecure`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -42,6 +47,30 @@ def parse_listen(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def is_loopback(host: str) -> bool:
+    """True for localhost and loopback addresses: only this machine can connect."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def endpoint_tls(host: str, certs_dir: Path | None) -> ssl.SSLContext | None:
+    """HTTPS for an endpoint off loopback when there are certificates; else plain HTTP."""
+    if certs_dir is None or is_loopback(host):
+        return None
+    from sidecar.tls import https_context
+    return https_context(certs_dir)
+
+
+def endpoint_url(address: str, ssl_context: ssl.SSLContext | None) -> str:
+    """The URL a tool reaches an endpoint at: https off loopback when it has certificates."""
+    host, _ = parse_listen(address)
+    return ("https" if ssl_context is not None and not is_loopback(host) else "http") + f"://{address}"
+
+
 def json_response(doc: Any, status: int = 200) -> Response:
     return Response(status, "application/json", (json.dumps(doc, indent=2, sort_keys=False) + "\n").encode())
 
@@ -57,18 +86,21 @@ class HttpEndpoint:
         self.host, self.port = host, port
         self.routes = routes
         self.what = what
+        self.ssl_context: ssl.SSLContext | None = None  # HTTPS when set (see endpoint_tls)
         self._server: asyncio.Server | None = None
         self.log = get_logger(endpoint=f"{host}:{port}")
 
     async def start(self) -> None:
         """Bind now, so a taken port is reported before the service starts working."""
         try:
-            self._server = await asyncio.start_server(self._handle, self.host, self.port)
+            self._server = await asyncio.start_server(self._handle, self.host, self.port, ssl=self.ssl_context,
+                                                      ssl_handshake_timeout=REQUEST_TIMEOUT if self.ssl_context else None)
         except OSError as e:
             raise OSError(f"cannot listen on {self.host}:{self.port} for the {self.what} endpoint: {e.strerror or e}") from e
         sock = self._server.sockets[0]
         self.port = sock.getsockname()[1]
-        self.log.info("serving metrics and status", url=f"http://{self.host}:{self.port}/metrics",
+        scheme = "https" if self.ssl_context is not None else "http"
+        self.log.info("serving metrics and status", url=f"{scheme}://{self.host}:{self.port}/metrics",
                       paths=sorted(self.routes))
 
     async def close(self) -> None:
@@ -100,7 +132,7 @@ class HttpEndpoint:
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ValueError):
             with contextlib.suppress(Exception):
                 writer.write(_response_bytes(Response(400, "text/plain", b"bad request\n")))
-        except ConnectionError:
+        except OSError:  # the client went away, or broke TLS
             pass
         finally:
             writer.close()

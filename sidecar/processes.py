@@ -14,6 +14,11 @@ def sidecar_argv(*args: str, log_format: str = "plain") -> list[str]:
     return [sys.executable, "-m", "sidecar", *args, "--log-format", log_format]
 
 
+def tls_args(certs_dir: Path | None) -> list[str]:
+    """`--certs-dir DIR`, or `--insecure` when there are no certificates."""
+    return ["--certs-dir", str(certs_dir)] if certs_dir is not None else ["--insecure"]
+
+
 class Child:
     """One child process whose stdout and stderr are appended to `log_path`.
 

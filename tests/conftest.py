@@ -18,8 +18,10 @@ os.environ.setdefault("TC_HOST", "127.0.0.1")
 os.environ.setdefault("TESTCONTAINERS_CONNECTION_MODE", "docker_host")
 
 from backends import BACKENDS, BackendUnavailable, PgServer, make_backend
+import pki as pki_module
 from procs import ProcessTracker
 from deployment import APP, Deployment
+from pki import TestPKI
 
 _failed_key = pytest.StashKey[bool]()
 
@@ -59,6 +61,17 @@ def test_root() -> Iterator[Path]:
     finally:
         if os.environ.get("WALSIDECAR_KEEP_TEST_DATA") != "1":
             shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def pki(test_root: Path) -> Iterator[TestPKI]:
+    """One CA for the whole session; every walsidecar process a test starts gets a certificate from it."""
+    made = TestPKI(test_root / "pki")
+    pki_module.install(made)
+    try:
+        yield made
+    finally:
+        pki_module.install(None)
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import psycopg
 
 from backends import PgServer
 from helpers import free_port, wait_for
+from pki import TestPKI, session_pki
 from procs import ManagedProcess, ProcessTracker
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE, parse_lsn, segment_file_name
 from sidecar.safekeeper.control import load_control
@@ -27,6 +28,8 @@ class Deployment:
     ports: list[int] = field(default_factory=list)
     safekeepers: dict[int, ManagedProcess] = field(default_factory=dict)
     proposer: ManagedProcess | None = None
+    pki: TestPKI = field(default_factory=session_pki)
+    insecure: bool = False  # True: every process runs with --insecure instead of certificates
 
     def __post_init__(self) -> None:
         self.ports = [free_port() for _ in range(self.n)]
@@ -38,17 +41,21 @@ class Deployment:
     def sk_dir(self, i: int) -> Path:
         return self.base / f"sk{i}"
 
+    def tls(self, role: str, node_id: int | None = None) -> list[str]:
+        """`--certs-dir DIR` of a process with this role (`--insecure` for an insecure deployment)."""
+        return ["--insecure"] if self.insecure else self.pki.args(role, node_id)
+
     def start_safekeeper(self, i: int, *extra: str) -> ManagedProcess:
         proc = self.procs.start(
             [sys.executable, "-m", "sidecar", "safekeeper", "--id", str(i), "--listen", self.addresses[i - 1],
-             "--data-dir", str(self.sk_dir(i)), *extra], name=f"safekeeper{i}")
+             "--data-dir", str(self.sk_dir(i)), *self.tls("safekeeper", i), *extra], name=f"safekeeper{i}")
         self.safekeepers[i] = proc
         return proc
 
     def start_proposer(self, *extra: str) -> ManagedProcess:
         self.proposer = self.procs.start(
             [sys.executable, "-m", "sidecar", "start", "--pg-dsn", self.pg.dsn(), "--safekeepers",
-             ",".join(self.addresses), *extra], name="proposer")
+             ",".join(self.addresses), *self.tls("proposer"), *extra], name="proposer")
         return self.proposer
 
     def start_all(self) -> None:

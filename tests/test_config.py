@@ -27,6 +27,8 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for k in list(os.environ):
         if k.startswith("WALSIDECAR_"):
             monkeypatch.delenv(k)
+    # The TLS choice is tested on its own below; elsewhere it is made the short way.
+    monkeypatch.setenv("WALSIDECAR_INSECURE", "1")
 
 
 def write(path: Path, text: str) -> Path:
@@ -97,14 +99,14 @@ def test_errors_name_the_source_of_the_bad_value(tmp_path: Path, monkeypatch: py
 
 def test_command_line_uses_config_file_and_environment(tmp_path: Path) -> None:
     cfg = write(tmp_path / "w.toml", f'pg_dsn = "host=127.0.0.1"\nsafekeepers = "{SKS}"\n[start]\nquorum = 1\n')
-    out = walsidecar("start", "--config", str(cfg))
+    out = walsidecar("start", "--config", str(cfg), "--insecure")
     assert out.returncode == 2 and "quorum in" in out.stderr and "two quorums must intersect" in out.stderr
-    out = walsidecar("start", "--config", str(cfg), "--quorum", "9")
+    out = walsidecar("start", "--config", str(cfg), "--quorum", "9", "--insecure")
     assert out.returncode == 2 and "--quorum = 9" in out.stderr
     out = walsidecar("safekeeper", env={"WALSIDECAR_ID": "1", "WALSIDECAR_DATA_DIR": str(tmp_path / "sk"),
-                                        "WALSIDECAR_LISTEN": "nowhere"})
+                                        "WALSIDECAR_LISTEN": "nowhere", "WALSIDECAR_INSECURE": "1"})
     assert out.returncode == 2 and "WALSIDECAR_LISTEN = 'nowhere'" in out.stderr
-    out = walsidecar("status")
+    out = walsidecar("status", env={"WALSIDECAR_INSECURE": "1"})
     assert out.returncode == 2 and "nothing to ask" in out.stderr
 
 
@@ -120,3 +122,25 @@ def test_every_command_and_option_has_help() -> None:
     for cmd in ("check", "status", "init-postgres"):
         out = walsidecar(cmd, "--help")
         assert out.returncode == 0 and "--config" in out.stdout, (cmd, out.stderr)
+
+
+def test_certificates_or_insecure_must_be_chosen(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WALSIDECAR_INSECURE")
+    base = {"pg_dsn": "host=x", "safekeepers": SKS}
+    for cls, flags in ((StartSettings, base), (CheckSettings, base), (StatusSettings, base),
+                       (SafekeeperSettings, {"id": 1, "data_dir": str(tmp_path)})):
+        with pytest.raises(ConfigError) as e:
+            load(cls, flags, None)
+        assert "walsidecar certs create-ca --ca-dir CA" in str(e.value) and "--insecure" in str(e.value)
+        with pytest.raises(ConfigError, match="not both"):
+            load(cls, {**flags, "insecure": True, "certs_dir": str(tmp_path)}, None)
+        assert load(cls, {**flags, "certs_dir": str(tmp_path)}, None).certs_dir == tmp_path  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match="--role safekeeper --id N"):
+        load(SafekeeperSettings, {"id": 1, "data_dir": str(tmp_path)}, None)
+    # The TOML file and the environment say it too.
+    cfg = write(tmp_path / "w.toml", f'pg_dsn = "x"\nsafekeepers = "{SKS}"\ninsecure = true\n')
+    assert load(StartSettings, {}, cfg).insecure is True  # type: ignore[attr-defined]
+    cfg = write(tmp_path / "c.toml", f'pg_dsn = "x"\nsafekeepers = "{SKS}"\n[check]\ncerts_dir = "{tmp_path}"\n')
+    assert load(CheckSettings, {}, cfg).certs_dir == tmp_path  # type: ignore[attr-defined]
+    monkeypatch.setenv("WALSIDECAR_INSECURE", "1")
+    assert load(StatusSettings, base, None).insecure is True  # type: ignore[attr-defined]

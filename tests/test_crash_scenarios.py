@@ -477,8 +477,8 @@ def test_primary_of_another_cluster_is_refused(deployment: Deployment, pg_factor
     before = {i: snapshot(d, i) for i in SK}
     other: PgServer = pg_factory(name="other", settings={"synchronous_standby_names": APP})
     proposer = d.procs.start(
-        [sys.executable, "-m", "sidecar", "start", "--pg-dsn", other.dsn(), "--safekeepers", ",".join(d.addresses)],
-        name="other-proposer")
+        [sys.executable, "-m", "sidecar", "start", "--pg-dsn", other.dsn(), "--safekeepers", ",".join(d.addresses),
+         *d.tls("proposer")], name="other-proposer")
     assert wait_exit(proposer) != 0, "the sidecar must give up: no quorum can ever accept this primary"
     out = proposer.log_text()
     final = [line for line in out.splitlines() if "refusing to stream" in line]

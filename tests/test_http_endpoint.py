@@ -83,7 +83,8 @@ def test_safekeeper_answers_info_without_binding_itself(tmp_path: Path) -> None:
             await ep.start()
             try:
                 doc = await fetch_status(f"127.0.0.1:{ep.port}", 5)
-                assert doc["id"] == 4 and doc["system_id"] is None and doc["proposer"] is None
+                assert doc["id"] == 4 and doc["system_id"] is None and doc["proposer_connected"] is False
+                assert "data_dir" not in doc and doc["insecure"] is True
                 text = (await http(ep.port, b"GET /metrics HTTP/1.0\r\n\r\n")).split(b"\r\n\r\n", 1)[1]
                 names = {f.name for f in text_string_to_metric_families(text.decode())}
                 assert {"walsidecar_safekeeper_term", "walsidecar_safekeeper_fsync_seconds",

@@ -75,11 +75,12 @@ class Ops:
         return ",".join(self.d.addresses)
 
     def check(self, *extra: str) -> subprocess.CompletedProcess[str]:
-        return walsidecar("check", "--pg-dsn", self.d.pg.dsn(), "--safekeepers", self.sks, *extra)
+        return walsidecar("check", "--pg-dsn", self.d.pg.dsn(), "--safekeepers", self.sks, *self.d.tls("client"),
+                          *extra)
 
     def status(self, *extra: str) -> subprocess.CompletedProcess[str]:
         return walsidecar("status", "--proposer-metrics", self.proposer_metrics, "--safekeepers", self.sks,
-                          "--pg-dsn", self.d.pg.dsn(), *extra)
+                          "--pg-dsn", self.d.pg.dsn(), *self.d.tls("client"), *extra)
 
 
 @pytest.fixture
@@ -104,6 +105,7 @@ def test_check_passes_on_a_healthy_deployment(ops: Ops) -> None:
     lines = out.stdout.splitlines()
     checks = [ln.strip() for ln in lines[1:-1]]
     assert all(": OK" in c or ": WARNING" in c for c in checks), out.stdout
+    assert any(c.startswith("TLS: OK") for c in checks), out.stdout
     for name in ("wal_level", "max_wal_senders", "max_replication_slots", "synchronous_standby_names",
                  "synchronous_commit", "max_slot_wal_keep_size", "replication slot walsidecar",
                  "safekeeper quorum", "sidecar streaming"):
@@ -127,7 +129,7 @@ def test_check_fails_with_hints_and_changes_nothing(pg_factory, procs: ProcessTr
     d.start_safekeeper(1)
     d.start_safekeeper(2)
     wait_for(lambda: all(_listening(a) for a in d.addresses[:2]), timeout=30, what="safekeepers to listen")
-    out = walsidecar("check", "--pg-dsn", pg.dsn(), "--safekeepers", ",".join(d.addresses))
+    out = walsidecar("check", "--pg-dsn", pg.dsn(), "--safekeepers", ",".join(d.addresses), *d.tls("client"))
     assert out.returncode == 1, out.stdout
     text = out.stdout
     sync = next(ln for ln in text.splitlines() if ln.strip().startswith("synchronous_standby_names:"))
@@ -144,7 +146,7 @@ def test_check_fails_with_hints_and_changes_nothing(pg_factory, procs: ProcessTr
     streaming = next(ln for ln in text.splitlines() if ln.strip().startswith("sidecar streaming"))
     assert "FAILED" in streaming and "hint: start the proposer" in streaming
     doc = json.loads(walsidecar("check", "--pg-dsn", pg.dsn(), "--safekeepers", ",".join(d.addresses),
-                                "--format", "json").stdout)
+                                *d.tls("client"), "--format", "json").stdout)
     assert doc["ok"] is False and all(c["hint"] for c in doc["checks"] if c["status"] == "FAILED")
     # The probe is read-only: the fresh safekeeper did not adopt this primary, the other kept its state.
     assert (load_control(d.sk_dir(2)) is None) or load_control(d.sk_dir(2)).state.system_id == 0
@@ -202,7 +204,7 @@ def test_metrics_endpoints_are_scraped_and_parsed(ops: Ops) -> None:
                      safekeeper_id=sid) > 0
         assert value(s, "walsidecar_safekeeper_proposer_connected", safekeeper_id=sid) == 1
         doc = status_json(addr)
-        assert doc["id"] == i and doc["proposer"] is not None and parse_lsn(doc["flush_lsn"]) > 0
+        assert doc["id"] == i and doc["proposer_connected"] and parse_lsn(doc["flush_lsn"]) > 0
     def all_streaming() -> dict | None:
         doc = status_json(ops.proposer_metrics)
         return doc if {r["state"] for r in doc["safekeepers"]} == {"streaming"} else None
@@ -404,7 +406,12 @@ def test_up_serves_metrics_and_prints_how_to_get_status(procs: ProcessTracker, t
     out = walsidecar("status", "--config", str(config))
     assert out.returncode == 0 and out.stdout.count("| streaming") == 3, out.stdout + out.stderr
     out = walsidecar("check", "--config", str(config))
-    assert out.returncode == 0, out.stdout
+    assert out.returncode == 0 and "TLS: OK" in out.stdout, out.stdout
+    # Secure by default: its own CA and a certificate per process, keys 0600, TLS on every link.
+    assert "certs_dir" in config.read_text() and "insecure" not in config.read_text()
+    for name in ("safekeeper1", "safekeeper2", "safekeeper3", "proposer", "client"):
+        assert (test_dir / "up" / "certs" / name / "node.key").stat().st_mode & 0o777 == 0o600
+    assert "tls=True" in (test_dir / "up" / "safekeeper1.log").read_text()
     up.send_signal(signal.SIGINT)
     assert up.wait(timeout=120) == 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
@@ -17,6 +18,7 @@ from helpers import wait_for
 from procs import ProcessTracker
 from sidecar.pgcluster import find_bin_dir
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE, parse_lsn, segment_file_name
+from sidecar.tls import client_context
 
 pytestmark = pytest.mark.integration
 
@@ -129,13 +131,18 @@ def test_garbage_frames_do_not_disturb_the_safekeeper(deployment: Deployment) ->
         struct.pack(">I", 9) + b"a" + b"\0" * 8,  # an Append before any greeting
         b"GET / HTTP/1.0\r\n\r\n",
     ]
+    # Without a certificate garbage ends in the TLS handshake; with the proposer's it reaches the frame parser.
+    tls = client_context(d.pki.certs("proposer"))
     for payload in payloads:
-        with socket.create_connection((host, int(port)), timeout=10) as s:
-            s.sendall(payload)
-            s.shutdown(socket.SHUT_WR)
-            s.settimeout(10)
-            while s.recv(4096):  # the safekeeper must close the connection
-                pass
+        for authenticated in (False, True):
+            with socket.create_connection((host, int(port)), timeout=10) as raw:
+                s = tls.wrap_socket(raw, server_hostname=host) if authenticated else raw
+                s.sendall(payload)
+                s.shutdown(socket.SHUT_WR)
+                s.settimeout(10)
+                with contextlib.suppress(ConnectionResetError):
+                    while s.recv(4096):  # the safekeeper must close the connection
+                        pass
     assert d.safekeepers[1].is_running()
     d.safekeepers[2].kill9()  # commits now need safekeeper 1
     with d.sql() as c:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -14,6 +15,7 @@ from sidecar.consensus.messages import InfoReply
 from sidecar.lsn import format_lsn
 from sidecar.ops.probe import ProbeError, connect, fetch_status, probe_safekeeper, redact_dsn
 from sidecar.proposer import primary as pg
+from sidecar.tls import TlsError, client_context
 
 Status = Literal["OK", "WARNING", "FAILED"]
 
@@ -59,6 +61,7 @@ class Checker:
         self.system_id: int | None = None
         self.seg_size: int | None = None
         self.pg_major: int | None = None
+        self.ssl = client_context(s.certs_dir) if s.certs_dir is not None else None
 
     def add(self, c: Check) -> None:
         self.checks.append(c)
@@ -71,6 +74,7 @@ class Checker:
         finally:
             if conn is not None:
                 await conn.close()
+        self._transport()
         await self._safekeepers()
         if conn is not None:
             await self._streaming()
@@ -247,10 +251,18 @@ class Checker:
                 else:
                     self.add(_ok(name, detail))
 
+    def _transport(self) -> None:
+        if self.s.insecure:
+            self.add(_warn("TLS", "--insecure: the safekeepers are asked without TLS; if they answer, anyone who "
+                                  "can reach their ports can change their state",
+                           "run every process with --certs-dir (walsidecar certs create-ca / create-node)"))
+        else:
+            self.add(_ok("TLS", f"client certificate from {self.s.certs_dir}"))
+
     async def _safekeepers(self) -> None:
         async def one(addr: str) -> InfoReply | ProbeError:
             try:
-                return await probe_safekeeper(addr, self.s.timeout)
+                return await probe_safekeeper(addr, self.s.timeout, self.ssl)
             except ProbeError as e:
                 return e
 
@@ -345,11 +357,14 @@ class Checker:
     async def _proposer(self) -> None:
         name = f"proposer endpoint {self.s.proposer_metrics}"
         try:
-            doc = await fetch_status(self.s.proposer_metrics, self.s.timeout)  # type: ignore[arg-type]
+            doc = await fetch_status(self.s.proposer_metrics, self.s.timeout, self.ssl)  # type: ignore[arg-type]
         except ProbeError as e:
             self.add(_fail(name, str(e), "is `walsidecar start --metrics ...` running with this address?"))
             return
         detail = f"term {doc.get('term')}, {doc.get('phase')}, commit_lsn {doc.get('commit_lsn')}"
+        if doc.get("insecure"):
+            self.add(_warn(f"{name} TLS", "the proposer runs with --insecure: its safekeeper links are not "
+                                          "authenticated", "restart it with --certs-dir"))
         if doc.get("quorum_available"):
             self.add(_ok(name, detail + ", quorum available"))
         else:
@@ -371,6 +386,11 @@ def render(s: CheckSettings, checks: list[Check], fmt: str) -> str:
 
 def run_check(s: CheckSettings) -> int:
     """Print the checks; the exit code is 1 if any FAILED."""
-    checks = asyncio.run(Checker(s).run())
+    try:
+        checker = Checker(s)
+    except TlsError as e:
+        print(f"walsidecar check: {e}", file=sys.stderr, flush=True)
+        return 2
+    checks = asyncio.run(checker.run())
     print(render(s, checks, s.format), flush=True)
     return 1 if any(c.status == "FAILED" for c in checks) else 0

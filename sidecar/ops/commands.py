@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from sidecar.config import CheckSettings, InitPostgresSettings, StatusSettings, configured
+from sidecar.config import CheckSettings, InitPostgresSettings, StatusSettings, configured, tls_options
 
 PG_DSN_HELP = "libpq connection string of the primary."
 SAFEKEEPERS_HELP = "Comma-separated HOST:PORT list of all safekeepers (their --listen addresses)."
@@ -29,6 +29,7 @@ LOG_LEVEL = click.option("--log-level", type=click.Choice(["debug", "info", "war
 @click.option("--format", "format", type=click.Choice(["console", "json"]), default="console", show_default=True,
               help="One line per check, or a JSON document.")
 @click.option("--timeout", type=float, default=5.0, show_default=True, help="Seconds to wait for each answer.")
+@tls_options("client")
 @LOG_FORMAT
 @LOG_LEVEL
 @configured(CheckSettings)
@@ -53,6 +54,7 @@ def check(**kw: object) -> None:
 @click.option("--watch", type=float, help="Refresh every this many seconds until Ctrl-C.")
 @click.option("--count", type=int, help="With --watch: stop after this many refreshes.")
 @click.option("--timeout", type=float, default=3.0, show_default=True, help="Seconds to wait for each answer.")
+@tls_options("client")
 @LOG_FORMAT
 @LOG_LEVEL
 @configured(StatusSettings)

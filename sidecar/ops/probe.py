@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import ssl
 import urllib.error
 import urllib.request
 from typing import Any
@@ -21,23 +22,35 @@ class ProbeError(Exception):
     """The piece did not answer usefully; the message says how."""
 
 
-async def probe_safekeeper(address: str, timeout: float) -> InfoReply:
-    """Send an InfoRequest (read-only: it binds nothing and needs no Greeting)."""
+async def probe_safekeeper(address: str, timeout: float, ssl_context: ssl.SSLContext | None = None) -> InfoReply:
+    """Send an InfoRequest (read-only: it binds nothing and needs no Greeting), over TLS given a context."""
+    from sidecar.tls import peer_role, server_hostname
     host, port = parse_address(address)
+    tls_args = {} if ssl_context is None else {"ssl": ssl_context, "server_hostname": server_hostname(host)}
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, **tls_args), timeout)
     except asyncio.TimeoutError:
         raise ProbeError(f"no answer within {timeout:g}s") from None
+    except ssl.SSLCertVerificationError as e:
+        raise ProbeError(f"its certificate was refused: {e.verify_message}") from None
+    except ssl.SSLError as e:
+        raise ProbeError(f"TLS handshake failed ({e.reason or e}): does it run with --certs-dir from this CA?") from None
     except OSError as e:
         # asyncio's message ("Connect call failed") hides the reason the errno gives.
         raise ProbeError(os.strerror(e.errno) if e.errno else str(e)) from None
+    if ssl_context is not None and getattr(peer_role(writer), "role", None) != "safekeeper":
+        writer.close()
+        raise ProbeError(f"its certificate ({peer_role(writer) or 'no role'}) is not a safekeeper's")
     try:
         writer.write(codec.encode(InfoRequest()))
         msg = await asyncio.wait_for(codec.read_message(reader), timeout)
     except asyncio.TimeoutError:
         raise ProbeError(f"connected, but no reply within {timeout:g}s: is it a walsidecar safekeeper?") from None
+    except ssl.SSLError as e:
+        raise ProbeError(f"it refused this TLS client ({e.reason or e}): is --certs-dir from its CA?") from None
     except (asyncio.IncompleteReadError, ConnectionError):
-        raise ProbeError("it closed the connection without a reply: an older walsidecar, or not a safekeeper") from None
+        raise ProbeError("it closed the connection without a reply: an older walsidecar, not a safekeeper, "
+                         "or one that wants TLS (give --certs-dir)") from None
     except codec.ProtocolError as e:
         raise ProbeError(f"it answered something that is not the safekeeper protocol ({e})") from None
     finally:
@@ -49,9 +62,9 @@ async def probe_safekeeper(address: str, timeout: float) -> InfoReply:
     return msg
 
 
-def _get_json(url: str, timeout: float) -> dict[str, Any]:
+def _get_json(url: str, timeout: float, ssl_context: ssl.SSLContext | None = None) -> dict[str, Any]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with urllib.request.urlopen(url, timeout=timeout, context=ssl_context) as resp:
             return json.loads(resp.read())
     except urllib.error.HTTPError as e:
         if e.code == 503:  # /quorum answers 503 with a body
@@ -64,9 +77,11 @@ def _get_json(url: str, timeout: float) -> dict[str, Any]:
         raise ProbeError(f"{url}: {e}") from None
 
 
-async def fetch_status(address: str, timeout: float) -> dict[str, Any]:
-    """The /status document of a proposer or safekeeper metrics endpoint."""
-    return await asyncio.to_thread(_get_json, f"http://{address}/status", timeout)
+async def fetch_status(address: str, timeout: float, ssl_context: ssl.SSLContext | None = None) -> dict[str, Any]:
+    """The /status document of a proposer or safekeeper metrics endpoint (HTTPS off loopback, given a context)."""
+    from sidecar.http import endpoint_url
+    url = endpoint_url(address, ssl_context) + "/status"
+    return await asyncio.to_thread(_get_json, url, timeout, ssl_context if url.startswith("https") else None)
 
 
 def redact_dsn(dsn: str) -> str:

@@ -21,6 +21,7 @@ from sidecar.config import StatusSettings
 from sidecar.consensus.messages import InfoReply
 from sidecar.lsn import format_lsn, parse_lsn
 from sidecar.ops.probe import ProbeError, connect, fetch_status, probe_safekeeper, redact_dsn
+from sidecar.tls import TlsError, client_context
 
 COLUMNS = ("Safekeeper", "Address", "State", "Term", "Flush LSN", "Lag (bytes)", "Lag (s)", "Last contact")
 
@@ -29,10 +30,13 @@ async def gather(s: StatusSettings) -> dict[str, Any]:
     """Ask every source given; each failure is recorded, not raised."""
     doc: dict[str, Any] = {"time": datetime.now().astimezone().isoformat(timespec="seconds")}
     tasks: dict[str, Any] = {}
+    ctx = client_context(s.certs_dir) if s.certs_dir is not None else None
+    if s.insecure:
+        doc["insecure"] = True
     if s.proposer_metrics:
-        tasks["proposer"] = fetch_status(s.proposer_metrics, s.timeout)
+        tasks["proposer"] = fetch_status(s.proposer_metrics, s.timeout, ctx)
     for addr in s.safekeepers:
-        tasks[f"sk:{addr}"] = probe_safekeeper(addr, s.timeout)
+        tasks[f"sk:{addr}"] = probe_safekeeper(addr, s.timeout, ctx)
     if s.pg_dsn:
         tasks["primary"] = _primary(s)
     results = await asyncio.gather(*tasks.values(), return_exceptions=True)
@@ -146,6 +150,9 @@ def table(doc: dict[str, Any]) -> str:
 def _summary(doc: dict[str, Any]) -> list[str]:
     lines = []
     prop = doc.get("proposer")
+    if doc.get("insecure") or (prop or {}).get("insecure"):
+        who = "the proposer runs" if (prop or {}).get("insecure") else "asked"
+        lines.append(f" Security: INSECURE ({who} with --insecure: links without TLS or authentication)")
     if prop is not None:
         if prop.get("error"):
             lines.append(f" Proposer: unreachable at {prop['endpoint']}: {prop['error']}")
@@ -190,7 +197,11 @@ def run_status(s: StatusSettings) -> int:
     """Print once, or every --watch seconds until Ctrl-C (or --count times); 1 if the sources are unreachable."""
     n = 0
     while True:
-        doc = asyncio.run(gather(s))
+        try:
+            doc = asyncio.run(gather(s))
+        except TlsError as e:
+            print(f"walsidecar status: {e}", file=sys.stderr, flush=True)
+            return 2
         text = render(doc, s.format)
         if s.watch:
             if sys.stdout.isatty():

@@ -379,6 +379,7 @@ class ProposerMonitor:
             "version": __version__,
             "application_name": svc.opts.application_name if svc else None,
             "slot": svc.opts.slot if svc else None,
+            "insecure": svc.opts.ssl_context is None if svc else None,
             "uptime_seconds": round(now - self.started, 1),
             "phase": core.phase.value if core else "between terms",
             "term": core.term if core and core.term else (svc.last_term if svc else 0),
@@ -403,7 +404,8 @@ class ProposerMonitor:
                 "sync_state": pr.sync_state,
                 "replication_state": pr.replication_state,
                 "slots": pr.slots,
-                "error": pr.error,
+                # The error text can name hosts and users: the log has it, a stranger need not.
+                "error": "unreachable (see the proposer's log)" if pr.error else None,
                 "polled_seconds_ago": round(now - pr.polled_at, 1) if pr.polled_at else None,
             },
             "safekeepers": self.peers(),

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl
 from collections.abc import Callable
 
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
-from sidecar import framing
+from sidecar import framing, tls
 from sidecar.consensus import codec, limits
 from sidecar.consensus.messages import Append, Message, Refusal
 from sidecar.logs import get_logger
@@ -30,8 +31,10 @@ class PeerLink:
     """One safekeeper: keeps a TCP connection up and hands whole messages to callbacks."""
 
     def __init__(self, name: str, on_up: Callable[[str], None], on_message: Callable[[str, Message], None],
-                 on_down: Callable[[str], None]) -> None:
+                 on_down: Callable[[str], None], ssl_context: ssl.SSLContext | None = None) -> None:
         self.name = name
+        self._ssl = ssl_context  # None: --insecure
+        self._last_tls_error: str | None = None
         self.host, self.port = parse_address(name)
         self._on_up, self._on_message, self._on_down = on_up, on_message, on_down
         self._writer: asyncio.StreamWriter | None = None
@@ -69,12 +72,22 @@ class PeerLink:
     async def run(self) -> None:
         """Connect forever: backoff between attempts (reset after each success), a callback per message."""
         pause = REFUSED_PAUSE_MIN
+        tls_args = {} if self._ssl is None else {"ssl": self._ssl, "server_hostname": tls.server_hostname(self.host),
+                                                 "ssl_handshake_timeout": tls.HANDSHAKE_TIMEOUT}
         while True:
             async for attempt in AsyncRetrying(wait=wait_exponential(multiplier=0.05, max=2),
-                                               retry=retry_if_exception_type(OSError)):
+                                               retry=retry_if_exception_type(OSError),
+                                               before_sleep=self._tls_failed):
                 with attempt:
-                    reader, writer = await framing.open_connection(self.host, self.port)
+                    reader, writer = await framing.open_connection(self.host, self.port, **tls_args)
                     reader.max_frame = limits.CONTROL_MAX_FRAME  # replies: votes with bounded histories
+            ident = tls.peer_role(writer) if self._ssl is not None else None
+            if self._ssl is not None and (ident is None or ident.role != "safekeeper"):
+                self.log.error("refusing the peer: its certificate is not a safekeeper's", peer_cert=str(ident))
+                writer.close()
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, REFUSED_PAUSE_MAX)
+                continue
             if await self._serve(reader, writer):
                 # Refused before any other answer, e.g. a greeting from another cluster's primary:
                 # retrying soon rarely helps, so back off instead of reconnecting (and logging the
@@ -84,6 +97,13 @@ class PeerLink:
             else:
                 pause = REFUSED_PAUSE_MIN
                 await asyncio.sleep(REFUSED_PAUSE_MIN)
+
+    def _tls_failed(self, state) -> None:
+        """Say why a TLS handshake failed (certificates, not the network); retries stay quiet."""
+        exc = state.outcome.exception() if state.outcome else None
+        if isinstance(exc, ssl.SSLError) and str(exc) != self._last_tls_error:
+            self._last_tls_error = str(exc)
+            self.log.error("TLS handshake with the safekeeper failed; retrying", reason=str(exc))
 
     async def _serve(self, reader: framing.FrameReader, writer: asyncio.StreamWriter) -> bool:
         """Serve one connection; True if the safekeeper refused before answering anything else."""
@@ -100,8 +120,14 @@ class PeerLink:
                 refused = refused or (isinstance(msg, Refusal) and not answered)
                 answered = answered or not isinstance(msg, Refusal)
                 self._on_message(self.name, msg)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            self.log.warning("connection lost")
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            if self._ssl is not None and not answered and isinstance(e, asyncio.IncompleteReadError):
+                # TLS 1.3 checks our certificate after the handshake; a refusal reads as a silent close.
+                refused = True  # so back off: a certificate it does not accept will not change in 50 ms
+                self.log.warning("the safekeeper closed the connection before answering: does it trust this "
+                                 "proposer's certificate (the same CA)?")
+            else:
+                self.log.warning("connection lost")
         except codec.ProtocolError as e:
             self.log.error("malformed message from safekeeper; reconnecting", reason=str(e))
         finally:

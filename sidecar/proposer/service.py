@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from dataclasses import dataclass
 
 import google_crc32c
@@ -40,6 +41,7 @@ class StartOptions:
     slot: str = "walsidecar"
     allow_primary_mismatch: bool = False
     wal_buffer_bytes: int = 64 * 1024 * 1024
+    ssl_context: ssl.SSLContext | None = None  # for the safekeeper links; None: --insecure
 
     @property
     def horizon_slot(self) -> str:
@@ -60,7 +62,7 @@ class ProposerService:
         self.monitor = monitor if monitor is not None else ProposerMonitor()
         self.log = get_logger(role="proposer")
         self.core: Proposer | None = None
-        self.links = {name: PeerLink(name, self._peer_up, self._peer_message, self._peer_down)
+        self.links = {name: PeerLink(name, self._peer_up, self._peer_message, self._peer_down, opts.ssl_context)
                       for name in opts.safekeepers}
         self.stream: repl.ReplicationStream | None = None
         self._term_over: asyncio.Event = asyncio.Event()

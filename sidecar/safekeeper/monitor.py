@@ -49,9 +49,19 @@ class SafekeeperMonitor:
 
     def health(self) -> Response:
         """200 while the safekeeper accepts WAL; 503 and the reason once it stopped (a full disk, a failed fsync)."""
-        if self.sk.stopped is not None:
-            return Response(503, "text/plain", f"{self.sk.stopped}\n".encode())
+        reason = self.stopped_reason()
+        if reason is not None:
+            return Response(503, "text/plain", f"{reason}\n".encode())
         return Response(200, "text/plain", b"ok\n")
+
+    def stopped_reason(self) -> str | None:
+        """Why the safekeeper stopped acknowledging, without paths or error texts (the log has those)."""
+        sk = self.sk
+        if sk.stopped is None:
+            return None
+        if sk.disk_full:
+            return "disk full: no longer acknowledging WAL; free space, then restart the safekeeper"
+        return f"stopped after a fatal {type(sk.fatal).__name__}: WAL in doubt; see the safekeeper's log"
 
     def _log_context(self, node: object) -> dict[str, object]:
         acc = self.sk.acceptor
@@ -68,7 +78,7 @@ class SafekeeperMonitor:
             "version": __version__,
             "id": sk.node_id,
             "listen": f"{sk.host}:{sk.port}",
-            "data_dir": str(sk.data_dir),
+            "insecure": sk.ssl_context is None,
             "uptime_seconds": round(time.monotonic() - self.started, 1),
             "system_id": str(s.system_id) if s and s.system_id else None,
             "timeline": s.timeline if s else None,
@@ -81,9 +91,10 @@ class SafekeeperMonitor:
             "write_lsn": format_lsn(acc.write_lsn) if acc else None,
             "commit_lsn": format_lsn(s.commit_lsn) if s else None,
             "peer_horizon_lsn": format_lsn(s.peer_horizon_lsn) if s else None,
-            "proposer": sk.proposer_address(),
-            "fatal": repr(sk.fatal) if sk.fatal is not None else None,
-            "stopped": sk.stopped,
+            # No proposer address, paths or error texts: a stranger may read this; the log has them.
+            "proposer_connected": sk.proposer_address() is not None,
+            "fatal": type(sk.fatal).__name__ if sk.fatal is not None else None,
+            "stopped": self.stopped_reason(),
         }
 
     def _collect(self) -> Iterable[Metric]:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import fcntl
+import ssl
 import struct
 import termios
 import time
@@ -15,7 +16,7 @@ from typing import Any
 
 import google_crc32c
 
-from sidecar import framing
+from sidecar import framing, tls
 from sidecar.consensus import codec
 from sidecar.consensus.acceptor import Acceptor, AcceptorError, Persist, RecordEnd, Reply, Truncate, Write
 from sidecar.consensus.messages import Append, Elected, Greeting, Message, Refusal, VoteRequest
@@ -49,8 +50,9 @@ class Safekeeper:
     """One acceptor process: owns the data directory, serves proposers on one port."""
 
     def __init__(self, node_id: int, data_dir: Path, host: str, port: int,
-                 role_of: Callable[[Any], Role] = lambda transport: Role.PROPOSER) -> None:
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.node_id = node_id
+        self.ssl_context = ssl_context  # None: --insecure, every connection may act as a proposer
         self.data_dir = data_dir
         self.host, self.port = host, port
         self.log = get_logger(node=node_id)
@@ -60,7 +62,6 @@ class Safekeeper:
         self._flush_lock = asyncio.Lock()
         self._persist_lock = asyncio.Lock()  # see _execute_stateful
         self._flush_wanted = asyncio.Event()
-        self.role_of = role_of  # what a connection's transport authenticated as (see sidecar.tls)
         self._sessions: set[AcceptorSession] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._serving: asyncio.Task | None = None
@@ -189,9 +190,11 @@ class Safekeeper:
 
     async def serve(self) -> None:
         """Listen and serve until cancelled."""
-        self._server = await framing.start_server(self._connection, self.host, self.port)
+        tls_args = {} if self.ssl_context is None else \
+            {"ssl": self.ssl_context, "ssl_handshake_timeout": tls.HANDSHAKE_TIMEOUT}
+        self._server = await framing.start_server(self._connection, self.host, self.port, **tls_args)
+        self.log.info("listening", address=f"{self.host}:{self.port}", tls=self.ssl_context is not None)
         self._serving = asyncio.current_task()
-        self.log.info("listening", address=f"{self.host}:{self.port}")
         flusher = asyncio.create_task(self._flusher())
         try:
             async with self._server:
@@ -203,8 +206,16 @@ class Safekeeper:
             if self.storage is not None:
                 self.storage.close()
 
+    def _role_of(self, ident: tls.Identity | None) -> Role:
+        """What a connection may do: a proposer under --insecure; otherwise what its certificate says."""
+        if self.ssl_context is None:
+            return Role.PROPOSER
+        return Role(ident.role) if ident is not None else Role.CLIENT
+
     async def _connection(self, reader: framing.FrameReader, writer: asyncio.StreamWriter) -> None:
-        log = self.log.bind(peer=_peer_name(writer))
+        # A handshake without a certificate from the deployment's CA never gets here.
+        ident = tls.peer_role(writer) if self.ssl_context is not None else None
+        log = self.log.bind(peer=_peer_name(writer), **({"peer_cert": str(ident)} if ident else {}))
         if len(self._sessions) >= MAX_CONNECTIONS:
             log.warning("connection limit reached; closing the new connection", limit=MAX_CONNECTIONS)
             writer.close()
@@ -212,7 +223,7 @@ class Safekeeper:
         acc = self.acceptor
         assert acc is not None
         try:
-            session = AcceptorSession(acc, self.role_of(writer.transport), conn=writer)
+            session = AcceptorSession(acc, self._role_of(ident), conn=writer)
         except Exception as e:  # a certificate the hook cannot map: this connection only
             log.warning("connection refused", reason=str(e))
             writer.close()

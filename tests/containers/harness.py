@@ -9,6 +9,7 @@ left by a killed run can be found and removed, without touching those of a run s
 from __future__ import annotations
 
 import os
+import shutil
 
 # testcontainers reads these when it is imported: the reaper image cannot be pulled here, and the
 # container host must be 127.0.0.1 (this machine has /.dockerenv, which would make testcontainers
@@ -241,6 +242,21 @@ class PgContainer(HostNetContainer):
             return False
 
 
+IMAGE_UID = 10001  # the walsidecar image's user (docker/Dockerfile)
+
+
+def container_certs(role: str, node_id: int | None = None) -> str:
+    """The session's certificates for `role`, copied for the image's user: its key stays 0600."""
+    from pki import session_pki
+    src = session_pki().certs(role, node_id)
+    dst = src.parent / "containers" / src.name
+    if not dst.exists():
+        shutil.copytree(src, dst)
+        for p in (dst, *dst.iterdir()):
+            os.chown(p, IMAGE_UID, IMAGE_UID)
+    return str(dst)
+
+
 class SafekeeperContainer(HostNetContainer):
     """`walsidecar safekeeper` with its data in the container's own filesystem (kept across restarts)."""
 
@@ -250,7 +266,8 @@ class SafekeeperContainer(HostNetContainer):
         self.node_id = node_id
         self.port = port or free_port()
         super().__init__(image, ["safekeeper", "--id", str(node_id), "--listen", self.address,
-                                 "--data-dir", f"/var/lib/walsidecar/sk{node_id}"])
+                                 "--data-dir", f"/var/lib/walsidecar/sk{node_id}", "--certs-dir", "/certs"],
+                         volumes={container_certs("safekeeper", node_id): "/certs"})
 
     def __repr__(self) -> str:
         return f"SafekeeperContainer({self.node_id}, port={self.port})"
@@ -273,7 +290,8 @@ class ProposerContainer(HostNetContainer):
     role = "proposer"
 
     def __init__(self, pg_dsn: str, safekeepers: Sequence[str], *extra: str, image: str = APP_IMAGE) -> None:
-        super().__init__(image, ["start", "--pg-dsn", pg_dsn, "--safekeepers", ",".join(safekeepers), *extra])
+        super().__init__(image, ["start", "--pg-dsn", pg_dsn, "--safekeepers", ",".join(safekeepers),
+                                 "--certs-dir", "/certs", *extra], volumes={container_certs("proposer"): "/certs"})
 
     def __repr__(self) -> str:
         return "ProposerContainer()"
@@ -360,7 +378,8 @@ class ContainerDeployment:
 
     def walsidecar(self, *args: str) -> subprocess.CompletedProcess[str]:
         """`walsidecar ARGS` in a throwaway container of the walsidecar image, on the host network."""
-        return run_once(APP_IMAGE, ["walsidecar", *args], user=None, network_mode="host", timeout=120)
+        return run_once(APP_IMAGE, ["walsidecar", *args], user=None, network_mode="host", timeout=120,
+                        volumes={container_certs("client"): "/certs"}, environment={"WALSIDECAR_CERTS_DIR": "/certs"})
 
     def logs(self) -> str:
         return "\n".join(f"--- {c!r} logs ---\n" + "\n".join(c.logs().splitlines()[-80:]) for c in self.all())
