@@ -10,21 +10,24 @@ import pytest
 
 from helpers import run
 from sidecar import framing
-from sidecar.consensus import codec
+from sidecar.consensus import codec, limits
 from sidecar.consensus.messages import Append, AppendReply, Elected, Greeting, Message, TermEntry, VoteRequest
 
 
 class Collector:
     """A framing server whose handler reads every message (optionally after a delay) and replies."""
 
-    def __init__(self, read_after: asyncio.Event | None = None) -> None:
+    def __init__(self, read_after: asyncio.Event | None = None, max_frame: int | None = codec.MAX_FRAME) -> None:
+        self.max_frame = max_frame  # None: the limit for peers nobody authenticated
         self.messages: list[Message] = []
         self.error: BaseException | None = None
         self.done = asyncio.Event()
         self.read_after = read_after
         self.server: asyncio.Server | None = None
 
-    async def handle(self, reader: framing.FrameReader, writer: asyncio.StreamWriter) -> None:
+    async def handle(self, reader: framing.FrameReader, writer: framing.Writer) -> None:
+        if self.max_frame is not None:
+            reader.max_frame = self.max_frame
         try:
             if self.read_after is not None:
                 await self.read_after.wait()
@@ -56,9 +59,9 @@ def _as_bytes(msg: Message) -> Message:
 
 
 async def _send_in_pieces(port: int, data: bytes, rng: random.Random,
-                          close: bool = True) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+                          close: bool = True) -> tuple[framing.FrameReader, framing.Writer]:
     """Send `data` in pieces of random sizes, then (with `close`) half-close; the caller closes."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    reader, writer = await framing.open_connection("127.0.0.1", port)
     pos = 0
     while pos < len(data):
         n = rng.choice([1, 3, 7, 100, 4096, 70_000, 300_000, 2_000_000])
@@ -91,7 +94,7 @@ def test_frames_split_anywhere_arrive_whole_and_in_order() -> None:
         await asyncio.wait_for(c.done.wait(), 30)
         assert [_as_bytes(m) for m in c.messages] == msgs
         assert isinstance(c.error, asyncio.IncompleteReadError)  # the clean end of the stream
-        replies = [await codec.read_message(reader) for m in msgs if isinstance(m, Append)]
+        replies = [await reader.read_message() for m in msgs if isinstance(m, Append)]
         assert [r.flush_lsn for r in replies] == [m.end_lsn for m in msgs if isinstance(m, Append)]
         writer.close()
         await c.close()
@@ -126,6 +129,42 @@ def test_a_malformed_frame_fails_after_the_good_ones_before_it() -> None:
         writer.close()
         assert [_as_bytes(m) for m in c.messages] == good
         assert isinstance(c.error, codec.ProtocolError) and "exceeds the maximum" in str(c.error)
+        await c.close()
+
+    run(main())
+
+
+def test_before_authentication_a_long_frame_is_refused_from_its_header() -> None:
+    async def main() -> None:
+        c = Collector(max_frame=None)
+        port = await c.start()
+        header = codec.MAX_FRAME.to_bytes(4, "big") + b"a"
+        _, writer = await _send_in_pieces(port, codec.encode(VoteRequest(1)) + header, random.Random(5), close=False)
+        await asyncio.wait_for(c.done.wait(), 30)
+        writer.close()
+        assert c.messages == [VoteRequest(1)]
+        assert isinstance(c.error, codec.ProtocolError)
+        assert f"exceeds the maximum of {limits.PREAUTH_MAX_FRAME}" in str(c.error)
+        await c.close()
+
+    run(main())
+
+
+def test_the_writer_reports_a_lost_connection() -> None:
+    async def main() -> None:
+        c = Collector()
+        port = await c.start()
+        reader, writer = await framing.open_connection("127.0.0.1", port)
+        assert not writer.is_closing() and writer.get_extra_info("peername")[1] == port
+        await writer.drain()
+        writer.close()
+        assert writer.is_closing()
+        await asyncio.wait_for(writer.wait_closed(), 30)
+        with pytest.raises(ConnectionError):
+            await writer.drain()
+        with pytest.raises(asyncio.IncompleteReadError):
+            await reader.read_message()
+        await asyncio.wait_for(c.done.wait(), 30)
         await c.close()
 
     run(main())

@@ -12,6 +12,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from sidecar import framing
 from sidecar.consensus import codec
 from sidecar.consensus.messages import InfoReply, InfoRequest, Refusal
 from sidecar.proposer.peers import parse_address
@@ -25,7 +26,7 @@ async def probe_safekeeper(address: str, timeout: float) -> InfoReply:
     """Send an InfoRequest (read-only: it binds nothing and needs no Greeting)."""
     host, port = parse_address(address)
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        reader, writer = await asyncio.wait_for(framing.open_connection(host, port), timeout)
     except asyncio.TimeoutError:
         raise ProbeError(f"no answer within {timeout:g}s") from None
     except OSError as e:
@@ -33,7 +34,7 @@ async def probe_safekeeper(address: str, timeout: float) -> InfoReply:
         raise ProbeError(os.strerror(e.errno) if e.errno else str(e)) from None
     try:
         writer.write(codec.encode(InfoRequest()))
-        msg = await asyncio.wait_for(codec.read_message(reader), timeout)
+        msg = await asyncio.wait_for(reader.read_message(), timeout)
     except asyncio.TimeoutError:
         raise ProbeError(f"connected, but no reply within {timeout:g}s: is it a walsidecar safekeeper?") from None
     except (asyncio.IncompleteReadError, ConnectionError):

@@ -141,6 +141,7 @@ class Safekeeper:
                 if not greeted and not isinstance(msg, Greeting):
                     raise AcceptorError(f"the first message must be a Greeting, not {type(msg).__name__}")
                 greeted = True
+                reader.max_frame = codec.MAX_FRAME
                 if type(msg) is Append:  # the hot path: no coroutine hops for a plain append
                     actions = self.acceptor.on_append(msg)  # type: ignore[union-attr]
                 else:
