@@ -1,4 +1,5 @@
-"""PeerLink against fake safekeepers on 127.0.0.1: nothing a peer sends ends the link."""
+"""Safekeeper links: PeerLink against fake safekeepers on 127.0.0.1 (nothing a peer sends ends
+the link), and how the service carries out the core's verdicts on a link or on the term space."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from sidecar import framing
 from sidecar.consensus import codec
 from sidecar.consensus.limits import MAX_TERM
 from sidecar.consensus.messages import Greeting, GreetingReply, Message, VoteRequest
+from sidecar.consensus.proposer import DropPeer, Send, TermsExhausted
 from sidecar.proposer.peers import PeerLink
+from sidecar.proposer.service import ProposerService, ProposerStopped, StartOptions
 
 GREETING = Greeting(1, "p", 42, 1, 16 << 20, 150000)
 
@@ -153,5 +156,61 @@ def test_connection_failures_are_logged_with_the_reason_at_a_slowing_rate() -> N
         assert {e["event"] for e in warnings} == {"cannot connect to safekeeper; retrying"}
         assert all(e["reason"] == "Connection refused" for e in warnings)
         assert [e["attempts"] for e in warnings][:3] == [1, 2, 4]
+
+    run(main())
+
+
+def _service() -> ProposerService:
+    return ProposerService(StartOptions("dbname=none", ("127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"), 2))
+
+
+def test_terms_exhausted_stops_the_proposer_with_a_message() -> None:
+    async def main() -> None:
+        svc = _service()
+        with structlog.testing.capture_logs() as logs:
+            svc._run([TermsExhausted(MAX_TERM, "127.0.0.1:2")])
+        assert isinstance(svc._refusal, ProposerStopped) and svc._term_over.is_set()
+        assert f"safekeeper 127.0.0.1:2 holds term {MAX_TERM}" in str(svc._refusal)
+        assert [e["event"] for e in logs if e["log_level"] == "critical"] == ["no term left to campaign in"]
+
+    run(main())
+
+
+def test_a_message_we_cannot_encode_stops_the_proposer_instead_of_looping() -> None:
+    async def main() -> None:
+        svc = _service()
+
+        class Connected:
+            def write(self, *parts: bytes) -> bool:
+                return True
+
+        svc.links["127.0.0.1:1"]._writer = Connected()  # type: ignore[assignment]
+        svc._run([Send("127.0.0.1:1", VoteRequest(MAX_TERM + 1))])  # a send from a link callback
+        assert isinstance(svc._refusal, ProposerStopped) and "cannot encode" in str(svc._refusal)
+
+        svc = _service()
+
+        async def fails() -> None:  # the same from a background task (the primary check, a fetch)
+            codec.encode(VoteRequest(MAX_TERM + 1))
+
+        task = svc._spawn(fails())
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0)
+        assert isinstance(svc._refusal, ProposerStopped)
+
+    run(main())
+
+
+def test_drop_peer_is_logged_with_the_term_and_positions() -> None:
+    async def main() -> None:
+        svc = _service()
+        with structlog.testing.capture_logs() as logs:
+            svc._run([DropPeer("127.0.0.1:3", "AppendReply acknowledges WAL it was never sent",
+                               {"term": 4, "flush_lsn": 0x9000000, "sent_lsn": 0x1000100})])
+        [e] = logs
+        assert (e["event"], e["log_level"], e["peer"], e["term"]) == (
+            "safekeeper broke the protocol; dropping the link", "error", "127.0.0.1:3", 4)
+        assert (e["flush_lsn"], e["sent_lsn"]) == ("0/9000000", "0/1000100")
+        assert svc._refusal is None
 
     run(main())
