@@ -336,7 +336,7 @@ def test_history_count_larger_than_body() -> None:
     body = struct.pack(">QQI", 6, 0x3000000, 2) + struct.pack(">QQ", 1, 0)
     rejected_everywhere(frame_of("e", body), "term_history count 2 needs 32 bytes, 16 remain")
     body = struct.pack(">QQI", 6, 0x3000000, U32)
-    rejected_everywhere(frame_of("e", body), "term_history of 4294967295 entries exceeds 10000")
+    rejected_everywhere(frame_of("e", body), "term history of 4294967295 entries exceeds 10000")
     vote = struct.pack(">QBQQII", 5, 1, 9, 0, 0, 0) + struct.pack(">I", 1) + b"\x00" * 11
     rejected_everywhere(frame_of("V", vote), "timeline_history count 1 needs 12 bytes, 11 remain")
     vote = struct.pack(">QBQQII", 5, 1, 9, 0, 0, 1)

@@ -346,7 +346,7 @@ def _bool(value: int, what: str, name: str) -> bool:
 
 def _term_entries(body: Body, start: int, count: int, name: str) -> tuple[TermHistory, int]:
     if count > limits.MAX_HISTORY:
-        raise ProtocolError(f"{name}: term_history of {count} entries exceeds {limits.MAX_HISTORY}")
+        raise ProtocolError(f"{name}: term history of {count} entries exceeds {limits.MAX_HISTORY}")
     end = start + count * _TERM_ENTRY.size
     if end > len(body):
         raise ProtocolError(
@@ -361,7 +361,7 @@ def _timeline_entries(body: Body, start: int, name: str) -> tuple[TimelineHistor
         raise ProtocolError(f"{name}: body ends before the timeline_history count")
     (count,) = _U32.unpack_from(body, start)
     if count > limits.MAX_HISTORY:
-        raise ProtocolError(f"{name}: timeline_history of {count} entries exceeds {limits.MAX_HISTORY}")
+        raise ProtocolError(f"{name}: timeline history of {count} entries exceeds {limits.MAX_HISTORY}")
     start += 4
     end = start + count * _TIMELINE_ENTRY.size
     if end > len(body):
