@@ -12,6 +12,7 @@ from sidecar.consensus.codec import (
     MAX_FRAME,
     TAGS,
     EncodeError,
+    FieldError,
     FrameDecoder,
     ProtocolError,
     decode,
@@ -422,6 +423,8 @@ def test_out_of_bounds_fields_are_refused_both_ways(msg: Message) -> None:
         encode(msg)
     frame = _encode_unchecked(msg)
     rejected_everywhere(frame, "outside|ascending|exceeds")
+    with pytest.raises(FieldError):  # a whole frame: the safekeeper may say why it refuses it
+        FrameDecoder().feed(frame)
 
 
 def test_an_append_ending_past_the_wal_range_is_refused_in_its_own_buffer() -> None:

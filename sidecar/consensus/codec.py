@@ -48,6 +48,7 @@ __all__ = [
     "REPLY_MAX_FRAME",
     "TAGS",
     "EncodeError",
+    "FieldError",
     "FrameDecoder",
     "ProtocolError",
     "decode",
@@ -121,6 +122,10 @@ REPLY_MAX_FRAME = (1 + _VOTE_REPLY.size + limits.MAX_HISTORY * _TERM_ENTRY.size 
 
 class ProtocolError(Exception):
     """Malformed frame or message; the connection it came from must be closed."""
+
+
+class FieldError(ProtocolError):
+    """A whole, well-framed message with a field outside limits.py: the peer can be told which."""
 
 
 class EncodeError(ProtocolError):
@@ -346,7 +351,7 @@ def _bool(value: int, what: str, name: str) -> bool:
 
 def _term_entries(body: Body, start: int, count: int, name: str) -> tuple[TermHistory, int]:
     if count > limits.MAX_HISTORY:
-        raise ProtocolError(f"{name}: term history of {count} entries exceeds {limits.MAX_HISTORY}")
+        raise FieldError(f"{name} term history of {count} entries exceeds {limits.MAX_HISTORY}")
     end = start + count * _TERM_ENTRY.size
     if end > len(body):
         raise ProtocolError(
@@ -361,7 +366,7 @@ def _timeline_entries(body: Body, start: int, name: str) -> tuple[TimelineHistor
         raise ProtocolError(f"{name}: body ends before the timeline_history count")
     (count,) = _U32.unpack_from(body, start)
     if count > limits.MAX_HISTORY:
-        raise ProtocolError(f"{name}: timeline history of {count} entries exceeds {limits.MAX_HISTORY}")
+        raise FieldError(f"{name} timeline history of {count} entries exceeds {limits.MAX_HISTORY}")
     start += 4
     end = start + count * _TIMELINE_ENTRY.size
     if end > len(body):
@@ -497,7 +502,7 @@ def decode(tag: int, body: Body) -> Message:
     except struct.error as e:  # a length check missed above; still the peer's fault
         raise ProtocolError(f"malformed message with tag 0x{tag:02x}: {e}") from None
     except limits.LimitError as e:
-        raise ProtocolError(f"{_NAMES[tag]}: {e}") from None
+        raise FieldError(f"{_NAMES[tag]} {e}") from None
 
 
 _NAMES: MappingProxyType[int, str] = MappingProxyType({tag: cls.__name__ for cls, tag in TAGS.items()})
@@ -618,5 +623,5 @@ def _decode_owned(frame: bytearray) -> Message:
         try:
             return _decode_append(body, body[_APPEND.size:])
         except limits.LimitError as e:
-            raise ProtocolError(f"Append: {e}") from None
+            raise FieldError(f"Append {e}") from None
     return decode(tag, body)
