@@ -76,16 +76,14 @@ class FrameReader(asyncio.BufferedProtocol):
 
     def data_received(self, data: bytes) -> None:
         """For event loops that hand over bytes instead of filling get_buffer()."""
-        try:
-            out = self._decoder.feed(data)
-        except codec.ProtocolError as e:
-            # feed() loses the messages before the bad frame; the connection closes either way.
-            out, self._error = [], e
-            if self.transport is not None:
-                self.transport.pause_reading()
-        for msg in out:
-            self._push(msg)
-        self._wake()
+        view = memoryview(data)
+        pos = 0
+        while pos < len(view) and self._error is None:
+            buf = self.get_buffer(len(view) - pos)
+            n = min(len(buf), len(view) - pos)
+            buf[:n] = view[pos:pos + n]
+            self.buffer_updated(n)
+            pos += n
 
     def eof_received(self) -> bool:
         self._eof = True

@@ -247,3 +247,18 @@ def test_writing_to_a_closed_connection_drops_the_frame(loop: str) -> None:
             runner.run(asyncio.wait_for(main(), 60))
     else:
         run(main())
+
+
+def test_data_received_delivers_the_frames_before_a_bad_one() -> None:
+    """Event loops without buffered protocols hand over bytes: same order, same errors."""
+    async def main() -> None:
+        reader = framing.FrameReader(asyncio.get_running_loop(), max_frame=codec.MAX_FRAME)
+        good = [VoteRequest(1), Append(1, 0, 0, 0, b"z" * 40_000), VoteRequest(2)]
+        stream = b"".join(codec.encode(m) for m in good) + b"\x00\x00\x00\x01z"
+        for pos in range(0, len(stream), 7000):
+            reader.data_received(stream[pos:pos + 7000])
+        assert [_as_bytes(await reader.read_message()) for _ in good] == good
+        with pytest.raises(codec.ProtocolError, match="unknown message tag"):
+            await reader.read_message()
+
+    run(main())
