@@ -725,6 +725,8 @@ def test_a_peer_overtaken_mid_send_fetches_until_it_reaches_the_buffer() -> None
     for i in range(2, 6):
         out += receive(BOOT + i * 100, bytes([i]) * 100)
     assert p.buffer is not None and p.buffer.start == BOOT + 300
+    assert not of(out, FetchWal)  # its window is full: nothing to send it yet
+    out = p.peer_message("c", AppendReply(1, BOOT + 100, 0))
     assert of(out, FetchWal) == [FetchWal("c", BOOT + 200, BOOT + 300)]
     # WAL keeps coming while c catches up: the buffer moves on past its fetch.
     out = receive(BOOT + 600, b"g" * 100) + receive(BOOT + 700, b"h" * 100)

@@ -238,11 +238,12 @@ class Proposer:
         if self.buffer is None or self.phase is not Phase.STREAMING:
             return []  # the stream of an ended term may still deliver a batch before it closes
         self.buffer.append(lsn, data)
-        # Bounded even when no safekeeper answers: beyond the limit laggards read the primary's pg_wal.
-        self.buffer.bound(self.config.buffer_limit)
         actions: list[Action] = []
         for p in self.peers.values():
             actions += self._pump(p)
+        # Bounded even when no safekeeper answers; whoever was not sent the WAL forgotten here
+        # reads it from the primary's pg_wal when its window opens.
+        self.buffer.bound(self.config.buffer_limit)
         return actions
 
     def catchup_data(self, name: str, lsn: int, data: bytes) -> list[Action]:
