@@ -15,11 +15,12 @@ from sidecar.consensus.codec import (
     FieldError,
     FrameDecoder,
     ProtocolError,
+    check_bounds,
     decode,
     encode,
     encode_append_parts,
 )
-from sidecar.consensus.limits import MAX_HISTORY, MAX_LSN, MAX_TERM
+from sidecar.consensus.limits import MAX_HISTORY, MAX_LSN, MAX_TERM, LimitError
 from sidecar.consensus.messages import (
     PROTOCOL_VERSION,
     Append,
@@ -106,6 +107,11 @@ def test_round_trip(msg: Message) -> None:
     assert decode(tag, bytearray(body)) == msg
     assert FrameDecoder().feed(frame) == [msg]
     assert read_all(frame) == [msg]
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_every_sample_is_within_bounds(msg: Message) -> None:
+    check_bounds(msg)
 
 
 def test_every_message_type_is_sampled() -> None:
@@ -421,6 +427,8 @@ def test_out_of_bounds_fields_are_refused_both_ways(msg: Message) -> None:
     """Whatever a peer may not send, we refuse to encode; a frame carrying it anyway does not decode."""
     with pytest.raises(EncodeError, match="outside|ascending|exceeds"):
         encode(msg)
+    with pytest.raises(LimitError):
+        check_bounds(msg)
     frame = _encode_unchecked(msg)
     rejected_everywhere(frame, "outside|ascending|exceeds")
     with pytest.raises(FieldError):  # a whole frame: the safekeeper may say why it refuses it

@@ -51,6 +51,7 @@ __all__ = [
     "FieldError",
     "FrameDecoder",
     "ProtocolError",
+    "check_bounds",
     "decode",
     "encode",
     "encode_append_parts",
@@ -155,9 +156,19 @@ def _check_elected(m: Elected) -> None:
     limits.check_term_history(m.term_history)
 
 
-def _check_term_lsn(term: int, lsn: int) -> None:
-    limits.check_term(term)
-    limits.check_lsn(lsn, "flush LSN")
+def _check_term(m: GreetingReply | VoteRequest) -> None:
+    limits.check_term(m.term)
+
+
+def _check_elected_reply(m: ElectedReply) -> None:
+    limits.check_term(m.term)
+    limits.check_lsn(m.flush_lsn, "flush LSN")
+
+
+def _check_append_reply(m: AppendReply) -> None:
+    limits.check_term(m.term)
+    limits.check_lsn(m.flush_lsn, "flush LSN")
+    limits.check_lsn(m.commit_lsn, "commit LSN")
 
 
 def _check_append(term: int, begin: int, size: int, commit: int, horizon: int) -> None:
@@ -173,6 +184,28 @@ def _check_info_reply(m: InfoReply) -> None:
     limits.check_term(m.last_log_term, "last log term")
     limits.check_lsn(m.flush_lsn, "flush LSN")
     limits.check_lsn(m.commit_lsn, "commit LSN")
+
+
+_BOUNDS: MappingProxyType[type, Callable[[Any], None]] = MappingProxyType({
+    GreetingReply: _check_term,
+    VoteRequest: _check_term,
+    VoteReply: _check_vote_reply,
+    Elected: _check_elected,
+    ElectedReply: _check_elected_reply,
+    Append: lambda m: _check_append(m.term, m.begin_lsn, len(m.data), m.commit_lsn, m.peer_horizon_lsn),
+    AppendReply: _check_append_reply,
+    InfoReply: _check_info_reply,
+})
+
+
+def check_bounds(msg: Message) -> None:
+    """limits.LimitError unless every term, LSN and history in `msg` is within limits.py.
+
+    What encode() refuses and decode() refuses; for a core driven without the codec (the simulator).
+    """
+    check = _BOUNDS.get(type(msg))
+    if check is not None:
+        check(msg)
 
 
 # ---------------------------------------------------------------- encoding
@@ -212,12 +245,12 @@ def _encode_greeting(m: Greeting) -> bytes:
 
 
 def _encode_greeting_reply(m: GreetingReply) -> bytes:
-    limits.check_term(m.term)
+    _check_term(m)
     return _GREETING_REPLY_FRAME.pack(1 + _GREETING_REPLY.size, TAG_GREETING_REPLY, m.node_id, m.term)
 
 
 def _encode_vote_request(m: VoteRequest) -> bytes:
-    limits.check_term(m.term)
+    _check_term(m)
     return _VOTE_REQUEST_FRAME.pack(1 + _VOTE_REQUEST.size, TAG_VOTE_REQUEST, m.term)
 
 
@@ -237,7 +270,7 @@ def _encode_elected(m: Elected) -> bytes:
 
 
 def _encode_elected_reply(m: ElectedReply) -> bytes:
-    _check_term_lsn(m.term, m.flush_lsn)
+    _check_elected_reply(m)
     return _ELECTED_REPLY_FRAME.pack(1 + _ELECTED_REPLY.size, TAG_ELECTED_REPLY, m.term, m.flush_lsn)
 
 
@@ -247,8 +280,7 @@ def _encode_append(m: Append) -> bytes:
 
 
 def _encode_append_reply(m: AppendReply) -> bytes:
-    _check_term_lsn(m.term, m.flush_lsn)
-    limits.check_lsn(m.commit_lsn, "commit LSN")
+    _check_append_reply(m)
     return _APPEND_REPLY_FRAME.pack(
         1 + _APPEND_REPLY.size, TAG_APPEND_REPLY, m.term, m.flush_lsn, m.commit_lsn
     )
@@ -398,14 +430,14 @@ def _decode_greeting(body: Body) -> Greeting:
 def _decode_greeting_reply(body: Body) -> GreetingReply:
     _need_exact(body, _GREETING_REPLY.size, "GreetingReply")
     m = GreetingReply(*_GREETING_REPLY.unpack_from(body))
-    limits.check_term(m.term)
+    _check_term(m)
     return m
 
 
 def _decode_vote_request(body: Body) -> VoteRequest:
     _need_exact(body, _VOTE_REQUEST.size, "VoteRequest")
     m = VoteRequest(*_VOTE_REQUEST.unpack_from(body))
-    limits.check_term(m.term)
+    _check_term(m)
     return m
 
 
@@ -432,9 +464,9 @@ def _decode_elected(body: Body) -> Elected:
 
 def _decode_elected_reply(body: Body) -> ElectedReply:
     _need_exact(body, _ELECTED_REPLY.size, "ElectedReply")
-    term, flush_lsn = _ELECTED_REPLY.unpack_from(body)
-    _check_term_lsn(term, flush_lsn)
-    return ElectedReply(term, flush_lsn)
+    m = ElectedReply(*_ELECTED_REPLY.unpack_from(body))
+    _check_elected_reply(m)
+    return m
 
 
 def _decode_append(body: Body, data: Body | None = None) -> Append:
@@ -451,10 +483,9 @@ def _decode_append(body: Body, data: Body | None = None) -> Append:
 
 def _decode_append_reply(body: Body) -> AppendReply:
     _need_exact(body, _APPEND_REPLY.size, "AppendReply")
-    term, flush_lsn, commit_lsn = _APPEND_REPLY.unpack_from(body)
-    _check_term_lsn(term, flush_lsn)
-    limits.check_lsn(commit_lsn, "commit LSN")
-    return AppendReply(term, flush_lsn, commit_lsn)
+    m = AppendReply(*_APPEND_REPLY.unpack_from(body))
+    _check_append_reply(m)
+    return m
 
 
 def _decode_refusal(body: Body) -> Refusal:

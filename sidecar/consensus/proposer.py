@@ -10,8 +10,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from sidecar.consensus import codec, limits
 from sidecar.consensus import history as hist
-from sidecar.consensus import limits
 from sidecar.consensus.messages import (
     PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply,
     Message, Refusal, TermHistory, TimelineHistory, VoteReply, VoteRequest,
@@ -187,7 +187,7 @@ class Proposer:
         if not p.connected or self.phase is Phase.STOPPED:
             return []
         try:
-            _check_fields(msg)
+            codec.check_bounds(msg)  # the codec's checks, also when the core is driven without it
         except limits.LimitError as e:
             return self._drop(p, f"{type(msg).__name__}: {e}")
         match msg:
@@ -483,25 +483,3 @@ class Proposer:
         p.sent_lsn = p.flush_lsn
         return p
 
-
-def _check_fields(msg: Message) -> None:
-    """Every term, LSN and history in a reply within limits.py; LimitError otherwise.
-
-    The codec checks the same on the wire; this keeps the core safe when driven directly.
-    """
-    match msg:
-        case AppendReply():
-            limits.check_term(msg.term)
-            limits.check_lsn(msg.flush_lsn, "flush LSN")
-            limits.check_lsn(msg.commit_lsn, "commit LSN")
-        case ElectedReply():
-            limits.check_term(msg.term)
-            limits.check_lsn(msg.flush_lsn, "flush LSN")
-        case GreetingReply():
-            limits.check_term(msg.term)
-        case VoteReply():
-            limits.check_term(msg.term)
-            limits.check_lsn(msg.flush_lsn, "flush LSN")
-            limits.check_lsn(msg.tail_lsn, "tail LSN")
-            limits.check_term_history(msg.term_history)
-            limits.check_timeline_history(msg.timeline_history)
