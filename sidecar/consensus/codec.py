@@ -483,9 +483,10 @@ def _decode_append(body: Body, data: Body | None = None) -> Append:
 
 def _decode_append_reply(body: Body) -> AppendReply:
     _need_exact(body, _APPEND_REPLY.size, "AppendReply")
-    m = AppendReply(*_APPEND_REPLY.unpack_from(body))
-    _check_append_reply(m)
-    return m
+    term, flush_lsn, commit_lsn = _APPEND_REPLY.unpack_from(body)
+    if term > MAX_TERM or flush_lsn > MAX_LSN or commit_lsn > MAX_LSN:  # the proposer's hot path
+        _check_append_reply(AppendReply(term, flush_lsn, commit_lsn))
+    return AppendReply(term, flush_lsn, commit_lsn)
 
 
 def _decode_refusal(body: Body) -> Refusal:
@@ -622,6 +623,7 @@ class FrameDecoder:
 
     def _parse(self, out: list[Message]) -> None:
         buf, pos, end = self._scratch, self._start, self._end
+        view = memoryview(buf)
         try:
             while end - pos >= FRAME_HEADER_SIZE:
                 (length,) = _U32.unpack_from(buf, pos)
@@ -636,11 +638,15 @@ class FrameDecoder:
                         self._frame, self._frame_got = frame, end - pos
                         pos = end
                     break
-                with memoryview(buf) as view, view[pos + FRAME_HEADER_SIZE + 1:stop] as body:
-                    # Decoders copy what they keep: a view would pin the buffer it is reused from.
+                body = view[pos + FRAME_HEADER_SIZE + 1:stop]
+                try:
                     out.append(decode(buf[pos + FRAME_HEADER_SIZE], body))
+                finally:
+                    # Decoders copy what they keep; a live view would pin the buffer it reuses.
+                    body.release()
                 pos = stop
         finally:
+            view.release()
             if pos == end:
                 pos = end = 0
             self._start, self._end = pos, end
