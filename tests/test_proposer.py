@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import pytest
 
+from sidecar.consensus import proposer as proposer_mod
+
 from sidecar.consensus.limits import MAX_LSN, MAX_TERM
 from sidecar.consensus.messages import (
     Append, AppendReply, Elected, ElectedReply, GreetingReply, TermEntry, TermHistory,
@@ -740,3 +742,18 @@ def test_a_peer_overtaken_mid_send_fetches_until_it_reaches_the_buffer() -> None
     out = p.peer_message("c", AppendReply(1, BOOT + 500, 0))
     assert [(m.begin_lsn, m.end_lsn) for m in appends_to(out, "c")] == [(BOOT + 500, BOOT + 800)]
     assert not of(out, FetchWal) and not of(out, DropPeer)
+
+
+# ---- teeth: without the caps, the simulator's lying safekeepers break durability ----------------
+
+def test_trusting_a_lying_safekeeper_is_caught_by_the_simulator(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sidecar.sim import world as world_mod
+    from sidecar.sim.runner import first_violation
+
+    if not hasattr(world_mod.World, "_lie"):
+        pytest.skip("this simulator has no lying safekeepers")
+    monkeypatch.setattr(proposer_mod.Proposer, "_append_cap", lambda self, p: MAX_LSN)
+    monkeypatch.setattr(proposer_mod.Proposer, "_elected_cap", lambda self, p, vote: MAX_LSN)
+    out = first_violation(range(60))
+    assert out is not None, "no violation in 60 seeds"
+    assert out.invariant.startswith(("1 ", "2 ", "4 ")), out.invariant

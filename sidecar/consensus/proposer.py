@@ -387,14 +387,9 @@ class Proposer:
             return []
         if p.vote is None:
             return self._drop(p, "ElectedReply without an Elected on this connection")
-        # It truncates to where its log and ours agree: at most what it voted with (an empty one
-        # starts at our history's first entry) and never past our term's start, unless WAL we
-        # sent it in this term (on an earlier connection, maybe after the vote) took it further.
-        vote = p.vote
-        cap = max(min(vote.flush_lsn or self.history[0].start_lsn, self.term_start), p.sent_max)
-        if msg.flush_lsn > cap:
+        if msg.flush_lsn > self._elected_cap(p, p.vote):
             return self._drop(p, "ElectedReply claims WAL beyond what it voted with",
-                              flush_lsn=msg.flush_lsn, voted_flush_lsn=vote.flush_lsn,
+                              flush_lsn=msg.flush_lsn, voted_flush_lsn=p.vote.flush_lsn,
                               sent_lsn=p.sent_max, term_start_lsn=self.term_start)
         p.elected = True
         p.flush_lsn = p.sent_lsn = msg.flush_lsn
@@ -409,8 +404,7 @@ class Proposer:
             return self._higher_term(msg.term, p.name)
         if not p.elected or msg.term != self.term:
             return []
-        if msg.flush_lsn > p.sent_lsn:
-            # Counting a flush of WAL it was never sent would commit on fewer copies than a quorum.
+        if msg.flush_lsn > self._append_cap(p):
             return self._drop(p, "AppendReply acknowledges WAL it was never sent",
                               flush_lsn=msg.flush_lsn, sent_lsn=p.sent_lsn)
         p.flush_lsn = max(p.flush_lsn, msg.flush_lsn)
@@ -466,6 +460,20 @@ class Proposer:
         """Below this every safekeeper of the term has flushed (or will be fed from the primary)."""
         return min(p.flush_lsn if p.elected or p.flush_lsn >= self.term_start else self.term_start
                    for p in self.peers.values())
+
+    def _elected_cap(self, p: PeerState, vote: VoteReply) -> int:
+        """The highest flush `p` may answer our Elected with.
+
+        It truncates to where its log and ours agree: at most what it voted with (an empty one
+        starts at our history's first entry) and never past our term's start, unless WAL we sent
+        it in this term (on an earlier connection, maybe after the vote) took it further.
+        """
+        return max(min(vote.flush_lsn or self.history[0].start_lsn, self.term_start), p.sent_max)
+
+    def _append_cap(self, p: PeerState) -> int:
+        """The highest flush `p` may acknowledge: counting WAL it was never sent would commit on
+        fewer copies than a quorum."""
+        return p.sent_lsn
 
     def _saw_term(self, term: int, peer: str) -> None:
         if term > self._highest[0]:
