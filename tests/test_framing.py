@@ -10,23 +10,24 @@ import pytest
 
 from helpers import run
 from sidecar import framing
-from sidecar.consensus import codec
+from sidecar.consensus import codec, limits
 from sidecar.consensus.messages import Append, AppendReply, Elected, Greeting, Message, TermEntry, VoteRequest
 
 
 class Collector:
     """A framing server whose handler reads every message (optionally after a delay) and replies."""
 
-    def __init__(self, read_after: asyncio.Event | None = None, max_frame: int = codec.MAX_FRAME) -> None:
-        self.max_frame = max_frame
+    def __init__(self, read_after: asyncio.Event | None = None, max_frame: int | None = codec.MAX_FRAME) -> None:
+        self.max_frame = max_frame  # None: the limit for peers nobody authenticated
         self.messages: list[Message] = []
         self.error: BaseException | None = None
         self.done = asyncio.Event()
         self.read_after = read_after
         self.server: asyncio.Server | None = None
 
-    async def handle(self, reader: framing.FrameReader, writer: asyncio.StreamWriter) -> None:
-        reader.max_frame = self.max_frame
+    async def handle(self, reader: framing.FrameReader, writer: framing.Writer) -> None:
+        if self.max_frame is not None:
+            reader.max_frame = self.max_frame
         try:
             if self.read_after is not None:
                 await self.read_after.wait()
@@ -58,9 +59,9 @@ def _as_bytes(msg: Message) -> Message:
 
 
 async def _send_in_pieces(port: int, data: bytes, rng: random.Random,
-                          close: bool = True) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+                          close: bool = True) -> tuple[framing.FrameReader, framing.Writer]:
     """Send `data` in pieces of random sizes, then (with `close`) half-close; the caller closes."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    reader, writer = await framing.open_connection("127.0.0.1", port)
     pos = 0
     while pos < len(data):
         n = rng.choice([1, 3, 7, 100, 4096, 70_000, 300_000, 2_000_000])
@@ -93,7 +94,7 @@ def test_frames_split_anywhere_arrive_whole_and_in_order() -> None:
         await asyncio.wait_for(c.done.wait(), 30)
         assert [_as_bytes(m) for m in c.messages] == msgs
         assert isinstance(c.error, asyncio.IncompleteReadError)  # the clean end of the stream
-        replies = [await codec.read_message(reader) for m in msgs if isinstance(m, Append)]
+        replies = [await reader.read_message() for m in msgs if isinstance(m, Append)]
         assert [r.flush_lsn for r in replies] == [m.end_lsn for m in msgs if isinstance(m, Append)]
         writer.close()
         await c.close()
@@ -133,19 +134,37 @@ def test_a_malformed_frame_fails_after_the_good_ones_before_it() -> None:
     run(main())
 
 
-def test_a_reader_refuses_frames_above_its_cap_before_allocating_them() -> None:
-    # DOS-2: an unauthenticated header announcing 16 MiB is refused as soon as it arrives.
+def test_before_authentication_a_long_frame_is_refused_from_its_header() -> None:
     async def main() -> None:
-        c = Collector(max_frame=framing.FrameReader(asyncio.get_running_loop()).max_frame)
+        c = Collector(max_frame=None)
         port = await c.start()
-        small = [VoteRequest(1), Append(1, 0, 0, 0, b"x" * 1000)]
-        bad = codec.MAX_FRAME.to_bytes(4, "big") + b"a"
-        _, writer = await _send_in_pieces(port, b"".join(codec.encode(m) for m in small) + bad,
-                                          random.Random(4), close=False)
+        header = codec.MAX_FRAME.to_bytes(4, "big") + b"a"
+        _, writer = await _send_in_pieces(port, codec.encode(VoteRequest(1)) + header, random.Random(5), close=False)
         await asyncio.wait_for(c.done.wait(), 30)
         writer.close()
-        assert [_as_bytes(m) for m in c.messages] == small
-        assert isinstance(c.error, codec.ProtocolError) and f"maximum of {64 * 1024}" in str(c.error)
+        assert c.messages == [VoteRequest(1)]
+        assert isinstance(c.error, codec.ProtocolError)
+        assert f"exceeds the maximum of {limits.PREAUTH_MAX_FRAME}" in str(c.error)
+        await c.close()
+
+    run(main())
+
+
+def test_the_writer_reports_a_lost_connection() -> None:
+    async def main() -> None:
+        c = Collector()
+        port = await c.start()
+        reader, writer = await framing.open_connection("127.0.0.1", port)
+        assert not writer.is_closing() and writer.get_extra_info("peername")[1] == port
+        await writer.drain()
+        writer.close()
+        assert writer.is_closing()
+        await asyncio.wait_for(writer.wait_closed(), 30)
+        with pytest.raises(ConnectionError):
+            await writer.drain()
+        with pytest.raises(asyncio.IncompleteReadError):
+            await reader.read_message()
+        await asyncio.wait_for(c.done.wait(), 30)
         await c.close()
 
     run(main())
@@ -192,7 +211,6 @@ def test_a_client_connection_reads_frames_and_drains_its_writes() -> None:
         c = Collector()
         port = await c.start()
         reader, writer = await framing.open_connection("127.0.0.1", port)
-        reader.max_frame = codec.MAX_FRAME
         msgs = [Append(1, i << 20, 0, 0, os.urandom(1 << 20)) for i in range(8)]
         for m in msgs:
             writer.write(codec.encode(m))
@@ -229,3 +247,18 @@ def test_writing_to_a_closed_connection_drops_the_frame(loop: str) -> None:
             runner.run(asyncio.wait_for(main(), 60))
     else:
         run(main())
+
+
+def test_data_received_delivers_the_frames_before_a_bad_one() -> None:
+    """Event loops without buffered protocols hand over bytes: same order, same errors."""
+    async def main() -> None:
+        reader = framing.FrameReader(asyncio.get_running_loop(), max_frame=codec.MAX_FRAME)
+        good = [VoteRequest(1), Append(1, 0, 0, 0, b"z" * 40_000), VoteRequest(2)]
+        stream = b"".join(codec.encode(m) for m in good) + b"\x00\x00\x00\x01z"
+        for pos in range(0, len(stream), 7000):
+            reader.data_received(stream[pos:pos + 7000])
+        assert [_as_bytes(await reader.read_message()) for _ in good] == good
+        with pytest.raises(codec.ProtocolError, match="unknown message tag"):
+            await reader.read_message()
+
+    run(main())

@@ -6,13 +6,16 @@ from collections.abc import Sequence
 
 import pytest
 
+from sidecar.consensus import proposer as proposer_mod
+
+from sidecar.consensus.limits import MAX_LSN, MAX_TERM
 from sidecar.consensus.messages import (
     Append, AppendReply, Elected, ElectedReply, GreetingReply, TermEntry, TermHistory,
-    VoteReply, VoteRequest,
+    TimelineEntry, VoteReply, VoteRequest,
 )
 from sidecar.consensus.proposer import (
-    Action, FetchWal, Note, Phase, Proposer, ProposerConfig, ReportStatus, Send, StartStreaming,
-    TermLost, VerifyPrimary,
+    Action, DropPeer, FetchWal, Note, Phase, Proposer, ProposerConfig, ReportStatus, Send, StartStreaming,
+    TermLost, TermsExhausted, VerifyPrimary,
 )
 
 PEERS = ("a", "b", "c")
@@ -547,3 +550,210 @@ def test_a_precheck_that_outlives_every_connection_still_campaigns() -> None:
     assert p.phase is Phase.VOTING
     out = p.peer_connected("a") + p.peer_message("a", GreetingReply(1, 3))
     assert sends(out, VoteRequest)[-1].message == VoteRequest(4)  # a higher term restarts the campaign
+
+
+# ---- trust no reported position ---------------------------------------------------------------
+
+def rejoin(p: Proposer, name: str, vote: VoteReply) -> list[Action]:
+    """`name` reconnects while the proposer streams, votes with `vote` and is sent Elected."""
+    p.peer_disconnected(name)
+    out = p.peer_connected(name) + p.peer_message(name, GreetingReply(ord(name), p.term))
+    out += p.peer_message(name, vote)
+    assert sends(out, Elected)
+    return out
+
+
+def test_an_append_reply_above_what_was_sent_drops_the_link_and_counts_nothing() -> None:
+    p, _ = streaming()
+    p.wal_received(BOOT, b"x" * 100_000)
+    assert p.peers["a"].sent_lsn == BOOT + 100_000
+    p.peer_message("a", AppendReply(1, BOOT + 100_000, 0))  # honest
+    before = (p.commit_lsn, p.status())
+    out = p.peer_message("b", AppendReply(1, 0x9000000, 0))  # flush beyond anything it was sent
+    [drop] = of(out, DropPeer)
+    assert drop.peer == "b" and "never sent" in drop.reason
+    assert drop.fields == {"term": 1, "flush_lsn": 0x9000000, "sent_lsn": BOOT + 100_000}
+    assert (p.commit_lsn, p.status()) == before and not of(out, ReportStatus)
+    # Until it reconnects, nothing more from it counts; then it joins afresh.
+    assert p.peer_message("b", AppendReply(1, BOOT + 100_000, 0)) == []
+    assert p.commit_lsn == before[0]
+    out = rejoin(p, "b", VoteReply(1, False, BOOT + 100_000, h((1, BOOT)), ()))
+    out = p.peer_message("b", ElectedReply(1, BOOT + 100_000))
+    assert not of(out, DropPeer) and p.commit_lsn == BOOT + 100_000
+
+
+def test_an_elected_reply_above_the_voted_flush_drops_the_link() -> None:
+    p = Proposer(config())
+    greet(p, {"a": 1, "b": 1, "c": 1})
+    p.peer_message("a", grant(2, 5000, h((1, 100))))
+    p.peer_message("b", grant(2, 5000, h((1, 100))))
+    p.peer_message("c", grant(2, 3000, h((1, 100))))
+    p.primary_verified()
+    assert not of(p.peer_message("a", ElectedReply(2, 5000)), DropPeer)
+    out = p.peer_message("c", ElectedReply(2, 0x7000000))
+    [drop] = of(out, DropPeer)
+    assert drop.peer == "c" and drop.fields["flush_lsn"] == 0x7000000 and drop.fields["voted_flush_lsn"] == 3000
+    assert not p.peers["c"].elected and p.peers["c"].flush_lsn == 0 and not sends(out, Append)
+    assert p.peer_message("c", ElectedReply(2, 3000)) == []  # ignored until it reconnects
+
+
+def test_an_elected_reply_past_the_term_start_with_a_stale_log_drops_the_link() -> None:
+    # c voted with a longer log of an older term: it must cut back to where our term starts.
+    p = Proposer(config())
+    greet(p, {"a": 2, "b": 2, "c": 2})
+    p.peer_message("a", grant(3, 5000, h((1, 100), (2, 4000))))
+    p.peer_message("c", grant(3, 9000, h((1, 100))))
+    p.peer_message("b", grant(3, 5000, h((1, 100), (2, 4000))))
+    p.primary_verified()
+    assert p.term_start == 5000
+    [drop] = of(p.peer_message("c", ElectedReply(3, 9000)), DropPeer)
+    assert drop.fields["term_start_lsn"] == 5000
+    p.peer_disconnected("c")
+    rejoin(p, "c", VoteReply(3, False, 9000, h((1, 100)), ()))
+    assert not of(p.peer_message("c", ElectedReply(3, 4000)), DropPeer)
+
+
+def test_a_safekeeper_of_this_term_may_rejoin_with_wal_sent_on_its_last_connection() -> None:
+    # Found by the simulation: Appends of the old connection arrive after the new vote.
+    p, _ = streaming()
+    p.wal_received(BOOT, b"x" * 500)
+    rejoin(p, "c", VoteReply(1, False, BOOT + 100, h((1, BOOT)), ()))
+    assert not of(p.peer_message("c", ElectedReply(1, BOOT + 500)), DropPeer)
+    rejoin(p, "c", VoteReply(1, False, BOOT + 100, h((1, BOOT)), ()))
+    assert of(p.peer_message("c", ElectedReply(1, BOOT + 501)), DropPeer)
+
+
+def test_a_granted_vote_whose_history_holds_the_term_is_a_protocol_error_not_a_crash() -> None:
+    p = Proposer(config())
+    greet(p, {"a": 1, "b": 1, "c": 1})
+    assert p.term == 2
+    out = p.peer_message("a", grant(2, 5000, h((1, 100), (9, 200))))  # audit DOS-4: term 9 >= 2
+    [drop] = of(out, DropPeer)
+    assert drop.peer == "a" and "term 9" in drop.reason
+    out = p.peer_message("b", grant(2, 5000, h((2, 100))))  # the very term it grants
+    assert of(out, DropPeer) and p.phase is Phase.VOTING
+    p.peer_message("c", grant(2, 5000, h((1, 100))))
+    for n in ("a", "b"):
+        rejoin_vote = p.peer_connected(n) + p.peer_message(n, GreetingReply(ord(n), 2))
+        assert sends(rejoin_vote, VoteRequest)
+    out = p.peer_message("a", grant(2, 5000, h((1, 100))))
+    assert of(out, VerifyPrimary) and p.history == h((1, 100), (2, 5000))
+
+
+@pytest.mark.parametrize("reply", [
+    GreetingReply(1, MAX_TERM + 1),
+    VoteReply(MAX_TERM + 1, False, 0, (), ()),
+    VoteReply(1, False, MAX_LSN + 1, (), ()),
+    VoteReply(1, False, 10, h((1, 5), (1, 6)), ()),
+    VoteReply(1, False, 10, (), (TimelineEntry(2, 5), TimelineEntry(1, 6))),
+    ElectedReply(MAX_TERM + 1, 0),
+    ElectedReply(1, MAX_LSN + 1),
+    AppendReply(MAX_TERM + 1, 0, 0),
+    AppendReply(1, MAX_LSN + 1, 0),
+    AppendReply(1, 0, MAX_LSN + 1),
+], ids=repr)
+def test_a_reply_outside_the_limits_is_a_protocol_error_and_adopts_nothing(reply: object) -> None:
+    p, _ = streaming()
+    out = p.peer_message("a", reply)  # type: ignore[arg-type]
+    [drop] = of(out, DropPeer)
+    assert drop.peer == "a" and not of(out, TermLost)
+    assert p.phase is Phase.STREAMING and p.term == 1 and not p.peers["a"].connected
+
+
+# ---- terms are bounded ------------------------------------------------------------------------
+
+def test_no_campaign_above_the_highest_term() -> None:
+    p = Proposer(config())
+    out = greet(p, {"a": MAX_TERM - 1, "b": 3})
+    assert {s.message for s in sends(out, VoteRequest)} == {VoteRequest(MAX_TERM)}
+    out = p.election_timeout()
+    assert out == [TermsExhausted(MAX_TERM - 1, "a")] and p.phase is Phase.STOPPED
+
+    p = Proposer(config())
+    out = greet(p, {"a": MAX_TERM, "b": 3})
+    assert of(out, TermsExhausted) == [TermsExhausted(MAX_TERM, "a")]
+    assert not [s for s in sends(out, VoteRequest) if s.message.term]
+    assert p.phase is Phase.STOPPED
+    assert p.peer_message("b", GreetingReply(2, 3)) == []  # stopped: nothing loops
+
+    p = Proposer(config(), min_term=MAX_TERM)
+    assert of(greet(p, {"a": 1, "b": 1}), TermsExhausted) == [TermsExhausted(MAX_TERM, None)]
+
+
+def test_a_higher_term_while_voting_at_the_top_stops() -> None:
+    p = Proposer(config())
+    greet(p, {"a": 1, "b": 1})
+    out = p.peer_message("a", VoteReply(MAX_TERM, False, 0, (), ()))
+    assert out == [TermsExhausted(MAX_TERM, "a")]
+
+
+# ---- the WAL buffer is bounded ------------------------------------------------------------------
+
+MiB = 1024 * 1024
+
+
+def test_the_buffer_stays_bounded_when_no_safekeeper_answers() -> None:
+    p, _ = streaming(buffer_limit=64 * MiB)
+    chunk = bytes(MiB)
+    fetches: list[FetchWal] = []
+    for i in range(200):
+        fetches += of(p.wal_received(BOOT + i * MiB, chunk), FetchWal)
+        assert p.buffer is not None and p.buffer.size <= 64 * MiB
+    assert (p.buffer.start, p.buffer.end) == (BOOT + 136 * MiB, BOOT + 200 * MiB)
+    # Each safekeeper was sent its in-flight window, then left behind: it reads the primary next.
+    assert sorted(fetches, key=lambda f: f.peer) == [FetchWal(n, BOOT + 32 * MiB, BOOT + 33 * MiB) for n in PEERS]
+    # With every link down the same holds.
+    for n in PEERS:
+        p.peer_disconnected(n)
+    for i in range(200, 250):
+        assert p.wal_received(BOOT + i * MiB, chunk) == []
+    assert p.buffer.size <= 64 * MiB and p.phase is Phase.STREAMING
+
+
+def test_a_peer_overtaken_mid_send_fetches_until_it_reaches_the_buffer() -> None:
+    p, _ = streaming(buffer_limit=300, max_inflight=150)
+
+    def receive(lsn: int, data: bytes) -> list[Action]:
+        """WAL arrives; a and b acknowledge all they were sent, c stays silent."""
+        out = p.wal_received(lsn, data)
+        for n in ("a", "b"):
+            out += p.peer_message(n, AppendReply(1, p.peers[n].sent_lsn, 0))
+        return out
+
+    receive(BOOT, b"a" * 100)
+    receive(BOOT + 100, b"b" * 100)
+    assert p.peers["c"].sent_lsn == BOOT + 200  # its in-flight window, not acknowledged
+    out: list[Action] = []
+    for i in range(2, 6):
+        out += receive(BOOT + i * 100, bytes([i]) * 100)
+    assert p.buffer is not None and p.buffer.start == BOOT + 300
+    assert not of(out, FetchWal)  # its window is full: nothing to send it yet
+    out = p.peer_message("c", AppendReply(1, BOOT + 100, 0))
+    assert of(out, FetchWal) == [FetchWal("c", BOOT + 200, BOOT + 300)]
+    # WAL keeps coming while c catches up: the buffer moves on past its fetch.
+    out = receive(BOOT + 600, b"g" * 100) + receive(BOOT + 700, b"h" * 100)
+    assert p.buffer.start == BOOT + 500 and not of(out, FetchWal) and not appends_to(out, "c")
+    out = p.catchup_data("c", BOOT + 200, b"b" * 100) + p.catchup_done("c")
+    assert [(m.begin_lsn, m.end_lsn) for m in appends_to(out, "c")] == [(BOOT + 200, BOOT + 300)]
+    assert of(out, FetchWal) == [FetchWal("c", BOOT + 300, BOOT + 500)]
+    out = p.catchup_data("c", BOOT + 300, b"x" * 200) + p.catchup_done("c")
+    assert [(m.begin_lsn, m.end_lsn) for m in appends_to(out, "c")] == [(BOOT + 300, BOOT + 500)]
+    # Acknowledged: it is fed from the buffer again, within its window.
+    out = p.peer_message("c", AppendReply(1, BOOT + 500, 0))
+    assert [(m.begin_lsn, m.end_lsn) for m in appends_to(out, "c")] == [(BOOT + 500, BOOT + 800)]
+    assert not of(out, FetchWal) and not of(out, DropPeer)
+
+
+# ---- teeth: without the caps, the simulator's lying safekeepers break durability ----------------
+
+def test_trusting_a_lying_safekeeper_is_caught_by_the_simulator(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sidecar.sim import world as world_mod
+    from sidecar.sim.runner import first_violation
+
+    if not hasattr(world_mod.World, "_lie"):
+        pytest.skip("this simulator has no lying safekeepers")
+    monkeypatch.setattr(proposer_mod.Proposer, "_append_cap", lambda self, p: MAX_LSN)
+    monkeypatch.setattr(proposer_mod.Proposer, "_elected_cap", lambda self, p, vote: MAX_LSN)
+    out = first_violation(range(60))
+    assert out is not None, "no violation in 60 seeds"
+    assert out.invariant.startswith(("1 ", "2 ", "4 ")), out.invariant

@@ -503,3 +503,27 @@ def test_paused_stream_delivers_nothing_until_resumed(pg: PgServer) -> None:
             await a.close()
 
     run(main())
+
+
+@pytest.mark.parametrize("message, match", [
+    (b"w" + bytes(20), "XLogData message of 21 bytes"),
+    (b"k" + bytes(5), "keepalive message of 6 bytes"),
+    (b"k" + bytes(18), "keepalive message of 19 bytes"),
+    (b"?", "unexpected replication message type"),
+])
+def test_a_malformed_message_from_the_primary_is_a_replication_error(message: bytes, match: str) -> None:
+    """Not a struct.error logged as an unexpected failure: the term ends with a reason."""
+    from sidecar.proposer import replication
+
+    class OneMessage:
+        def get_copy_data(self, _async: int) -> tuple[int, bytes]:
+            return len(message), message
+
+    stream = ReplicationStream(None, start_lsn=0, timeline=1, slot=None, on_wal=lambda lsn, data: None)  # type: ignore[arg-type]
+    stream._state, stream._pg = replication._State.STREAMING, OneMessage()  # type: ignore[assignment]
+    stream._loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(ReplicationError, match=match):
+            stream._drain()
+    finally:
+        stream._loop.close()

@@ -124,7 +124,7 @@ def test_a_vote_granted_without_persisting_the_term_is_caught(monkeypatch: pytes
     assert _found(10).invariant == "3 promise persisted before the reply"
     # and, without the local rules, by its consequence: a term with two leaders (this
     # needs a crash right after the vote and a rival proposer, hence more seeds)
-    assert _found(100, SimConfig(disabled=LOCAL_RULES)).invariant in (
+    assert _found(400, SimConfig(disabled=LOCAL_RULES)).invariant in (
         "3 one proposer per term", "1 any quorum recovers every acknowledged record",
         "2 safekeepers agree below their commit_lsn")
 

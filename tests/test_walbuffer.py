@@ -121,3 +121,16 @@ def test_many_small_chunks_trimmed_one_by_one_read_back_correctly() -> None:
     assert buf.read(buf.start, 10_000) == data[3499:]
     buf.append(buf.end, b"tail")
     assert buf.read(start + 3998, 10) == data[3998:] + b"tail"
+
+
+def test_bound_keeps_at_most_the_limit_in_whole_chunks() -> None:
+    buf = filled(0, [b"a" * 100, b"b" * 100, b"c" * 100, b"d" * 100])
+    buf.bound(400)
+    assert (buf.start, buf.end) == (0, 400)
+    buf.bound(250)  # the chunk holding the cut goes too: never more than the limit
+    assert (buf.start, buf.end) == (200, 400)
+    assert buf.read(200, 1000) == b"c" * 100 + b"d" * 100
+    buf.bound(99)  # even the newest chunk is larger
+    assert (buf.start, buf.end, buf.size) == (400, 400, 0)
+    buf.append(400, b"e" * 10)
+    assert buf.read(400, 100) == b"e" * 10

@@ -6,17 +6,22 @@ u16 byte length then UTF-8; bools are u8 0/1; Append data is the remainder of th
 The frame header, the Greeting's leading u32 protocol_version and the Refusal layout must
 stay the same in every protocol version, so that peers of different versions can refuse
 each other by name.
+
+Every term, LSN and history is checked against `limits` in both directions, so whatever
+decodes re-encodes to the same bytes and nothing out of bounds reaches the cores. Sans IO:
+the asyncio side (`sidecar/framing.py`) feeds `FrameDecoder`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import struct
 from collections.abc import Callable
 from struct import Struct
 from types import MappingProxyType
 from typing import Any, NoReturn
 
+from sidecar.consensus import limits
+from sidecar.consensus.limits import MAX_LSN, MAX_TERM
 from sidecar.consensus.messages import (
     PROTOCOL_VERSION,
     Append,
@@ -40,13 +45,16 @@ from sidecar.consensus.messages import (
 __all__ = [
     "FRAME_HEADER_SIZE",
     "MAX_FRAME",
+    "REPLY_MAX_FRAME",
     "TAGS",
+    "EncodeError",
+    "FieldError",
     "FrameDecoder",
     "ProtocolError",
+    "check_bounds",
     "decode",
     "encode",
     "encode_append_parts",
-    "read_message",
 ]
 
 # Append carries at most a few MiB of WAL; the KiB leaves room for its header.
@@ -108,16 +116,96 @@ _APPEND_REPLY_FRAME = Struct(">IB" + _APPEND_REPLY.format[1:])
 _APPEND_HEADER_FRAME = Struct(">IB" + _APPEND.format[1:])
 
 _MAX_APPEND_DATA = MAX_FRAME - 1 - _APPEND.size
+# The longest frame a safekeeper sends: a VoteReply with both histories at their limit.
+REPLY_MAX_FRAME = (1 + _VOTE_REPLY.size + limits.MAX_HISTORY * _TERM_ENTRY.size + _U32.size
+                   + limits.MAX_HISTORY * _TIMELINE_ENTRY.size)
 
 
 class ProtocolError(Exception):
     """Malformed frame or message; the connection it came from must be closed."""
 
 
-def _reject_length(length: int) -> NoReturn:
+class FieldError(ProtocolError):
+    """A whole, well-framed message with a field outside limits.py: the peer can be told which."""
+
+
+class EncodeError(ProtocolError):
+    """Our own message does not fit the wire or its bounds: a bug on this side, not the peer's."""
+
+
+def _reject_length(length: int, maximum: int = MAX_FRAME) -> NoReturn:
     if length == 0:
         raise ProtocolError("frame length 0: a frame holds at least its tag byte")
-    raise ProtocolError(f"frame length {length} exceeds the maximum of {MAX_FRAME}")
+    raise ProtocolError(f"frame length {length} exceeds the maximum of {maximum}")
+
+
+# ---------------------------------------------------------------- bounds, in both directions
+
+
+def _check_vote_reply(m: VoteReply) -> None:
+    limits.check_term(m.term)
+    limits.check_lsn(m.flush_lsn, "flush LSN")
+    limits.check_lsn(m.tail_lsn, "tail LSN")
+    limits.check_term_history(m.term_history)
+    limits.check_timeline_history(m.timeline_history)
+
+
+def _check_elected(m: Elected) -> None:
+    limits.check_term(m.term)
+    limits.check_lsn(m.start_lsn, "start LSN")
+    limits.check_term_history(m.term_history)
+
+
+def _check_term(m: GreetingReply | VoteRequest) -> None:
+    limits.check_term(m.term)
+
+
+def _check_elected_reply(m: ElectedReply) -> None:
+    limits.check_term(m.term)
+    limits.check_lsn(m.flush_lsn, "flush LSN")
+
+
+def _check_append_reply(m: AppendReply) -> None:
+    limits.check_term(m.term)
+    limits.check_lsn(m.flush_lsn, "flush LSN")
+    limits.check_lsn(m.commit_lsn, "commit LSN")
+
+
+def _check_append(term: int, begin: int, size: int, commit: int, horizon: int) -> None:
+    """Called only when the one-line test in the hot paths fails: says which field is out of bounds."""
+    limits.check_term(term)
+    limits.check_lsn(commit, "commit LSN")
+    limits.check_lsn(horizon, "peer horizon LSN")
+    limits.check_lsn(begin + size, "end LSN")
+
+
+def _check_info_reply(m: InfoReply) -> None:
+    limits.check_term(m.term)
+    limits.check_term(m.last_log_term, "last log term")
+    limits.check_lsn(m.flush_lsn, "flush LSN")
+    limits.check_lsn(m.commit_lsn, "commit LSN")
+
+
+_BOUNDS: MappingProxyType[type, Callable[[Any], None]] = MappingProxyType({
+    GreetingReply: _check_term,
+    VoteRequest: _check_term,
+    VoteReply: _check_vote_reply,
+    Elected: _check_elected,
+    ElectedReply: _check_elected_reply,
+    Append: lambda m: _check_append(m.term, m.begin_lsn, len(m.data), m.commit_lsn, m.peer_horizon_lsn),
+    AppendReply: _check_append_reply,
+    InfoReply: _check_info_reply,
+})
+
+
+def check_bounds(msg: Message) -> None:
+    """limits.LimitError unless every term, LSN and history in `msg` is within limits.py.
+
+    What encode() refuses and decode() refuses; for a core driven without the codec (the simulator).
+    """
+    check = _BOUNDS.get(type(msg))
+    if check is not None:
+        check(msg)
 
 
 # ---------------------------------------------------------------- encoding
@@ -157,14 +245,17 @@ def _encode_greeting(m: Greeting) -> bytes:
 
 
 def _encode_greeting_reply(m: GreetingReply) -> bytes:
+    _check_term(m)
     return _GREETING_REPLY_FRAME.pack(1 + _GREETING_REPLY.size, TAG_GREETING_REPLY, m.node_id, m.term)
 
 
 def _encode_vote_request(m: VoteRequest) -> bytes:
+    _check_term(m)
     return _VOTE_REQUEST_FRAME.pack(1 + _VOTE_REQUEST.size, TAG_VOTE_REQUEST, m.term)
 
 
 def _encode_vote_reply(m: VoteReply) -> bytes:
+    _check_vote_reply(m)
     head = _VOTE_REPLY.pack(
         m.term, 1 if m.granted else 0, m.flush_lsn, m.tail_lsn, m.tail_crc, len(m.term_history)
     )
@@ -173,11 +264,13 @@ def _encode_vote_reply(m: VoteReply) -> bytes:
 
 
 def _encode_elected(m: Elected) -> bytes:
+    _check_elected(m)
     head = _ELECTED.pack(m.term, m.start_lsn, len(m.term_history))
     return _framed(TAG_ELECTED, head + _term_entries_bytes(m.term_history))
 
 
 def _encode_elected_reply(m: ElectedReply) -> bytes:
+    _check_elected_reply(m)
     return _ELECTED_REPLY_FRAME.pack(1 + _ELECTED_REPLY.size, TAG_ELECTED_REPLY, m.term, m.flush_lsn)
 
 
@@ -187,6 +280,7 @@ def _encode_append(m: Append) -> bytes:
 
 
 def _encode_append_reply(m: AppendReply) -> bytes:
+    _check_append_reply(m)
     return _APPEND_REPLY_FRAME.pack(
         1 + _APPEND_REPLY.size, TAG_APPEND_REPLY, m.term, m.flush_lsn, m.commit_lsn
     )
@@ -202,6 +296,7 @@ def _encode_info_request(m: InfoRequest) -> bytes:
 
 
 def _encode_info_reply(m: InfoReply) -> bytes:
+    _check_info_reply(m)
     body = _INFO_REPLY.pack(m.node_id, m.system_id, m.wal_seg_size, m.pg_version, m.timeline, m.term,
                             m.last_log_term, m.flush_lsn, m.commit_lsn, 1 if m.proposer_connected else 0)
     return _framed(TAG_INFO_REPLY, body)
@@ -223,14 +318,16 @@ _ENCODERS: MappingProxyType[type, Callable[[Any], bytes]] = MappingProxyType({
 
 
 def encode(msg: Message) -> bytes:
-    """The whole frame for `msg`; ProtocolError if a field does not fit its wire type."""
+    """The whole frame for `msg`; EncodeError if a field does not fit its wire type or its bounds."""
     encoder = _ENCODERS.get(type(msg))
     if encoder is None:
         raise TypeError(f"not a protocol message: {type(msg).__name__}")
     try:
         return encoder(msg)
-    except struct.error as e:
-        raise ProtocolError(f"cannot encode {type(msg).__name__}: {e}") from None
+    except EncodeError:
+        raise
+    except (struct.error, limits.LimitError, ProtocolError) as e:
+        raise EncodeError(f"cannot encode {type(msg).__name__}: {e}") from None
 
 
 def encode_append_parts(
@@ -239,13 +336,15 @@ def encode_append_parts(
     """An Append frame as (header, data), for writelines() without copying the WAL bytes."""
     size = len(data) if isinstance(data, (bytes, bytearray)) else memoryview(data).nbytes
     if size > _MAX_APPEND_DATA:
-        raise ProtocolError(f"Append data of {size} bytes exceeds the maximum of {_MAX_APPEND_DATA}")
+        raise EncodeError(f"Append data of {size} bytes exceeds the maximum of {_MAX_APPEND_DATA}")
     try:
+        if term > MAX_TERM or begin_lsn + size > MAX_LSN or commit_lsn > MAX_LSN or peer_horizon_lsn > MAX_LSN:
+            _check_append(term, begin_lsn, size, commit_lsn, peer_horizon_lsn)
         header = _APPEND_HEADER_FRAME.pack(
             1 + _APPEND.size + size, TAG_APPEND, term, begin_lsn, commit_lsn, peer_horizon_lsn
         )
-    except struct.error as e:
-        raise ProtocolError(f"cannot encode Append: {e}") from None
+    except (struct.error, limits.LimitError) as e:
+        raise EncodeError(f"cannot encode Append: {e}") from None
     return header, data
 
 
@@ -283,6 +382,8 @@ def _bool(value: int, what: str, name: str) -> bool:
 
 
 def _term_entries(body: Body, start: int, count: int, name: str) -> tuple[TermHistory, int]:
+    if count > limits.MAX_HISTORY:
+        raise FieldError(f"{name} term history of {count} entries exceeds {limits.MAX_HISTORY}")
     end = start + count * _TERM_ENTRY.size
     if end > len(body):
         raise ProtocolError(
@@ -296,6 +397,8 @@ def _timeline_entries(body: Body, start: int, name: str) -> tuple[TimelineHistor
     if start + 4 > len(body):
         raise ProtocolError(f"{name}: body ends before the timeline_history count")
     (count,) = _U32.unpack_from(body, start)
+    if count > limits.MAX_HISTORY:
+        raise FieldError(f"{name} timeline history of {count} entries exceeds {limits.MAX_HISTORY}")
     start += 4
     end = start + count * _TIMELINE_ENTRY.size
     if end > len(body):
@@ -326,12 +429,16 @@ def _decode_greeting(body: Body) -> Greeting:
 
 def _decode_greeting_reply(body: Body) -> GreetingReply:
     _need_exact(body, _GREETING_REPLY.size, "GreetingReply")
-    return GreetingReply(*_GREETING_REPLY.unpack_from(body))
+    m = GreetingReply(*_GREETING_REPLY.unpack_from(body))
+    _check_term(m)
+    return m
 
 
 def _decode_vote_request(body: Body) -> VoteRequest:
     _need_exact(body, _VOTE_REQUEST.size, "VoteRequest")
-    return VoteRequest(*_VOTE_REQUEST.unpack_from(body))
+    m = VoteRequest(*_VOTE_REQUEST.unpack_from(body))
+    _check_term(m)
+    return m
 
 
 def _decode_vote_reply(body: Body) -> VoteReply:
@@ -340,9 +447,9 @@ def _decode_vote_reply(body: Body) -> VoteReply:
     terms, pos = _term_entries(body, _VOTE_REPLY.size, count, "VoteReply")
     timelines, pos = _timeline_entries(body, pos, "VoteReply")
     _no_trailing(body, pos, "VoteReply")
-    return VoteReply(
-        term, _bool(granted, "granted", "VoteReply"), flush_lsn, terms, timelines, tail_lsn, tail_crc
-    )
+    m = VoteReply(term, _bool(granted, "granted", "VoteReply"), flush_lsn, terms, timelines, tail_lsn, tail_crc)
+    _check_vote_reply(m)
+    return m
 
 
 def _decode_elected(body: Body) -> Elected:
@@ -350,23 +457,36 @@ def _decode_elected(body: Body) -> Elected:
     term, start_lsn, count = _ELECTED.unpack_from(body)
     terms, pos = _term_entries(body, _ELECTED.size, count, "Elected")
     _no_trailing(body, pos, "Elected")
-    return Elected(term, start_lsn, terms)
+    m = Elected(term, start_lsn, terms)
+    _check_elected(m)
+    return m
 
 
 def _decode_elected_reply(body: Body) -> ElectedReply:
     _need_exact(body, _ELECTED_REPLY.size, "ElectedReply")
-    return ElectedReply(*_ELECTED_REPLY.unpack_from(body))
+    m = ElectedReply(*_ELECTED_REPLY.unpack_from(body))
+    _check_elected_reply(m)
+    return m
 
 
-def _decode_append(body: Body) -> Append:
+def _decode_append(body: Body, data: Body | None = None) -> Append:
+    """`data`, if given, is the WAL already cut out of `body` (and kept without a copy)."""
     _need_at_least(body, _APPEND.size, "Append")
     term, begin_lsn, commit_lsn, horizon = _APPEND.unpack_from(body)
-    return Append(term, begin_lsn, commit_lsn, horizon, bytes(body[_APPEND.size:]))
+    if data is None:
+        data = bytes(body[_APPEND.size:])
+    size = len(body) - _APPEND.size
+    if term > MAX_TERM or begin_lsn + size > MAX_LSN or commit_lsn > MAX_LSN or horizon > MAX_LSN:
+        _check_append(term, begin_lsn, size, commit_lsn, horizon)
+    return Append(term, begin_lsn, commit_lsn, horizon, data)  # type: ignore[arg-type]
 
 
 def _decode_append_reply(body: Body) -> AppendReply:
     _need_exact(body, _APPEND_REPLY.size, "AppendReply")
-    return AppendReply(*_APPEND_REPLY.unpack_from(body))
+    term, flush_lsn, commit_lsn = _APPEND_REPLY.unpack_from(body)
+    if term > MAX_TERM or flush_lsn > MAX_LSN or commit_lsn > MAX_LSN:  # the proposer's hot path
+        _check_append_reply(AppendReply(term, flush_lsn, commit_lsn))
+    return AppendReply(term, flush_lsn, commit_lsn)
 
 
 def _decode_refusal(body: Body) -> Refusal:
@@ -383,7 +503,9 @@ def _decode_info_request(body: Body) -> InfoRequest:
 def _decode_info_reply(body: Body) -> InfoReply:
     _need_exact(body, _INFO_REPLY.size, "InfoReply")
     *fields, connected = _INFO_REPLY.unpack_from(body)
-    return InfoReply(*fields, proposer_connected=_bool(connected, "proposer_connected", "InfoReply"))
+    m = InfoReply(*fields, proposer_connected=_bool(connected, "proposer_connected", "InfoReply"))
+    _check_info_reply(m)
+    return m
 
 
 _DECODERS: MappingProxyType[int, Callable[[Body], Message]] = MappingProxyType({
@@ -411,77 +533,132 @@ def decode(tag: int, body: Body) -> Message:
         return decoder(body)
     except struct.error as e:  # a length check missed above; still the peer's fault
         raise ProtocolError(f"malformed message with tag 0x{tag:02x}: {e}") from None
+    except limits.LimitError as e:
+        raise FieldError(f"{_NAMES[tag]} {e}") from None
+
+
+_NAMES: MappingProxyType[int, str] = MappingProxyType({tag: cls.__name__ for cls, tag in TAGS.items()})
 
 
 class FrameDecoder:
-    """Incremental: feed() bytes as they arrive, get whole messages out."""
+    """Incremental and sans IO: bytes in, whole messages out, strictly in order.
 
-    # Compacting only past this much consumed space keeps small-frame streams from
-    # shifting the buffer on every feed.
-    _COMPACT_AT = 64 * 1024
+    `feed()` copies what it is given. A socket may instead receive straight into the decoder:
+    `get_buffer()` then `buffer_updated(n, out)`, as asyncio's buffered protocols do. Small
+    frames are parsed out of one reusable buffer; a large one (an Append) is received into a
+    buffer of its own that its message keeps as `data` without another copy.
+    """
 
-    def __init__(self) -> None:
-        self._buf = bytearray()
-        self._pos = 0
+    OWN_BUFFER_AT = 16 * 1024  # frames at least this long are received into a buffer of their own
+    # The receive buffer for small frames starts small (a connection that sends little costs
+    # little) and doubles whenever it fills, so a busy one reads many frames per receive.
+    SCRATCH_MIN, SCRATCH_MAX = 2 * OWN_BUFFER_AT, 256 * 1024
+
+    def __init__(self, max_frame: int = MAX_FRAME) -> None:
+        self.max_frame = max_frame  # the longest frame accepted now; a server lowers it before a Greeting
+        self._scratch = bytearray(self.SCRATCH_MIN)
+        self._start = 0  # unparsed bytes are _scratch[_start:_end]
+        self._end = 0
+        self._frame: bytearray | None = None  # a large frame being received, header included
+        self._frame_got = 0
         self._error: ProtocolError | None = None
 
     @property
     def pending(self) -> int:
         """Bytes of an incomplete frame held back; nonzero at EOF means a truncated stream."""
-        return len(self._buf) - self._pos
+        return self._end - self._start + (self._frame_got if self._frame is not None else 0)
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Message]:
         """Buffer `data` and return every message it completes; ProtocolError on a bad frame."""
+        out: list[Message] = []
+        with memoryview(data) as view:
+            pos = 0
+            while True:
+                buf = self.get_buffer()
+                n = min(len(buf), len(view) - pos)
+                buf[:n] = view[pos:pos + n]
+                buf.release()
+                pos += n
+                self.buffer_updated(n, out)
+                if pos == len(view):
+                    return out
+
+    def get_buffer(self) -> memoryview:
+        """Where the next bytes received go (at least one byte of room)."""
+        if self._frame is not None:
+            return memoryview(self._frame)[self._frame_got:]
+        if self._end == len(self._scratch):
+            # Move the unparsed tail to the front: it is shorter than OWN_BUFFER_AT or part of a
+            # frame header, so this is cheap.
+            tail = self._end - self._start
+            if len(self._scratch) < self.SCRATCH_MAX:
+                grown = bytearray(2 * len(self._scratch))
+                grown[:tail] = self._scratch[self._start:self._end]
+                self._scratch = grown
+            else:
+                self._scratch[:tail] = self._scratch[self._start:self._end]
+            self._start, self._end = 0, tail
+        return memoryview(self._scratch)[self._end:]
+
+    def buffer_updated(self, nbytes: int, out: list[Message]) -> None:
+        """`nbytes` arrived in the last `get_buffer()`: append what they complete to `out`.
+
+        On a bad frame the messages before it are in `out` already when ProtocolError is raised.
+        """
         if self._error is not None:
             # The stream cannot be resynchronised after a bad frame.
             raise ProtocolError(f"decoder already failed: {self._error}")
-        buf = self._buf
-        buf += data
-        pos = self._pos
-        end = len(buf)
-        out: list[Message] = []
         try:
-            with memoryview(buf) as view:
-                while end - pos >= FRAME_HEADER_SIZE:
-                    (length,) = _U32.unpack_from(buf, pos)
-                    if length == 0 or length > MAX_FRAME:
-                        _reject_length(length)
-                    stop = pos + FRAME_HEADER_SIZE + length
-                    if stop > end:
-                        break
-                    body = view[pos + FRAME_HEADER_SIZE + 1:stop]
-                    try:
-                        out.append(decode(buf[pos + FRAME_HEADER_SIZE], body))
-                    finally:
-                        # A live slice would pin the bytearray and make the next append fail.
-                        body.release()
-                    pos = stop
+            if self._frame is not None:
+                self._frame_got += nbytes
+                if self._frame_got == len(self._frame):
+                    frame, self._frame = self._frame, None
+                    out.append(_decode_owned(frame))
+            else:
+                self._end += nbytes
+                self._parse(out)
         except ProtocolError as e:
             self._error = e
             raise
-        if pos == end:
-            buf.clear()
-            pos = 0
-        elif pos >= self._COMPACT_AT and pos >= end - pos:
-            del buf[:pos]
-            pos = 0
-        self._pos = pos
-        return out
+
+    def _parse(self, out: list[Message]) -> None:
+        buf, pos, end = self._scratch, self._start, self._end
+        view = memoryview(buf)
+        try:
+            while end - pos >= FRAME_HEADER_SIZE:
+                (length,) = _U32.unpack_from(buf, pos)
+                if length == 0 or length > self.max_frame:
+                    _reject_length(length, self.max_frame)
+                stop = pos + FRAME_HEADER_SIZE + length
+                if stop > end:
+                    if length >= self.OWN_BUFFER_AT:
+                        # Receive the rest of this frame directly into its own buffer.
+                        frame = bytearray(FRAME_HEADER_SIZE + length)
+                        frame[:end - pos] = buf[pos:end]
+                        self._frame, self._frame_got = frame, end - pos
+                        pos = end
+                    break
+                body = view[pos + FRAME_HEADER_SIZE + 1:stop]
+                try:
+                    out.append(decode(buf[pos + FRAME_HEADER_SIZE], body))
+                finally:
+                    # Decoders copy what they keep; a live view would pin the buffer it reuses.
+                    body.release()
+                pos = stop
+        finally:
+            view.release()
+            if pos == end:
+                pos = end = 0
+            self._start, self._end = pos, end
 
 
-async def read_message(reader: asyncio.StreamReader) -> Message:
-    """Read one frame; ProtocolError if it is bad, asyncio.IncompleteReadError at EOF."""
-    (length,) = _U32.unpack(await reader.readexactly(FRAME_HEADER_SIZE))
-    if length == 0 or length > MAX_FRAME:
-        _reject_length(length)
-    head_size = 1 + _APPEND.size
-    if length <= head_size:
-        frame = await reader.readexactly(length)
-        return decode(frame[0], memoryview(frame)[1:])
-    head = await reader.readexactly(head_size)
-    rest = await reader.readexactly(length - head_size)
-    if head[0] == TAG_APPEND:
-        # Reading the WAL bytes separately hands them over without another copy.
-        term, begin_lsn, commit_lsn, horizon = _APPEND.unpack_from(head, 1)
-        return Append(term, begin_lsn, commit_lsn, horizon, rest)
-    return decode(head[0], memoryview(head[1:] + rest))
+def _decode_owned(frame: bytearray) -> Message:
+    """A whole frame in a buffer of its own; Append data stays a view of that buffer."""
+    tag = frame[FRAME_HEADER_SIZE]
+    body = memoryview(frame)[FRAME_HEADER_SIZE + 1:]
+    if tag == TAG_APPEND:
+        try:
+            return _decode_append(body, body[_APPEND.size:])
+        except limits.LimitError as e:
+            raise FieldError(f"Append {e}") from None
+    return decode(tag, body)

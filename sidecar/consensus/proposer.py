@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from sidecar.consensus import codec, limits
 from sidecar.consensus import history as hist
 from sidecar.consensus.messages import (
     PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply,
@@ -94,6 +95,26 @@ class GreetingsRefused:
 
 
 @dataclass(frozen=True)
+class DropPeer:
+    """`peer` broke the protocol (a position it cannot hold, a field out of bounds): close its link.
+
+    The link reconnects and greets afresh; nothing the peer said in the bad reply was adopted.
+    """
+
+    peer: str
+    reason: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TermsExhausted:
+    """The next term would exceed limits.MAX_TERM: no election is possible, an operator must act."""
+
+    term: int  # the highest term seen
+    peer: str | None  # the safekeeper that reported it, if one did
+
+
+@dataclass(frozen=True)
 class Note:
     """Something worth a log line."""
 
@@ -101,7 +122,8 @@ class Note:
     fields: dict[str, Any] = field(default_factory=dict)
 
 
-Action = Send | VerifyPrimary | StartStreaming | ReportStatus | FetchWal | TermLost | GreetingsRefused | Note
+Action = (Send | VerifyPrimary | StartStreaming | ReportStatus | FetchWal | TermLost | GreetingsRefused
+          | DropPeer | TermsExhausted | Note)
 
 
 class Phase(enum.Enum):
@@ -125,6 +147,7 @@ class PeerState:
     elected: bool = False  # Elected acknowledged on the current connection
     flush_lsn: int = 0  # flushed, as acknowledged in this term
     sent_lsn: int = 0
+    sent_max: int = 0  # the end of all WAL sent to it in this term, on any connection
     fetching: bool = False
     refused: str | None = None  # why it refused our greeting; survives reconnects, cleared by a reply
 
@@ -143,6 +166,7 @@ class Proposer:
         self._reported = (0, 0, 0)
         self._checked: tuple[int, int, int] | None = None  # (start, tail_lsn, tail_crc) the primary passed
         self._precheck: tuple[int, int, int] | None = None
+        self._highest: tuple[int, str | None] = (min_term, None)  # highest term seen, and who reported it
 
     # ---- events -------------------------------------------------------------------------
 
@@ -162,6 +186,10 @@ class Proposer:
         p = self.peers[name]
         if not p.connected or self.phase is Phase.STOPPED:
             return []
+        try:
+            codec.check_bounds(msg)  # the codec's checks, also when the core is driven without it
+        except limits.LimitError as e:
+            return self._drop(p, f"{type(msg).__name__}: {e}")
         match msg:
             case GreetingReply():
                 return self._on_greeting(p, msg)
@@ -213,6 +241,9 @@ class Proposer:
         actions: list[Action] = []
         for p in self.peers.values():
             actions += self._pump(p)
+        # Bounded even when no safekeeper answers; whoever was not sent the WAL forgotten here
+        # reads it from the primary's pg_wal when its window opens.
+        self.buffer.bound(self.config.buffer_limit)
         return actions
 
     def catchup_data(self, name: str, lsn: int, data: bytes) -> list[Action]:
@@ -221,6 +252,7 @@ class Proposer:
         if not (p.elected and p.fetching and lsn == p.sent_lsn and data):
             return []
         p.sent_lsn += len(data)
+        p.sent_max = max(p.sent_max, p.sent_lsn)
         return [Send(name, self._append(p.sent_lsn - len(data), data))]
 
     def catchup_done(self, name: str) -> list[Action]:
@@ -253,6 +285,7 @@ class Proposer:
         return [GreetingsRefused(refused)]
 
     def _on_greeting(self, p: PeerState, msg: GreetingReply) -> list[Action]:
+        self._saw_term(msg.term, p.name)
         p.greeted_term, p.node_id, p.refused = msg.term, msg.node_id, None
         if self.phase is Phase.GREETING:
             if sum(q.greeted_term is not None for q in self.peers.values()) >= self.config.quorum:
@@ -268,6 +301,9 @@ class Proposer:
         return [Send(p.name, VoteRequest(self.term))]
 
     def _campaign(self, term: int) -> list[Action]:
+        if term > limits.MAX_TERM:
+            self.phase = Phase.STOPPED
+            return [TermsExhausted(*self._highest)]
         self.phase, self.term = Phase.VOTING, term
         for q in self.peers.values():
             q.vote = None
@@ -281,6 +317,12 @@ class Proposer:
         return [TermLost(term, f"safekeeper {peer} is at term {term}, above our term {self.term}")]
 
     def _on_vote(self, p: PeerState, msg: VoteReply) -> list[Action]:
+        self._saw_term(msg.term, p.name)
+        last = msg.term_history[-1].term if msg.term_history else 0
+        if last > msg.term or (msg.granted and last >= msg.term):
+            # It cannot have accepted an Elected above the term it holds, nor grant a term it has written in.
+            return self._drop(p, f"VoteReply for term {msg.term} (granted={msg.granted}) carries a history "
+                                 f"with term {last}")
         if self.phase is Phase.PROBING:
             return self._on_probe(p, msg)
         if self.phase is Phase.PRECHECK:
@@ -338,10 +380,17 @@ class Proposer:
     def _on_elected_reply(self, p: PeerState, msg: ElectedReply) -> list[Action]:
         if self.term == 0:
             return []  # a late reply to an earlier proposer on this connection
+        self._saw_term(msg.term, p.name)
         if msg.term > self.term:
             return self._higher_term(msg.term, p.name)
         if msg.term < self.term or self.phase is not Phase.STREAMING:
             return []
+        if p.vote is None:
+            return self._drop(p, "ElectedReply without an Elected on this connection")
+        if msg.flush_lsn > self._elected_cap(p, p.vote):
+            return self._drop(p, "ElectedReply claims WAL beyond what it voted with",
+                              flush_lsn=msg.flush_lsn, voted_flush_lsn=p.vote.flush_lsn,
+                              sent_lsn=p.sent_max, term_start_lsn=self.term_start)
         p.elected = True
         p.flush_lsn = p.sent_lsn = msg.flush_lsn
         return [Note("safekeeper joined term", {"peer": p.name, "term": self.term, "flush_lsn": msg.flush_lsn})] \
@@ -350,10 +399,14 @@ class Proposer:
     def _on_append_reply(self, p: PeerState, msg: AppendReply) -> list[Action]:
         if self.term == 0:
             return []  # a late reply to an earlier proposer on this connection
+        self._saw_term(msg.term, p.name)
         if msg.term > self.term:
             return self._higher_term(msg.term, p.name)
         if not p.elected or msg.term != self.term:
             return []
+        if msg.flush_lsn > self._append_cap(p):
+            return self._drop(p, "AppendReply acknowledges WAL it was never sent",
+                              flush_lsn=msg.flush_lsn, sent_lsn=p.sent_lsn)
         p.flush_lsn = max(p.flush_lsn, msg.flush_lsn)
         return self._progress() + self._pump(p)
 
@@ -369,6 +422,7 @@ class Proposer:
             data = buf.read(p.sent_lsn, MAX_APPEND)
             actions.append(Send(p.name, self._append(p.sent_lsn, data)))
             p.sent_lsn += len(data)
+        p.sent_max = max(p.sent_max, p.sent_lsn)
         return actions
 
     def _append(self, begin: int, data: bytes) -> Append:
@@ -387,6 +441,7 @@ class Proposer:
         self.commit_lsn = max(self.commit_lsn, commit)
         if self.buffer is not None:
             self.buffer.trim(self._trim_point())
+            self.buffer.bound(self.config.buffer_limit)
         status = self.status(flushes)
         if status == self._reported:
             return []
@@ -402,10 +457,32 @@ class Proposer:
         return write, self.commit_lsn, apply
 
     def _trim_point(self) -> int:
-        assert self.buffer is not None
-        needed = min(p.flush_lsn if p.elected or p.flush_lsn >= self.term_start else self.term_start
-                     for p in self.peers.values())
-        return max(needed, self.buffer.end - self.config.buffer_limit)
+        """Below this every safekeeper of the term has flushed (or will be fed from the primary)."""
+        return min(p.flush_lsn if p.elected or p.flush_lsn >= self.term_start else self.term_start
+                   for p in self.peers.values())
+
+    def _elected_cap(self, p: PeerState, vote: VoteReply) -> int:
+        """The highest flush `p` may answer our Elected with.
+
+        It truncates to where its log and ours agree: at most what it voted with (an empty one
+        starts at our history's first entry) and never past our term's start, unless WAL we sent
+        it in this term (on an earlier connection, maybe after the vote) took it further.
+        """
+        return max(min(vote.flush_lsn or self.history[0].start_lsn, self.term_start), p.sent_max)
+
+    def _append_cap(self, p: PeerState) -> int:
+        """The highest flush `p` may acknowledge: counting WAL it was never sent would commit on
+        fewer copies than a quorum."""
+        return p.sent_lsn
+
+    def _saw_term(self, term: int, peer: str) -> None:
+        if term > self._highest[0]:
+            self._highest = (term, peer)
+
+    def _drop(self, p: PeerState, reason: str, **lsns: int) -> list[Action]:
+        """A protocol error on `p`'s link: ignore it until it reconnects, and have it closed."""
+        self._reset(p.name)
+        return [DropPeer(p.name, reason, {"term": self.term, **lsns})]
 
     def _reset(self, name: str) -> PeerState:
         p = self.peers[name]
@@ -413,3 +490,4 @@ class Proposer:
         p.elected, p.fetching = False, False
         p.sent_lsn = p.flush_lsn
         return p
+

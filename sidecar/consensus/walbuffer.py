@@ -48,7 +48,24 @@ class WalBuffer:
     def trim(self, lsn: int) -> None:
         """Forget WAL below `lsn` (whole chunks only; `start` may stay a little lower)."""
         lsn = min(lsn, self.end)
-        i = bisect.bisect_right(self._lsns, lsn, lo=self._first) - 1
+        self._drop_before(bisect.bisect_right(self._lsns, lsn, lo=self._first) - 1)
+        if lsn == self.end and self._first < len(self._chunks):
+            self._lsns, self._chunks, self._first = [], [], 0
+            self.start = lsn
+
+    def bound(self, limit: int) -> None:
+        """Keep at most `limit` bytes: forget whole chunks from the oldest (all, if the newest is larger)."""
+        if self.end - self.start <= limit:
+            return
+        i = bisect.bisect_left(self._lsns, self.end - limit, lo=self._first)
+        if i == len(self._lsns):
+            self._lsns, self._chunks, self._first = [], [], 0
+            self.start = self.end
+        else:
+            self._drop_before(i)
+
+    def _drop_before(self, i: int) -> None:
+        """Forget the live chunks before index `i`."""
         if i > self._first:
             for j in range(self._first, i):
                 self._chunks[j] = b""  # free the WAL now; the lists themselves shrink in bulk below
@@ -57,6 +74,3 @@ class WalBuffer:
         if self._first > 1024 and self._first * 2 > len(self._lsns):
             del self._lsns[:self._first], self._chunks[:self._first]
             self._first = 0
-        if lsn == self.end and self._first < len(self._chunks):
-            self._lsns, self._chunks, self._first = [], [], 0
-            self.start = lsn

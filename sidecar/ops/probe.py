@@ -13,6 +13,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from sidecar import framing
 from sidecar.consensus import codec
 from sidecar.consensus.messages import InfoReply, InfoRequest, Refusal
 from sidecar.proposer.peers import parse_address
@@ -28,7 +29,7 @@ async def probe_safekeeper(address: str, timeout: float, ssl_context: ssl.SSLCon
     host, port = parse_address(address)
     tls_args = {} if ssl_context is None else {"ssl": ssl_context, "server_hostname": server_hostname(host)}
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, **tls_args), timeout)
+        reader, writer = await asyncio.wait_for(framing.open_connection(host, port, **tls_args), timeout)
     except asyncio.TimeoutError:
         raise ProbeError(f"no answer within {timeout:g}s") from None
     except ssl.SSLCertVerificationError as e:
@@ -43,7 +44,7 @@ async def probe_safekeeper(address: str, timeout: float, ssl_context: ssl.SSLCon
         raise ProbeError(f"its certificate ({peer_role(writer) or 'no role'}) is not a safekeeper's")
     try:
         writer.write(codec.encode(InfoRequest()))
-        msg = await asyncio.wait_for(codec.read_message(reader), timeout)
+        msg = await asyncio.wait_for(reader.read_message(), timeout)
     except asyncio.TimeoutError:
         raise ProbeError(f"connected, but no reply within {timeout:g}s: is it a walsidecar safekeeper?") from None
     except ssl.SSLError as e:

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import ssl
 from collections.abc import Callable
 
-from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
-
 from sidecar import framing, tls
-from sidecar.consensus import codec, limits
+from sidecar.consensus import codec
 from sidecar.consensus.messages import Append, Message, Refusal
 from sidecar.logs import get_logger
 
 
 REFUSED_PAUSE_MIN, REFUSED_PAUSE_MAX = 0.05, 5.0
+CONNECT_PAUSE_MAX = 2.0
+CONNECT_TIMEOUT = 5.0  # a silently dropped SYN would otherwise hold the link for the kernel's ~2 minutes
 SPLIT_WRITE_AT = 64 * 1024  # Append data this long is written after its header instead of copied behind it
 
 
@@ -33,12 +34,16 @@ class PeerLink:
     def __init__(self, name: str, on_up: Callable[[str], None], on_message: Callable[[str, Message], None],
                  on_down: Callable[[str], None], ssl_context: ssl.SSLContext | None = None) -> None:
         self.name = name
-        self._ssl = ssl_context  # None: --insecure
-        self._last_tls_error: str | None = None
         self.host, self.port = parse_address(name)
+        self._ssl = ssl_context  # None: --insecure
+        self._tls_args = {} if ssl_context is None else {
+            "ssl": ssl_context, "server_hostname": tls.server_hostname(self.host),
+            "ssl_handshake_timeout": tls.HANDSHAKE_TIMEOUT}
+        self._last_tls_error: str | None = None
         self._on_up, self._on_message, self._on_down = on_up, on_message, on_down
-        self._writer: asyncio.StreamWriter | None = None
+        self._writer: framing.Writer | None = None
         self.reconnects = 0
+        self._faulted = False  # the current connection ended in a protocol error
         self.log = get_logger(peer=name)
 
     @property
@@ -52,9 +57,9 @@ class PeerLink:
             # The header goes first and the WAL after it, without copying it into one frame.
             header, data = codec.encode_append_parts(msg.term, msg.begin_lsn, msg.commit_lsn,
                                                      msg.peer_horizon_lsn, msg.data)
-            framing.write(self._writer, header, data)
+            self._writer.write(header, data)
         else:
-            framing.write(self._writer, codec.encode(msg))
+            self._writer.write(codec.encode(msg))
 
     def buffered(self) -> int:
         return self._writer.transport.get_write_buffer_size() if self._writer else 0
@@ -64,23 +69,21 @@ class PeerLink:
             with contextlib.suppress(ConnectionError):
                 await self._writer.drain()
 
-    def drop(self) -> None:
-        """Close the current connection; `run` reconnects."""
+    def drop(self, faulted: bool = False) -> None:
+        """Close the current connection; `run` reconnects, after a growing pause if `faulted`."""
         if self._writer is not None:
+            self._faulted = self._faulted or faulted
             self._writer.close()
 
     async def run(self) -> None:
-        """Connect forever: backoff between attempts (reset after each success), a callback per message."""
+        """Connect forever: backoff between attempts (reset after each success), a callback per message.
+
+        Nothing a safekeeper sends, and nothing a callback raises, ends this loop: the link is
+        dropped, the reason logged, and it connects again.
+        """
         pause = REFUSED_PAUSE_MIN
-        tls_args = {} if self._ssl is None else {"ssl": self._ssl, "server_hostname": tls.server_hostname(self.host),
-                                                 "ssl_handshake_timeout": tls.HANDSHAKE_TIMEOUT}
         while True:
-            async for attempt in AsyncRetrying(wait=wait_exponential(multiplier=0.05, max=2),
-                                               retry=retry_if_exception_type(OSError),
-                                               before_sleep=self._tls_failed):
-                with attempt:
-                    reader, writer = await framing.open_connection(self.host, self.port, **tls_args)
-                    reader.max_frame = limits.CONTROL_MAX_FRAME  # replies: votes with bounded histories
+            reader, writer = await self._connect()
             ident = tls.peer_role(writer) if self._ssl is not None else None
             if self._ssl is not None and (ident is None or ident.role != "safekeeper"):
                 self.log.error("refusing the peer: its certificate is not a safekeeper's", peer_cert=str(ident))
@@ -88,51 +91,87 @@ class PeerLink:
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, REFUSED_PAUSE_MAX)
                 continue
-            if await self._serve(reader, writer):
-                # Refused before any other answer, e.g. a greeting from another cluster's primary:
-                # retrying soon rarely helps, so back off instead of reconnecting (and logging the
-                # refusal) 20 times a second.
+            self._faulted = False
+            try:
+                faulted = await self._serve(reader, writer)
+            except Exception as e:  # a callback failed while the connection was torn down
+                self.log.error("safekeeper link failed; reconnecting", error=repr(e), exc_info=True)
+                faulted = True
+            if faulted or self._faulted:
+                # Refused before any other answer (e.g. a greeting from another cluster's primary),
+                # or a protocol error: retrying soon rarely helps, so back off instead of
+                # reconnecting (and logging it) 20 times a second.
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, REFUSED_PAUSE_MAX)
             else:
                 pause = REFUSED_PAUSE_MIN
                 await asyncio.sleep(REFUSED_PAUSE_MIN)
 
-    def _tls_failed(self, state) -> None:
-        """Say why a TLS handshake failed (certificates, not the network); retries stay quiet."""
-        exc = state.outcome.exception() if state.outcome else None
-        if isinstance(exc, ssl.SSLError) and str(exc) != self._last_tls_error:
-            self._last_tls_error = str(exc)
-            self.log.error("TLS handshake with the safekeeper failed; retrying", reason=str(exc))
+    async def _connect(self) -> tuple[framing.FrameReader, framing.Writer]:
+        """Connect, retrying with backoff; failures are logged at the 1st, 2nd, 4th, 8th... attempt."""
+        pause, failures = REFUSED_PAUSE_MIN, 0
+        while True:
+            try:
+                return await asyncio.wait_for(framing.open_connection(self.host, self.port, **self._tls_args),
+                                              CONNECT_TIMEOUT + (tls.HANDSHAKE_TIMEOUT if self._ssl else 0))
+            except (OSError, asyncio.TimeoutError) as e:
+                failures += 1
+                if isinstance(e, ssl.SSLError) and str(e) != self._last_tls_error:
+                    # Certificates, not the network: say so at once, and again only when it changes.
+                    self._last_tls_error = str(e)
+                    self.log.error("TLS handshake with the safekeeper failed; retrying", reason=str(e))
+                elif failures & (failures - 1) == 0:
+                    self.log.warning("cannot connect to safekeeper; retrying", reason=_reason(e),
+                                     attempts=failures, retry_in=round(pause, 2))
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, CONNECT_PAUSE_MAX)
 
-    async def _serve(self, reader: framing.FrameReader, writer: asyncio.StreamWriter) -> bool:
-        """Serve one connection; True if the safekeeper refused before answering anything else."""
-        answered = refused = False
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._writer = writer
-        self.log.info("connected")
+    async def _serve(self, reader: framing.FrameReader, writer: framing.Writer) -> bool:
+        """Serve one connection; True if it ended in a fault: refused before any other answer,
+        a malformed message, or a failure handling one."""
+        answered = faulted = False
+        stage = "connected"  # what was going on: reading, or the name of the message being handled
         try:
+            sock = writer.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._writer = writer
+            self.log.info("connected")
             self._on_up(self.name)
             while True:
+                stage = "reading"
                 msg = await reader.read_message()
-                refused = refused or (isinstance(msg, Refusal) and not answered)
+                faulted = faulted or (isinstance(msg, Refusal) and not answered)
                 answered = answered or not isinstance(msg, Refusal)
+                stage = type(msg).__name__
                 self._on_message(self.name, msg)
         except (asyncio.IncompleteReadError, ConnectionError) as e:
             if self._ssl is not None and not answered and isinstance(e, asyncio.IncompleteReadError):
                 # TLS 1.3 checks our certificate after the handshake; a refusal reads as a silent close.
-                refused = True  # so back off: a certificate it does not accept will not change in 50 ms
+                faulted = True  # so back off: a certificate it does not accept will not change in 50 ms
                 self.log.warning("the safekeeper closed the connection before answering: does it trust this "
                                  "proposer's certificate (the same CA)?")
             else:
                 self.log.warning("connection lost")
-        except codec.ProtocolError as e:
-            self.log.error("malformed message from safekeeper; reconnecting", reason=str(e))
+        except Exception as e:
+            faulted = True
+            if stage == "reading" and isinstance(e, codec.ProtocolError):  # the bytes it sent
+                self.log.error("malformed message from safekeeper; reconnecting", reason=str(e))
+            else:  # our bug, or a reply nothing checked: either way this link goes on after a pause
+                self.log.error("handling a message from safekeeper failed; reconnecting",
+                               stage=stage, error=repr(e), exc_info=True)
         finally:
             self._writer = None
             self.reconnects += 1
             writer.close()
             self._on_down(self.name)
-        return refused
+        return faulted
+
+
+def _reason(e: BaseException) -> str:
+    """What an operator can act on: asyncio's "Connect call failed" hides the errno's text."""
+    if isinstance(e, asyncio.TimeoutError):
+        return f"no answer within {CONNECT_TIMEOUT:g}s"
+    if isinstance(e, OSError) and e.errno:
+        return os.strerror(e.errno)
+    return str(e) or type(e).__name__

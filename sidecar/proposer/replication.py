@@ -494,6 +494,8 @@ class ReplicationStream:
             self.messages_received += 1
             kind = buf[0]
             if kind == 0x77:  # 'w' XLogData
+                if n < _W_HDR_LEN:
+                    raise ReplicationError(f"the primary sent an XLogData message of {n} bytes, shorter than its header")
                 wal_start, wal_end, _ = _W_HDR.unpack_from(buf, 1)
                 self.server_wal_end = wal_end
                 if not deliver:
@@ -507,6 +509,8 @@ class ReplicationStream:
                 self.on_wal(wal_start, payload)
                 delivered = True
             elif kind == 0x6B:  # 'k' primary keepalive
+                if n != 1 + _K_MSG.size:
+                    raise ReplicationError(f"the primary sent a keepalive message of {n} bytes, not {1 + _K_MSG.size}")
                 wal_end, _, reply = _K_MSG.unpack_from(buf, 1)
                 self.server_wal_end = wal_end
                 self.keepalives_received += 1

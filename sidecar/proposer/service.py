@@ -10,10 +10,11 @@ from dataclasses import dataclass
 import google_crc32c
 import psycopg
 
+from sidecar.consensus import codec, limits
 from sidecar.consensus.messages import Message, Refusal, TimelineHistory
 from sidecar.consensus.proposer import (
-    Action, FetchWal, GreetingsRefused, Note, Proposer, ProposerConfig, ReportStatus, Send, StartStreaming,
-    TermLost, VerifyPrimary, MAX_APPEND,
+    Action, DropPeer, FetchWal, GreetingsRefused, Note, Proposer, ProposerConfig, ReportStatus, Send,
+    StartStreaming, TermLost, TermsExhausted, VerifyPrimary, MAX_APPEND,
 )
 from sidecar.lsn import format_lsn, segment_start
 from sidecar.logs import get_logger
@@ -54,6 +55,10 @@ class PrimaryMismatch(Exception):
 
 class SafekeepersRefused(PrimaryMismatch):
     """Too many safekeepers refuse this primary's greeting (another cluster, ...) for a quorum."""
+
+
+class ProposerStopped(PrimaryMismatch):
+    """Going on cannot help: no term is left to campaign in, or we cannot encode our own message."""
 
 
 class ProposerService:
@@ -229,7 +234,11 @@ class ProposerService:
         for a in actions:
             match a:
                 case Send():
-                    self.links[a.peer].send(a.message)
+                    try:
+                        self.links[a.peer].send(a.message)
+                    except codec.EncodeError as e:
+                        self._cannot_encode(e, a.peer)
+                        return
                 case ReportStatus():
                     self._report(a)
                 case StartStreaming():
@@ -251,6 +260,19 @@ class ProposerService:
                         f"of {self.opts.quorum} can form ({reasons}); point the sidecar at the safekeepers of "
                         "this primary's cluster"))
                     self.log.critical("safekeepers refuse this primary", reason=str(self._refusal))
+                case DropPeer():
+                    self.log.error("safekeeper broke the protocol; dropping the link", peer=a.peer,
+                                   reason=a.reason, **{k: _fmt(k, v) for k, v in a.fields.items()})
+                    self.links[a.peer].drop(faulted=True)
+                case TermsExhausted():
+                    held = f"safekeeper {a.peer} holds term {a.term}" if a.peer else f"term {a.term} was reached"
+                    self._fatal(ProposerStopped(
+                        f"no term is left to campaign in: {held}, the highest term the protocol allows "
+                        f"({limits.MAX_TERM}). Something that is not this proposer gave it that term (a bug, "
+                        "or a client that can reach the safekeeper port); secure the safekeepers' ports, then "
+                        "reset that safekeeper's data directory and let it re-sync"))
+                    self.log.critical("no term left to campaign in", term=a.term, peer=a.peer,
+                                      max_term=limits.MAX_TERM)
                 case Note():
                     self.monitor.note(a.event, a.fields)
                     self.log.info(a.event, **{k: _fmt(k, v) for k, v in a.fields.items()})
@@ -457,6 +479,12 @@ class ProposerService:
         self._refusal = e
         self._term_over.set()
 
+    def _cannot_encode(self, e: codec.EncodeError, peer: str | None = None) -> None:
+        """Our own message does not fit the wire: a bug that another term would only repeat."""
+        self.log.critical("cannot encode a message; stopping", peer=peer, error=str(e))
+        self._fatal(ProposerStopped(f"the proposer cannot encode its own message ({e}); this is a bug, "
+                                    "please report it with the log"))
+
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
@@ -465,9 +493,14 @@ class ProposerService:
 
     def _task_done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            self.log.error("background task failed", error=repr(task.exception()))
-            self._term_over.set()
+        if task.cancelled() or task.exception() is None:
+            return
+        e = task.exception()
+        if isinstance(e, codec.EncodeError):
+            self._cannot_encode(e)  # stop, rather than start a term that fails the same way
+            return
+        self.log.error("background task failed", error=repr(e))
+        self._term_over.set()
 
     async def _cancel_all(self) -> None:
         for t in list(self._tasks):

@@ -254,6 +254,11 @@ class Safekeeper:
             log.info("connection closed")
         except asyncio.TimeoutError:
             log.info("idle connection closed", idle_seconds=IDLE_TIMEOUT)
+        except codec.FieldError as e:  # well-formed, but a value no peer may send: say why
+            log.warning("message refused; closing the connection", reason=str(e), term=acc.state.term)
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                framing.write(writer, codec.encode(Refusal(str(e)[:1000])))
+                await writer.drain()
         except codec.ProtocolError as e:
             log.warning("malformed message; closing the connection", reason=str(e))
         except AcceptorError as e:
