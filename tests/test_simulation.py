@@ -20,7 +20,6 @@ from sidecar.sim.cli import report_failure
 from sidecar.sim.runner import Outcome, first_violation, run_seed, run_seeds
 from sidecar.sim.wal import BOOT
 from sidecar.consensus.session import AcceptorSession
-from sidecar.sim import world as world_mod
 from sidecar.sim.world import SimConfig, World
 
 SEEDS = 300
@@ -69,9 +68,8 @@ def test_the_seeds_exercise_the_hard_cases(outcomes: list[Outcome]) -> None:
             totals.get(f"rogue connections cut short by a crash ({kind})", 0)
         assert tried >= 3 and ended == tried, (kind, totals)
     assert totals.get("scans reused by a vote or Elected", 0) >= 3, totals
-    if world_mod.DropPeer is not None:  # safekeepers lie only to a proposer that checks them
-        assert totals.get("lying safekeeper replies", 0) >= 3, totals
-        assert totals.get("links dropped by the proposer", 0) >= 3, totals
+    assert totals.get("lying safekeeper replies", 0) >= 3, totals
+    assert totals.get("links dropped by the proposer", 0) >= 3, totals
     # Most seeds get commits acknowledged despite everything.
     assert sum(o.stats.get("reports", 0) > 0 for o in outcomes) > 0.7 * len(outcomes)
 
@@ -156,19 +154,6 @@ def test_cutting_below_commit_is_caught(monkeypatch: pytest.MonkeyPatch) -> None
     assert _found(30).invariant.startswith(("1 ", "2 ", "3 one proposer per term"))
     # and, without the check that names the second leader, as acknowledged records lost
     assert _found(60, SimConfig(disabled=frozenset({"3 one proposer per term"}))).invariant.startswith(("1 ", "2 "))
-
-
-class _NoCap:
-    """Stands for the proposer's DropPeer where the core does not have it: liars are let loose."""
-
-
-def test_trusting_a_lying_safekeeper_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    if world_mod.DropPeer is not None:
-        # The proposer refuses flushes it never sent; taking that rule out is the proposer's
-        # business (its own test). Here only the absence of the rule can be shown caught.
-        pytest.skip("the proposer caps reported flushes: disable that cap here to see it caught")
-    monkeypatch.setattr(world_mod, "DropPeer", _NoCap)
-    assert _found(30).invariant.startswith(("1 ", "2 ", "4 "))
 
 
 def _restored_primary_after_an_empty_term() -> World:

@@ -67,14 +67,14 @@ def read_frame(s: socket.socket) -> Message | None:
     return None if body is None else codec.decode(body[0], body[1:])
 
 
-def exchange(port: int, ctx: ssl.SSLContext | None, *msgs: Message) -> list[Message | BaseException]:
-    """Send `msgs` one at a time on one connection; what came back for each (an exception ends it)."""
+def exchange(port: int, ctx: ssl.SSLContext | None, *msgs: Message | bytes) -> list[Message | BaseException]:
+    """Send `msgs` (or hand-packed frames) one at a time on one connection; what came back for each."""
     out: list[Message | BaseException] = []
     with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
         try:
             s = ctx.wrap_socket(raw, server_hostname="127.0.0.1") if ctx is not None else raw
             for m in msgs:
-                s.sendall(codec.encode(m))
+                s.sendall(m if isinstance(m, bytes) else codec.encode(m))
                 reply = read_frame(s)
                 if reply is None:
                     out.append(EOFError("closed without an answer"))
@@ -177,17 +177,19 @@ def test_a_client_certificate_reads_but_changes_nothing(streamed: Deployment) ->
     port = d.ports[0]
     before = files(d.sk_dir(1))
     assert any(name.startswith("wal/") for name in before)
-    greeting = Greeting(PROTOCOL_VERSION, "intruder", 1, 1, 16 << 20, 150000)
+    greeting = Greeting(PROTOCOL_VERSION, "intruder", 1, 1, 16 << 20, 15)
     for role, node_id in (("client", None), ("safekeeper", 2)):
         ctx = client_context(d.pki.certs(role, node_id))
         info, refused = exchange(port, ctx, InfoRequest(), greeting)
         assert isinstance(info, InfoReply) and info.term >= 1 and info.system_id != 0
         assert isinstance(refused, Refusal) and "may only ask for information" in refused.reason, refused
         # Skipping the greeting changes nothing either; each refusal closes the connection.
-        for attack in (VoteRequest(info.term + 1), VoteRequest(2**64 - 1),
+        for attack in (VoteRequest(info.term + 1), struct.pack(">IBQ", 9, ord("v"), 2**64 - 1),  # the codec refuses to encode it
                        Elected(info.term + 1, 0, (TermEntry(info.term + 1, 0),))):
             [got] = exchange(port, ctx, attack)
-            assert isinstance(got, Refusal) and "may only ask for information" in got.reason, (attack, got)
+            # A term no peer may send is refused by the decoder, before the role is even asked.
+            assert isinstance(got, Refusal) and ("may only ask for information" in got.reason
+                                                 or "is outside" in got.reason), (attack, got)
     assert files(d.sk_dir(1)) == before, "a read-only certificate changed the safekeeper's files"
     assert "message refused" in d.safekeepers[1].log_text()
     # The safekeeper still serves the real proposer.

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sidecar.consensus import history as hist
-from sidecar.consensus import proposer as proposer_mod
 from sidecar.consensus.acceptor import Acceptor, AcceptorError, Persist, RecordEnd, Reply, Truncate, Write
 from sidecar.consensus.messages import (
     PROTOCOL_VERSION,
@@ -37,15 +36,18 @@ from sidecar.consensus.messages import (
 )
 from sidecar.consensus.proposer import (
     Action,
+    DropPeer,
     FetchWal,
     GreetingsRefused,
     Note,
+    Phase,
     Proposer,
     ProposerConfig,
     ReportStatus,
     Send,
     StartStreaming,
     TermLost,
+    TermsExhausted,
     VerifyPrimary,
 )
 from sidecar.consensus.session import AcceptorSession, AnswerInfo, Role, SessionAction
@@ -58,10 +60,6 @@ SYSTEM_ID = 7301
 PG_VERSION = 15  # the major version, as the proposer reads it from server_version_num
 MIN_SEG_SIZE = 1024  # the simulator's tiny segments are below PostgreSQL's 1 MiB minimum
 ROGUE = "rogue"  # sender of the hostile connections that belong to no proposer
-# The proposer's answer to a reply that claims a flush it cannot hold (when the core has it):
-# only then does the world let safekeepers lie, since a core without it trusts them.
-DropPeer = getattr(proposer_mod, "DropPeer", None)
-TermsExhausted = getattr(proposer_mod, "TermsExhausted", None)
 NOTES = frozenset({"campaign", "elected", "streaming", "safekeeper refused"})  # Notes worth a trace line
 
 
@@ -247,7 +245,7 @@ class World:
             (p.rivals * c, self._start_rival), (3, self._new_term), (0.25 * c, self._crash_primary),
             (0.02 * c, self._promote_standby), (0.03 * c, self._restore_primary),
             (0.02 * c, self._resume_stale_primary), (0.15 * c, self._partition), (1.5, self._heal),
-            (p.rogues * c, self._rogue), (p.liars * c if DropPeer is not None else 0.0, self._lie),
+            (p.rogues * c, self._rogue), (p.liars * c, self._lie),
         ]
         weights, total = [], 0.0
         for w, _ in table:
@@ -601,7 +599,7 @@ class World:
     def _lie(self) -> bool:
         """A safekeeper reply claiming a flush it cannot hold: above what it was sent, or voted with."""
         cands = [(svc, c) for svc in self.services if svc.core is not None
-                 and svc.core.phase is proposer_mod.Phase.STREAMING
+                 and svc.core.phase is Phase.STREAMING
                  for c in svc.links.values() if c is not None and c.carries_replies]
         if not cands:
             return False
@@ -666,14 +664,14 @@ class World:
                     lost = True
                 case GreetingsRefused():
                     refused = True
-                case _ if DropPeer is not None and isinstance(a, DropPeer):
+                case DropPeer():
                     # The service logs the protocol error and closes that link; it reconnects later.
                     self.count("links dropped by the proposer")
                     self.event(svc.label, "drops", a.peer, a.reason)
                     c = svc.links.get(a.peer)
                     if c is not None:
                         self._close_prop_end(c, notify=False)
-                case _ if TermsExhausted is not None and isinstance(a, TermsExhausted):
+                case TermsExhausted():
                     self._stop_service(svc, "exits: no term left to campaign in")
                 case Note():
                     if a.event in NOTES:
