@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from sidecar import __version__
 from sidecar.config import SafekeeperSettings, StartSettings, UpSettings, configured, tls_options
 from sidecar.logs import configure, get_logger
+
+if TYPE_CHECKING:
+    from sidecar.linkauth import LinkSecurity
 
 # Every option also comes from --config (TOML) or WALSIDECAR_<OPTION>: see sidecar/config.py.
 LOG_FORMAT = click.option("--log-format", type=click.Choice(["plain", "json"]), default="plain",
@@ -24,6 +27,11 @@ METRICS_HELP = ("HOST:PORT to serve Prometheus /metrics and a JSON /status on (e
 def insecure_warning(log: Any, what: str) -> None:
     log.warning(f"--insecure: {what} without TLS or authentication; anyone who can reach it can change "
                 "safekeeper state. Use --certs-dir outside debugging (see `walsidecar certs --help`)")
+
+
+def auth_only_warning(log: Any, what: str) -> None:
+    log.warning(f"--link-security auth-only: {what} with certificates checked at connection start but no "
+                "encryption; anyone on the network path can read the WAL and alter messages")
 
 
 def _endpoint(monitor: Any, metrics: str | None, certs_dir: Path | None) -> Any:
@@ -62,19 +70,20 @@ def _listen(value: str) -> tuple[str, int]:
 @LOG_LEVEL
 @configured(SafekeeperSettings)
 def safekeeper(id: int, listen: str, data_dir: Path, metrics: str | None, certs_dir: Path | None, insecure: bool,
-               log_format: str, log_level: str) -> None:
+               link_security: LinkSecurity, log_format: str, log_level: str) -> None:
     """Run a safekeeper: store WAL durably and vote in proposer elections."""
     from sidecar.http import run_with_endpoint
     from sidecar.runtime import run_until_signal
     from sidecar.safekeeper.control import ControlFileError
     from sidecar.safekeeper.monitor import SafekeeperMonitor
     from sidecar.safekeeper.server import Safekeeper, StartupError
-    from sidecar.tls import TlsError, server_context
+    from sidecar.linkauth import server_security
+    from sidecar.tls import TlsError
 
     configure(log_format, log_level)
     host, port = _listen(listen)
     try:
-        ctx = server_context(certs_dir) if certs_dir is not None else None
+        ctx = server_security(certs_dir, link_security)
         sk = Safekeeper(id, data_dir, host, port, ctx)
         sk.open()
         monitor = SafekeeperMonitor(sk)
@@ -83,6 +92,8 @@ def safekeeper(id: int, listen: str, data_dir: Path, metrics: str | None, certs_
         raise click.ClickException(str(e)) from e
     if insecure:
         insecure_warning(get_logger(node=id), f"listening on {listen}")
+    elif link_security == "auth-only":
+        auth_only_warning(get_logger(node=id), f"listening on {listen}")
     try:
         run_until_signal(run_with_endpoint(sk.serve(), endpoint))
     except OSError as e:
@@ -112,14 +123,15 @@ def safekeeper(id: int, listen: str, data_dir: Path, metrics: str | None, certs_
 @configured(StartSettings)
 def start(pg_dsn: str, safekeepers: tuple[str, ...], quorum: int, application_name: str, slot: str,
           wal_buffer: int, allow_primary_mismatch: bool, metrics: str | None, quorum_wait_alert: float,
-          certs_dir: Path | None, insecure: bool, log_format: str, log_level: str) -> None:
+          certs_dir: Path | None, insecure: bool, link_security: LinkSecurity, log_format: str, log_level: str) -> None:
     """Run the WAL proposer attached to a primary."""
     from sidecar.http import run_with_endpoint
     from sidecar.proposer.monitor import ProposerMonitor
     from sidecar.proposer.primary import PrimaryConfigError
     from sidecar.proposer.service import PrimaryMismatch, ProposerService, StartOptions
     from sidecar.runtime import run_until_signal
-    from sidecar.tls import TlsError, client_context
+    from sidecar.linkauth import client_security
+    from sidecar.tls import TlsError
 
     configure(log_format, log_level)
     log = get_logger(role="proposer")
@@ -127,7 +139,7 @@ def start(pg_dsn: str, safekeepers: tuple[str, ...], quorum: int, application_na
         log.warning("fewer than 3 safekeepers: losing any one of them stops commits", safekeepers=len(safekeepers))
     monitor = ProposerMonitor(quorum_wait_alert or None)
     try:
-        ctx = client_context(certs_dir) if certs_dir is not None else None
+        ctx = client_security(certs_dir, link_security)
         service = ProposerService(StartOptions(pg_dsn, safekeepers, quorum, application_name, slot,
                                                allow_primary_mismatch, wal_buffer * 1024 * 1024, ctx), monitor=monitor)
         endpoint = _endpoint(monitor, metrics, certs_dir)
@@ -135,6 +147,8 @@ def start(pg_dsn: str, safekeepers: tuple[str, ...], quorum: int, application_na
         raise click.ClickException(str(e)) from e
     if insecure:
         insecure_warning(log, "talking to the safekeepers")
+    elif link_security == "auth-only":
+        auth_only_warning(log, "talking to the safekeepers")
     try:
         run_until_signal(run_with_endpoint(service.run(), endpoint))
     except OSError as e:

@@ -73,12 +73,16 @@ class TlsSettings(Settings):
     cert_role: ClassVar[str] = "client"
     certs_dir: Path | None = None
     insecure: bool = False
+    link_security: Literal["tls", "auth-only"] = "tls"
 
     @model_validator(mode="after")
     def _tls(self) -> TlsSettings:
         from sidecar.certs import make_commands
         if self.certs_dir is not None and self.insecure:
             raise ValueError("give either --certs-dir or --insecure, not both")
+        if self.link_security != "tls" and self.insecure:
+            raise ValueError(f"link_security: {self.link_security} authenticates with the --certs-dir certificates; "
+                             "it cannot be combined with --insecure")
         if self.certs_dir is None and not self.insecure:
             role = "safekeeper --id N" if self.cert_role == "safekeeper" else self.cert_role
             raise ValueError(
@@ -319,8 +323,14 @@ CONFIG_OPTION = click.option(
 
 
 def tls_options(role: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """--certs-dir and --insecure, for every command that talks to safekeepers."""
+    """--certs-dir, --insecure and --link-security, for every command that talks to safekeepers."""
     def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
+        f = click.option("--link-security", type=click.Choice(["tls", "auth-only"]), default="tls",
+                         show_default=True,
+                         help="tls: encrypted and mutually authenticated. auth-only: the same certificates prove "
+                              "both ends at connection start, then WAL and messages travel in clear and can be "
+                              "read or altered on the path (README, Security). Every process of a deployment "
+                              "must use the same.")(f)
         f = click.option("--insecure", is_flag=True,
                          help="Run without TLS or authentication: anyone who can reach a safekeeper's port can "
                               "change its state. For debugging only.")(f)

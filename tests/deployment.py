@@ -30,6 +30,7 @@ class Deployment:
     proposer: ManagedProcess | None = None
     pki: TestPKI = field(default_factory=session_pki)
     insecure: bool = False  # True: every process runs with --insecure instead of certificates
+    link_security: str = "tls"  # or "auth-only": the certificates authenticate, nothing is encrypted
 
     def __post_init__(self) -> None:
         self.ports = [free_port() for _ in range(self.n)]
@@ -43,7 +44,10 @@ class Deployment:
 
     def tls(self, role: str, node_id: int | None = None) -> list[str]:
         """`--certs-dir DIR` of a process with this role (`--insecure` for an insecure deployment)."""
-        return ["--insecure"] if self.insecure else self.pki.args(role, node_id)
+        if self.insecure:
+            return ["--insecure"]
+        return self.pki.args(role, node_id) + ([] if self.link_security == "tls" else
+                                               ["--link-security", self.link_security])
 
     def start_safekeeper(self, i: int, *extra: str) -> ManagedProcess:
         proc = self.procs.start(

@@ -25,6 +25,9 @@ from sidecar.consensus.messages import (
     PROTOCOL_VERSION,
     Append,
     AppendReply,
+    AuthChallenge,
+    AuthConfirm,
+    AuthResponse,
     Elected,
     ElectedReply,
     Greeting,
@@ -75,6 +78,10 @@ SAMPLES: list[Message] = [
     InfoRequest(),
     InfoReply(2, 7301234567890123456, 16 * 1024 * 1024, 15, 1, 6, 6, 0x3000100, 0x3000000, True),
     InfoReply(0, 0, 0, 0, 0, 0, 0, 0, 0, False),
+    AuthChallenge(bytes(range(32))),
+    AuthResponse(b"\x30\x82" + b"c" * 600, b"\xff" * 32, "sk1.internal", b"s" * 72),
+    AuthResponse(b"c" * 8192, bytes(32), "東京", b"s" * 256),
+    AuthConfirm(b"c", b"s"),
 ]
 
 
@@ -117,6 +124,40 @@ def test_every_sample_is_within_bounds(msg: Message) -> None:
 def test_every_message_type_is_sampled() -> None:
     assert {type(m) for m in SAMPLES} == set(TAGS)
     assert len(set(TAGS.values())) == len(TAGS)
+
+
+@pytest.mark.parametrize("msg", [
+    AuthChallenge(bytes(31)), AuthChallenge(bytes(33)),
+    AuthResponse(b"", bytes(32), "h", b"s"), AuthResponse(b"c" * 8193, bytes(32), "h", b"s"),
+    AuthResponse(b"c", bytes(32), "", b"s"), AuthResponse(b"c", bytes(32), "h" * 256, b"s"),
+    AuthResponse(b"c", bytes(32), "h", b"s" * 257), AuthResponse(b"c", bytes(16), "h", b"s"),
+    AuthConfirm(b"c", b""), AuthConfirm(b"c" * 8193, b"s"),
+], ids=lambda m: type(m).__name__)
+def test_auth_fields_are_bounded_both_ways(msg: Message) -> None:
+    with pytest.raises(EncodeError):
+        encode(msg)
+    # Hand-packed, the decoder refuses it the same way.
+    tag = TAGS[type(msg)]
+    blob = lambda b: struct.pack(">H", len(b)) + b  # noqa: E731
+    if isinstance(msg, AuthChallenge):
+        body = msg.nonce
+    elif isinstance(msg, AuthResponse):
+        body = msg.nonce + blob(msg.certificate) + blob(msg.host.encode()) + blob(msg.signature)
+    else:
+        body = blob(msg.certificate) + blob(msg.signature)
+    with pytest.raises(ProtocolError):  # FieldError where the frame's layout is intact
+        decode(tag, body)
+
+
+def test_auth_frames_are_strict() -> None:
+    frame = encode(AuthConfirm(b"cert", b"sig"))
+    tag, body = split(frame)
+    for bad in (bytes(body) + b"\0", bytes(body)[:-1], b"\x00\x05ab"):
+        with pytest.raises(ProtocolError):
+            decode(tag, bad)
+    resp = split(encode(AuthResponse(b"c", bytes(32), "h", b"s")))
+    with pytest.raises(ProtocolError, match="UTF-8"):
+        decode(resp[0], bytes(resp[1]).replace(b"\x00\x01h", b"\x00\x01\xff"))
 
 
 def test_large_append_round_trip() -> None:

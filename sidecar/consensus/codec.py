@@ -26,6 +26,9 @@ from sidecar.consensus.messages import (
     PROTOCOL_VERSION,
     Append,
     AppendReply,
+    AuthChallenge,
+    AuthConfirm,
+    AuthResponse,
     Elected,
     ElectedReply,
     Greeting,
@@ -72,6 +75,9 @@ TAG_APPEND_REPLY = ord("A")
 TAG_REFUSAL = ord("x")
 TAG_INFO_REQUEST = ord("i")
 TAG_INFO_REPLY = ord("I")
+TAG_AUTH_CHALLENGE = ord("c")
+TAG_AUTH_RESPONSE = ord("r")
+TAG_AUTH_CONFIRM = ord("R")
 
 TAGS: MappingProxyType[type, int] = MappingProxyType({
     Greeting: TAG_GREETING,
@@ -85,6 +91,9 @@ TAGS: MappingProxyType[type, int] = MappingProxyType({
     Refusal: TAG_REFUSAL,
     InfoRequest: TAG_INFO_REQUEST,
     InfoReply: TAG_INFO_REPLY,
+    AuthChallenge: TAG_AUTH_CHALLENGE,
+    AuthResponse: TAG_AUTH_RESPONSE,
+    AuthConfirm: TAG_AUTH_CONFIRM,
 })
 
 _U32 = Struct(">I")
@@ -107,6 +116,8 @@ _REFUSAL = Struct(">H")  # len(reason)
 # node_id, system_id, wal_seg_size, pg_version, timeline, term, last_log_term, flush_lsn,
 # commit_lsn, proposer_connected
 _INFO_REPLY = Struct(">QQIIIQQQQB")
+# AuthResponse: nonce, then certificate, host and signature, each a u16 length and its bytes;
+# AuthConfirm: certificate and signature the same way.
 
 # Whole frames of fixed-size messages, so that encoding one is a single pack() call.
 _GREETING_REPLY_FRAME = Struct(">IB" + _GREETING_REPLY.format[1:])
@@ -186,6 +197,22 @@ def _check_info_reply(m: InfoReply) -> None:
     limits.check_lsn(m.commit_lsn, "commit LSN")
 
 
+def _check_auth_challenge(m: AuthChallenge) -> None:
+    limits.check_nonce(m.nonce)
+
+
+def _check_auth_response(m: AuthResponse) -> None:
+    limits.check_nonce(m.nonce)
+    limits.check_auth_field("certificate", m.certificate, limits.MAX_AUTH_CERT)
+    limits.check_auth_field("host", m.host.encode("utf-8", "surrogatepass"), limits.MAX_AUTH_HOST)
+    limits.check_auth_field("signature", m.signature, limits.MAX_AUTH_SIGNATURE)
+
+
+def _check_auth_confirm(m: AuthConfirm) -> None:
+    limits.check_auth_field("certificate", m.certificate, limits.MAX_AUTH_CERT)
+    limits.check_auth_field("signature", m.signature, limits.MAX_AUTH_SIGNATURE)
+
+
 _BOUNDS: MappingProxyType[type, Callable[[Any], None]] = MappingProxyType({
     GreetingReply: _check_term,
     VoteRequest: _check_term,
@@ -195,6 +222,9 @@ _BOUNDS: MappingProxyType[type, Callable[[Any], None]] = MappingProxyType({
     Append: lambda m: _check_append(m.term, m.begin_lsn, len(m.data), m.commit_lsn, m.peer_horizon_lsn),
     AppendReply: _check_append_reply,
     InfoReply: _check_info_reply,
+    AuthChallenge: _check_auth_challenge,
+    AuthResponse: _check_auth_response,
+    AuthConfirm: _check_auth_confirm,
 })
 
 
@@ -302,6 +332,26 @@ def _encode_info_reply(m: InfoReply) -> bytes:
     return _framed(TAG_INFO_REPLY, body)
 
 
+def _blob(value: bytes) -> bytes:
+    return _U16.pack(len(value)) + bytes(value)
+
+
+def _encode_auth_challenge(m: AuthChallenge) -> bytes:
+    _check_auth_challenge(m)
+    return _framed(TAG_AUTH_CHALLENGE, bytes(m.nonce))
+
+
+def _encode_auth_response(m: AuthResponse) -> bytes:
+    _check_auth_response(m)
+    body = bytes(m.nonce) + _blob(m.certificate) + _blob(_utf8(m.host, "host")) + _blob(m.signature)
+    return _framed(TAG_AUTH_RESPONSE, body)
+
+
+def _encode_auth_confirm(m: AuthConfirm) -> bytes:
+    _check_auth_confirm(m)
+    return _framed(TAG_AUTH_CONFIRM, _blob(m.certificate) + _blob(m.signature))
+
+
 _ENCODERS: MappingProxyType[type, Callable[[Any], bytes]] = MappingProxyType({
     Greeting: _encode_greeting,
     GreetingReply: _encode_greeting_reply,
@@ -314,6 +364,9 @@ _ENCODERS: MappingProxyType[type, Callable[[Any], bytes]] = MappingProxyType({
     Refusal: _encode_refusal,
     InfoRequest: _encode_info_request,
     InfoReply: _encode_info_reply,
+    AuthChallenge: _encode_auth_challenge,
+    AuthResponse: _encode_auth_response,
+    AuthConfirm: _encode_auth_confirm,
 })
 
 
@@ -508,6 +561,46 @@ def _decode_info_reply(body: Body) -> InfoReply:
     return m
 
 
+def _blobs(body: Body, start: int, count: int, name: str) -> list[bytes]:
+    """`count` u16-length-prefixed byte strings from `start` that end the body exactly."""
+    out = []
+    for _ in range(count):
+        if start + _U16.size > len(body):
+            raise ProtocolError(f"{name}: body ends before a length")
+        (length,) = _U16.unpack_from(body, start)
+        start += _U16.size
+        if start + length > len(body):
+            raise ProtocolError(f"{name}: a field declares {length} bytes but {len(body) - start} remain")
+        out.append(bytes(body[start:start + length]))
+        start += length
+    _no_trailing(body, start, name)
+    return out
+
+
+def _decode_auth_challenge(body: Body) -> AuthChallenge:
+    m = AuthChallenge(bytes(body))
+    _check_auth_challenge(m)
+    return m
+
+
+def _decode_auth_response(body: Body) -> AuthResponse:
+    _need_at_least(body, limits.AUTH_NONCE, "AuthResponse")
+    cert, host, sig = _blobs(body, limits.AUTH_NONCE, 3, "AuthResponse")
+    try:
+        text = host.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ProtocolError(f"AuthResponse: host is not valid UTF-8: {e}") from None
+    m = AuthResponse(cert, bytes(body[:limits.AUTH_NONCE]), text, sig)
+    _check_auth_response(m)
+    return m
+
+
+def _decode_auth_confirm(body: Body) -> AuthConfirm:
+    m = AuthConfirm(*_blobs(body, 0, 2, "AuthConfirm"))
+    _check_auth_confirm(m)
+    return m
+
+
 _DECODERS: MappingProxyType[int, Callable[[Body], Message]] = MappingProxyType({
     TAG_GREETING: _decode_greeting,
     TAG_GREETING_REPLY: _decode_greeting_reply,
@@ -520,6 +613,9 @@ _DECODERS: MappingProxyType[int, Callable[[Body], Message]] = MappingProxyType({
     TAG_REFUSAL: _decode_refusal,
     TAG_INFO_REQUEST: _decode_info_request,
     TAG_INFO_REPLY: _decode_info_reply,
+    TAG_AUTH_CHALLENGE: _decode_auth_challenge,
+    TAG_AUTH_RESPONSE: _decode_auth_response,
+    TAG_AUTH_CONFIRM: _decode_auth_confirm,
 })
 
 

@@ -26,6 +26,13 @@ PREAUTH_MAX_FRAME = 64 * 1024
 # are bounded by MAX_HISTORY. Only the connection holding the term may send codec.MAX_FRAME.
 CONTROL_MAX_FRAME = 1024 * 1024
 
+# The link authentication handshake (sidecar/linkauth.py): nonces are exactly this long; a
+# certificate, a host name and a signature at most this long (ours are ~600 and ~72 bytes).
+AUTH_NONCE = 32
+MAX_AUTH_CERT = 8 * 1024
+MAX_AUTH_HOST = 255
+MAX_AUTH_SIGNATURE = 256
+
 
 class LimitError(ValueError):
     """A value a peer sent is outside what the protocol allows."""
@@ -68,6 +75,17 @@ def check_timeline_history(history: TimelineHistory) -> TimelineHistory:
             raise LimitError(f"timeline history is not ascending at timeline {e.timeline}")
         prev_tli, prev_lsn = e.timeline, e.switch_lsn
     return history
+
+
+def check_nonce(nonce: bytes) -> None:
+    if len(nonce) != AUTH_NONCE:
+        raise LimitError(f"nonce of {len(nonce)} bytes, expected {AUTH_NONCE}")
+
+
+def check_auth_field(what: str, value: bytes, most: int) -> None:
+    """A certificate, host or signature of a link authentication message: not empty, at most `most` bytes."""
+    if not 1 <= len(value) <= most:
+        raise LimitError(f"{what} of {len(value)} bytes is outside 1..{most}")
 
 
 def check_seg_size(size: int, minimum: int = MIN_SEG_SIZE) -> int:

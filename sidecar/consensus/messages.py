@@ -129,7 +129,33 @@ class InfoReply:
     proposer_connected: bool
 
 
+@dataclass(frozen=True)
+class AuthChallenge:
+    """`--link-security auth-only`: the safekeeper's first message, fresh random bytes to sign."""
+
+    nonce: bytes
+
+
+@dataclass(frozen=True)
+class AuthResponse:
+    """The dialler's proof: its certificate (DER) and a signature over both nonces and the host it dialled."""
+
+    certificate: bytes = field(repr=False)
+    nonce: bytes
+    host: str
+    signature: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
+class AuthConfirm:
+    """The safekeeper's proof, sent only once the dialler's checked out: its certificate and signature."""
+
+    certificate: bytes = field(repr=False)
+    signature: bytes = field(repr=False)
+
+
 Message = (
     Greeting | GreetingReply | VoteRequest | VoteReply | Elected | ElectedReply
     | Append | AppendReply | Refusal | InfoRequest | InfoReply
+    | AuthChallenge | AuthResponse | AuthConfirm
 )

@@ -15,6 +15,7 @@ from sidecar.consensus.messages import InfoReply
 from sidecar.lsn import format_lsn
 from sidecar.ops.probe import ProbeError, connect, fetch_status, probe_safekeeper, redact_dsn
 from sidecar.proposer import primary as pg
+from sidecar.linkauth import client_security
 from sidecar.tls import TlsError, client_context
 
 Status = Literal["OK", "WARNING", "FAILED"]
@@ -61,7 +62,8 @@ class Checker:
         self.system_id: int | None = None
         self.seg_size: int | None = None
         self.pg_major: int | None = None
-        self.ssl = client_context(s.certs_dir) if s.certs_dir is not None else None
+        self.ssl = client_context(s.certs_dir) if s.certs_dir is not None else None  # HTTPS endpoints
+        self.link = self.ssl if s.link_security == "tls" else client_security(s.certs_dir, s.link_security)
 
     def add(self, c: Check) -> None:
         self.checks.append(c)
@@ -256,13 +258,17 @@ class Checker:
             self.add(_warn("TLS", "--insecure: the safekeepers are asked without TLS; if they answer, anyone who "
                                   "can reach their ports can change their state",
                            "run every process with --certs-dir (walsidecar certs create-ca / create-node)"))
+        elif self.s.link_security == "auth-only":
+            self.add(_warn("TLS", f"--link-security auth-only: client certificate from {self.s.certs_dir} proves "
+                                  "both ends, but WAL and messages travel unencrypted and unprotected on the path",
+                           "use it only on a private, trusted network"))
         else:
             self.add(_ok("TLS", f"client certificate from {self.s.certs_dir}"))
 
     async def _safekeepers(self) -> None:
         async def one(addr: str) -> InfoReply | ProbeError:
             try:
-                return await probe_safekeeper(addr, self.s.timeout, self.ssl)
+                return await probe_safekeeper(addr, self.s.timeout, self.link)
             except ProbeError as e:
                 return e
 

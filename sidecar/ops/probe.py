@@ -13,8 +13,8 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from sidecar import framing
 from sidecar.consensus import codec
+from sidecar.linkauth import LinkAuthError, Security, dial
 from sidecar.consensus.messages import InfoReply, InfoRequest, Refusal
 from sidecar.proposer.peers import parse_address
 
@@ -23,13 +23,13 @@ class ProbeError(Exception):
     """The piece did not answer usefully; the message says how."""
 
 
-async def probe_safekeeper(address: str, timeout: float, ssl_context: ssl.SSLContext | None = None) -> InfoReply:
-    """Send an InfoRequest (read-only: it binds nothing and needs no Greeting), over TLS given a context."""
-    from sidecar.tls import peer_role, server_hostname
+async def probe_safekeeper(address: str, timeout: float, ssl_context: Security = None) -> InfoReply:
+    """Send an InfoRequest (read-only: it binds nothing and needs no Greeting), over TLS or auth-only if given."""
     host, port = parse_address(address)
-    tls_args = {} if ssl_context is None else {"ssl": ssl_context, "server_hostname": server_hostname(host)}
     try:
-        reader, writer = await asyncio.wait_for(framing.open_connection(host, port, **tls_args), timeout)
+        reader, writer, ident = await asyncio.wait_for(dial(host, port, ssl_context), timeout)
+    except LinkAuthError as e:
+        raise ProbeError(f"authentication failed: {e}") from None
     except asyncio.TimeoutError:
         raise ProbeError(f"no answer within {timeout:g}s") from None
     except ssl.SSLCertVerificationError as e:
@@ -39,9 +39,9 @@ async def probe_safekeeper(address: str, timeout: float, ssl_context: ssl.SSLCon
     except OSError as e:
         # asyncio's message ("Connect call failed") hides the reason the errno gives.
         raise ProbeError(os.strerror(e.errno) if e.errno else str(e)) from None
-    if ssl_context is not None and getattr(peer_role(writer), "role", None) != "safekeeper":
+    if ssl_context is not None and getattr(ident, "role", None) != "safekeeper":
         writer.close()
-        raise ProbeError(f"its certificate ({peer_role(writer) or 'no role'}) is not a safekeeper's")
+        raise ProbeError(f"its certificate ({ident or 'no role'}) is not a safekeeper's")
     try:
         writer.write(codec.encode(InfoRequest()))
         msg = await asyncio.wait_for(reader.read_message(), timeout)

@@ -21,6 +21,7 @@ from sidecar.config import StatusSettings
 from sidecar.consensus.messages import InfoReply
 from sidecar.lsn import format_lsn, parse_lsn
 from sidecar.ops.probe import ProbeError, connect, fetch_status, probe_safekeeper, redact_dsn
+from sidecar.linkauth import client_security
 from sidecar.tls import TlsError, client_context
 
 COLUMNS = ("Safekeeper", "Address", "State", "Term", "Flush LSN", "Lag (bytes)", "Lag (s)", "Last contact")
@@ -30,13 +31,14 @@ async def gather(s: StatusSettings) -> dict[str, Any]:
     """Ask every source given; each failure is recorded, not raised."""
     doc: dict[str, Any] = {"time": datetime.now().astimezone().isoformat(timespec="seconds")}
     tasks: dict[str, Any] = {}
-    ctx = client_context(s.certs_dir) if s.certs_dir is not None else None
+    ctx = client_context(s.certs_dir) if s.certs_dir is not None else None  # HTTPS endpoints
+    link = ctx if s.link_security == "tls" else client_security(s.certs_dir, s.link_security)
     if s.insecure:
         doc["insecure"] = True
     if s.proposer_metrics:
         tasks["proposer"] = fetch_status(s.proposer_metrics, s.timeout, ctx)
     for addr in s.safekeepers:
-        tasks[f"sk:{addr}"] = probe_safekeeper(addr, s.timeout, ctx)
+        tasks[f"sk:{addr}"] = probe_safekeeper(addr, s.timeout, link)
     if s.pg_dsn:
         tasks["primary"] = _primary(s)
     results = await asyncio.gather(*tasks.values(), return_exceptions=True)

@@ -380,6 +380,7 @@ class ProposerMonitor:
             "application_name": svc.opts.application_name if svc else None,
             "slot": svc.opts.slot if svc else None,
             "insecure": svc.opts.ssl_context is None if svc else None,
+            "link_security": _link_security(svc.opts.ssl_context) if svc else None,
             "uptime_seconds": round(now - self.started, 1),
             "phase": core.phase.value if core else "between terms",
             "term": core.term if core and core.term else (svc.last_term if svc else 0),
@@ -509,3 +510,9 @@ class ProposerMonitor:
         yield status
         yield safe
         yield kept
+
+
+def _link_security(security: object) -> str | None:
+    """tls, auth-only, or None under --insecure."""
+    from sidecar.linkauth import LinkAuth
+    return None if security is None else "auth-only" if isinstance(security, LinkAuth) else "tls"

@@ -9,7 +9,8 @@ import socket
 import ssl
 from collections.abc import Callable
 
-from sidecar import framing, tls
+from sidecar import framing, linkauth, tls
+from sidecar.certs import Identity
 from sidecar.consensus import codec
 from sidecar.consensus.messages import Append, Message, Refusal
 from sidecar.logs import get_logger
@@ -32,13 +33,10 @@ class PeerLink:
     """One safekeeper: keeps a TCP connection up and hands whole messages to callbacks."""
 
     def __init__(self, name: str, on_up: Callable[[str], None], on_message: Callable[[str, Message], None],
-                 on_down: Callable[[str], None], ssl_context: ssl.SSLContext | None = None) -> None:
+                 on_down: Callable[[str], None], ssl_context: linkauth.Security = None) -> None:
         self.name = name
         self.host, self.port = parse_address(name)
-        self._ssl = ssl_context  # None: --insecure
-        self._tls_args = {} if ssl_context is None else {
-            "ssl": ssl_context, "server_hostname": tls.server_hostname(self.host),
-            "ssl_handshake_timeout": tls.HANDSHAKE_TIMEOUT}
+        self._ssl = ssl_context  # TLS, or a LinkAuth for --link-security auth-only; None: --insecure
         self._last_tls_error: str | None = None
         self._on_up, self._on_message, self._on_down = on_up, on_message, on_down
         self._writer: framing.Writer | None = None
@@ -83,8 +81,7 @@ class PeerLink:
         """
         pause = REFUSED_PAUSE_MIN
         while True:
-            reader, writer = await self._connect()
-            ident = tls.peer_role(writer) if self._ssl is not None else None
+            reader, writer, ident = await self._connect()
             if self._ssl is not None and (ident is None or ident.role != "safekeeper"):
                 self.log.error("refusing the peer: its certificate is not a safekeeper's", peer_cert=str(ident))
                 writer.close()
@@ -107,19 +104,20 @@ class PeerLink:
                 pause = REFUSED_PAUSE_MIN
                 await asyncio.sleep(REFUSED_PAUSE_MIN)
 
-    async def _connect(self) -> tuple[framing.FrameReader, framing.Writer]:
+    async def _connect(self) -> tuple[framing.FrameReader, framing.Writer, Identity | None]:
         """Connect, retrying with backoff; failures are logged at the 1st, 2nd, 4th, 8th... attempt."""
         pause, failures = REFUSED_PAUSE_MIN, 0
         while True:
             try:
-                return await asyncio.wait_for(framing.open_connection(self.host, self.port, **self._tls_args),
+                return await asyncio.wait_for(linkauth.dial(self.host, self.port, self._ssl),
                                               CONNECT_TIMEOUT + (tls.HANDSHAKE_TIMEOUT if self._ssl else 0))
             except (OSError, asyncio.TimeoutError) as e:
                 failures += 1
-                if isinstance(e, ssl.SSLError) and str(e) != self._last_tls_error:
+                if isinstance(e, (ssl.SSLError, linkauth.LinkAuthError)) and str(e) != self._last_tls_error:
                     # Certificates, not the network: say so at once, and again only when it changes.
                     self._last_tls_error = str(e)
-                    self.log.error("TLS handshake with the safekeeper failed; retrying", reason=str(e))
+                    what = "TLS handshake" if isinstance(e, ssl.SSLError) else "authentication"
+                    self.log.error(f"{what} with the safekeeper failed; retrying", reason=str(e))
                 elif failures & (failures - 1) == 0:
                     self.log.warning("cannot connect to safekeeper; retrying", reason=_reason(e),
                                      attempts=failures, retry_in=round(pause, 2))
@@ -146,7 +144,7 @@ class PeerLink:
                 stage = type(msg).__name__
                 self._on_message(self.name, msg)
         except (asyncio.IncompleteReadError, ConnectionError) as e:
-            if self._ssl is not None and not answered and isinstance(e, asyncio.IncompleteReadError):
+            if isinstance(self._ssl, ssl.SSLContext) and not answered and isinstance(e, asyncio.IncompleteReadError):
                 # TLS 1.3 checks our certificate after the handshake; a refusal reads as a silent close.
                 faulted = True  # so back off: a certificate it does not accept will not change in 50 ms
                 self.log.warning("the safekeeper closed the connection before answering: does it trust this "

@@ -16,6 +16,7 @@ from sidecar.consensus.proposer import (
     Action, DropPeer, FetchWal, GreetingsRefused, Note, Proposer, ProposerConfig, ReportStatus, Send,
     StartStreaming, TermLost, TermsExhausted, VerifyPrimary, MAX_APPEND,
 )
+from sidecar.linkauth import Security
 from sidecar.lsn import format_lsn, segment_start
 from sidecar.logs import get_logger
 from sidecar.proposer import primary as pg
@@ -42,7 +43,8 @@ class StartOptions:
     slot: str = "walsidecar"
     allow_primary_mismatch: bool = False
     wal_buffer_bytes: int = 64 * 1024 * 1024
-    ssl_context: ssl.SSLContext | None = None  # for the safekeeper links; None: --insecure
+    # For the safekeeper links: TLS, or a linkauth.LinkAuth (--link-security auth-only); None: --insecure.
+    ssl_context: Security = None
 
     @property
     def horizon_slot(self) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 
 import google_crc32c
 
-from sidecar import framing, tls
+from sidecar import framing, linkauth, tls
 from sidecar.consensus import codec
 from sidecar.consensus.acceptor import Acceptor, AcceptorError, Persist, RecordEnd, Reply, Truncate, Write
 from sidecar.consensus.messages import Append, Elected, Greeting, Message, Refusal, VoteRequest
@@ -49,10 +49,11 @@ _STATEFUL = (Persist, Truncate)
 class Safekeeper:
     """One acceptor process: owns the data directory, serves proposers on one port."""
 
-    def __init__(self, node_id: int, data_dir: Path, host: str, port: int,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(self, node_id: int, data_dir: Path, host: str, port: int, security: linkauth.Security = None) -> None:
         self.node_id = node_id
-        self.ssl_context = ssl_context  # None: --insecure, every connection may act as a proposer
+        # Neither: --insecure, every connection may act as a proposer.
+        self.ssl_context = security if isinstance(security, ssl.SSLContext) else None
+        self.link_auth = security if isinstance(security, linkauth.LinkAuth) else None
         self.data_dir = data_dir
         self.host, self.port = host, port
         self.log = get_logger(node=node_id)
@@ -193,7 +194,8 @@ class Safekeeper:
         tls_args = {} if self.ssl_context is None else \
             {"ssl": self.ssl_context, "ssl_handshake_timeout": tls.HANDSHAKE_TIMEOUT}
         self._server = await framing.start_server(self._connection, self.host, self.port, **tls_args)
-        self.log.info("listening", address=f"{self.host}:{self.port}", tls=self.ssl_context is not None)
+        self.log.info("listening", address=f"{self.host}:{self.port}", tls=self.ssl_context is not None,
+                      link_security="tls" if self.ssl_context else "auth-only" if self.link_auth else "insecure")
         self._serving = asyncio.current_task()
         flusher = asyncio.create_task(self._flusher())
         try:
@@ -208,18 +210,28 @@ class Safekeeper:
 
     def _role_of(self, ident: tls.Identity | None) -> Role:
         """What a connection may do: a proposer under --insecure; otherwise what its certificate says."""
-        if self.ssl_context is None:
+        if self.ssl_context is None and self.link_auth is None:
             return Role.PROPOSER
         return Role(ident.role) if ident is not None else Role.CLIENT
 
     async def _connection(self, reader: framing.FrameReader, writer: asyncio.StreamWriter) -> None:
-        # A handshake without a certificate from the deployment's CA never gets here.
+        # A TLS handshake without a certificate from the deployment's CA never gets here.
         ident = tls.peer_role(writer) if self.ssl_context is not None else None
         log = self.log.bind(peer=_peer_name(writer), **({"peer_cert": str(ident)} if ident else {}))
         if len(self._sessions) >= MAX_CONNECTIONS:
             log.warning("connection limit reached; closing the new connection", limit=MAX_CONNECTIONS)
             writer.close()
             return
+        if self.link_auth is not None:
+            try:  # nothing else is read or answered before the peer proves its certificate
+                ident = await asyncio.wait_for(self.link_auth.accept(reader, writer), tls.HANDSHAKE_TIMEOUT)  # type: ignore[arg-type]
+            except Exception as e:
+                reason = f"no answer within {tls.HANDSHAKE_TIMEOUT:g}s" if isinstance(e, asyncio.TimeoutError) \
+                    else str(e) or type(e).__name__
+                log.warning("authentication failed; closing the connection", reason=reason)
+                writer.close()
+                return
+            log = log.bind(peer_cert=str(ident))
         acc = self.acceptor
         assert acc is not None
         try:

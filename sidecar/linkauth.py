@@ -1,0 +1,210 @@
+"""`--link-security auth-only`: both ends of a link prove their certificate, and nothing is encrypted.
+
+A challenge-response at connection start, as SCRAM does it, with the keys and certificates of
+`--certs-dir`. The safekeeper sends `AuthChallenge` (32 random bytes); the dialler answers with
+`AuthResponse`: its certificate, a nonce of its own, the host it dialled and an ECDSA signature
+over both nonces and that host; the safekeeper checks the certificate against its `ca.crt`
+bundle, its validity, the signature and that the host is one of its own names, then proves
+itself the same way with `AuthConfirm`. Afterwards the connection is plain TCP: it keeps out
+whoever can reach the port, not whoever sits on the path (README, "Security").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+import os
+import ssl
+from pathlib import Path
+from typing import Literal
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from sidecar import framing, tls
+from sidecar.certs import CA_CERT, NODE_CERT, NODE_KEY, Identity, make_commands
+from sidecar.consensus import codec, limits
+from sidecar.consensus.messages import AuthChallenge, AuthConfirm, AuthResponse
+
+LinkSecurity = Literal["tls", "auth-only"]
+LINK_SECURITY: tuple[LinkSecurity, ...] = ("tls", "auth-only")
+CLIENT_CONTEXT = b"walsidecar-link-auth-v1 client"
+SERVER_CONTEXT = b"walsidecar-link-auth-v1 server"
+_SIGNATURE = ec.ECDSA(hashes.SHA256())
+# The subject fields tls.identity_of reads, under the names ssl.getpeercert() gives them.
+_PEERCERT_NAMES = {NameOID.ORGANIZATION_NAME: "organizationName",
+                   NameOID.ORGANIZATIONAL_UNIT_NAME: "organizationalUnitName",
+                   NameOID.COMMON_NAME: "commonName"}
+
+
+class LinkAuthError(ConnectionError):
+    """The peer did not prove a certificate from the deployment's CA; the connection is closed."""
+
+
+class LinkAuth:
+    """A process's certificates directory, for authenticating links without TLS."""
+
+    def __init__(self, certs_dir: Path) -> None:
+        paths = [certs_dir / n for n in (CA_CERT, NODE_CERT, NODE_KEY)]
+        missing = [p.name for p in paths if not p.is_file()]
+        if missing:
+            raise tls.TlsError(f"certificates directory {certs_dir} lacks {', '.join(missing)}; make it with\n  "
+                               + make_commands(certs_dir=str(certs_dir)))
+        try:
+            self.cas = x509.load_pem_x509_certificates(paths[0].read_bytes())
+            self.cert = x509.load_pem_x509_certificate(paths[1].read_bytes())
+            key = serialization.load_pem_private_key(paths[2].read_bytes(), password=None)
+        except (OSError, ValueError, TypeError) as e:
+            raise tls.TlsError(f"cannot use the certificates in {certs_dir}: {e}") from e
+        if not isinstance(key, ec.EllipticCurvePrivateKey) or key.public_key() != self.cert.public_key():
+            raise tls.TlsError(f"{paths[2]} is not the EC key of {paths[1]}")
+        self.key = key
+        self.cert_der = self.cert.public_bytes(serialization.Encoding.DER)
+
+    async def accept(self, reader: framing.FrameReader, writer: framing.Writer) -> Identity | None:
+        """The safekeeper's side: challenge, verify the answer, prove itself; who the peer is.
+
+        LinkAuthError (or the reader's error) if the peer fails: nothing has been answered then.
+        """
+        server_nonce = os.urandom(limits.AUTH_NONCE)
+        writer.write(codec.encode(AuthChallenge(server_nonce)))
+        msg = await reader.read_message()
+        if type(msg) is not AuthResponse:
+            raise LinkAuthError(f"expected AuthResponse, got {type(msg).__name__}")
+        cert = self._verify_certificate(msg.certificate)
+        if not names_host(self.cert, msg.host):
+            raise LinkAuthError(f"the peer dialled {msg.host!r}, a name this safekeeper's certificate does not have")
+        _verify_signature(cert, msg.signature, CLIENT_CONTEXT + server_nonce + msg.nonce + msg.host.encode())
+        proof = self.key.sign(SERVER_CONTEXT + msg.nonce + server_nonce + msg.host.encode(), _SIGNATURE)
+        writer.write(codec.encode(AuthConfirm(self.cert_der, proof)))
+        return identity(cert)
+
+    async def authenticate(self, reader: framing.FrameReader, writer: framing.Writer, host: str) -> Identity | None:
+        """The dialler's side: answer the challenge, then verify the safekeeper's proof and that it names `host`."""
+        host = tls.server_hostname(host)
+        challenge = await _read(reader, "before its challenge")
+        if type(challenge) is not AuthChallenge:
+            raise LinkAuthError(f"it sent {type(challenge).__name__} instead of a challenge: does it run with "
+                                "--link-security auth-only?")
+        client_nonce = os.urandom(limits.AUTH_NONCE)
+        proof = self.key.sign(CLIENT_CONTEXT + challenge.nonce + client_nonce + host.encode(), _SIGNATURE)
+        writer.write(codec.encode(AuthResponse(self.cert_der, client_nonce, host, proof)))
+        reply = await _read(reader, "during authentication: does it trust this certificate (the same CA)?")
+        if type(reply) is not AuthConfirm:
+            raise LinkAuthError(f"it answered {type(reply).__name__} instead of proving its certificate")
+        cert = self._verify_certificate(reply.certificate)
+        if not names_host(cert, host):
+            raise LinkAuthError(f"its certificate does not name {host}, the host dialled (address mismatch)")
+        _verify_signature(cert, reply.signature, SERVER_CONTEXT + client_nonce + challenge.nonce + host.encode())
+        return identity(cert)
+
+    def _verify_certificate(self, der: bytes) -> x509.Certificate:
+        """A certificate issued by a CA in ca.crt, within its validity period, not itself a CA."""
+        try:
+            cert = x509.load_der_x509_certificate(der)
+            issuer = next((ca for ca in self.cas if ca.subject == cert.issuer and _issued_by(cert, ca)), None)
+            if issuer is None:
+                raise LinkAuthError("its certificate is not signed by a CA in ca.crt")
+            now = datetime.datetime.now(datetime.timezone.utc)
+            for c, what in ((cert, "its certificate"), (issuer, "the CA of its certificate")):
+                if not c.not_valid_before_utc <= now <= c.not_valid_after_utc:
+                    raise LinkAuthError(f"{what} is outside its validity period")
+            try:
+                is_ca = cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+            except x509.ExtensionNotFound:
+                is_ca = False
+            if is_ca or not isinstance(cert.public_key(), ec.EllipticCurvePublicKey):
+                raise LinkAuthError("its certificate is not a node certificate with an EC key")
+        except (ValueError, TypeError) as e:
+            raise LinkAuthError(f"its certificate cannot be used: {e}") from None
+        return cert
+
+
+async def _read(reader: framing.FrameReader, when: str) -> object:
+    try:
+        return await reader.read_message()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        raise LinkAuthError(f"it closed the connection {when}") from None
+    except codec.ProtocolError as e:
+        raise LinkAuthError(f"it sent something that is not the walsidecar protocol ({e}): does it run with "
+                            "--link-security auth-only?") from None
+
+
+def _issued_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return True
+
+
+def _verify_signature(cert: x509.Certificate, signature: bytes, transcript: bytes) -> None:
+    try:
+        cert.public_key().verify(signature, transcript, _SIGNATURE)  # type: ignore[call-arg, union-attr]
+    except (InvalidSignature, ValueError, TypeError):
+        raise LinkAuthError("the signature does not match its certificate") from None
+
+
+def names_host(cert: x509.Certificate, host: str) -> bool:
+    """True if the certificate's subject alternative names include `host` (a DNS name or an IP address)."""
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (x509.ExtensionNotFound, ValueError):
+        return False
+    try:
+        return ipaddress.ip_address(host) in sans.get_values_for_type(x509.IPAddress)
+    except ValueError:
+        return host.lower().rstrip(".") in {n.lower().rstrip(".") for n in sans.get_values_for_type(x509.DNSName)}
+
+
+def identity(cert: x509.Certificate) -> Identity | None:
+    """The role in a verified certificate, read by the same code as a TLS peer's."""
+    subject = tuple(((_PEERCERT_NAMES[a.oid], a.value),) for a in cert.subject if a.oid in _PEERCERT_NAMES)
+    return tls.identity_of({"subject": subject})
+
+
+Security = ssl.SSLContext | LinkAuth | None
+
+
+def server_security(certs_dir: Path | None, mode: LinkSecurity = "tls") -> Security:
+    """What a safekeeper listens with: TLS, auth-only, or nothing under --insecure (no certificates)."""
+    if certs_dir is None:
+        return None
+    return tls.server_context(certs_dir) if mode == "tls" else LinkAuth(certs_dir)
+
+
+def client_security(certs_dir: Path | None, mode: LinkSecurity = "tls") -> Security:
+    """What the proposer and the tools dial safekeepers with."""
+    if certs_dir is None:
+        return None
+    return tls.client_context(certs_dir) if mode == "tls" else LinkAuth(certs_dir)
+
+
+async def dial(host: str, port: int, security: Security,
+               max_frame: int = codec.REPLY_MAX_FRAME) -> tuple[framing.FrameReader, framing.Writer, Identity | None]:
+    """Connect to a safekeeper and authenticate it as `security` says; who its certificate says it is.
+
+    The caller checks the role. ssl.SSLError or LinkAuthError (both OSError) when it cannot be trusted.
+    """
+    if isinstance(security, ssl.SSLContext):
+        reader, writer = await framing.open_connection(
+            host, port, max_frame, ssl=security, server_hostname=tls.server_hostname(host),
+            ssl_handshake_timeout=tls.HANDSHAKE_TIMEOUT)
+        return reader, writer, tls.peer_role(writer)
+    reader, writer = await framing.open_connection(host, port, max_frame)
+    if security is None:
+        return reader, writer, None
+    try:
+        ident = await asyncio.wait_for(security.authenticate(reader, writer, host), tls.HANDSHAKE_TIMEOUT)
+    except asyncio.TimeoutError:
+        writer.close()
+        raise LinkAuthError(f"no authentication within {tls.HANDSHAKE_TIMEOUT:g}s: does it run with "
+                            "--link-security auth-only?") from None
+    except BaseException:
+        writer.close()
+        raise
+    return reader, writer, ident
