@@ -8,6 +8,7 @@ the same disk and fsync on everywhere:
 * receivewal-1   one `pg_receivewal --synchronous` as the synchronous standby
 * native-quorum  three `pg_receivewal --synchronous`, `ANY 2 (r1, r2, r3)`
 * walsidecar     three safekeepers, quorum 2, mutually authenticated TLS on every link
+* walsidecar-auth      the same with --link-security auth-only: certificates checked at connection start, no encryption
 * walsidecar-insecure  the same with --insecure: no TLS (walsidecar ÷ walsidecar-insecure is TLS's cost)
 
 Rounds are interleaved (A B C D, A B C D, ...); each configuration starts from a fresh copy
@@ -55,10 +56,10 @@ from sidecar.pgcluster import ClusterError, LocalCluster, find_bin_dir  # noqa: 
 from sidecar.certs import ensure_node  # noqa: E402
 from sidecar.processes import Child, tls_args  # noqa: E402
 
-CONFIGS = ("async", "receivewal-1", "native-quorum", "walsidecar", "walsidecar-insecure")
+CONFIGS = ("async", "receivewal-1", "native-quorum", "walsidecar", "walsidecar-auth", "walsidecar-insecure")
 # walsidecar with mutually authenticated TLS on every link (the default), and with --insecure: the difference
 # is what TLS costs.
-SIDECAR_CONFIGS = ("walsidecar", "walsidecar-insecure")
+SIDECAR_CONFIGS = ("walsidecar", "walsidecar-auth", "walsidecar-insecure")
 WORKLOADS = ("pgbench-1", "pgbench-16", "bulk", "catchup", "wal-analytics")
 CATCHUP_CONFIGS = ("native-quorum", *SIDECAR_CONFIGS)  # a receiver can be down without stopping commits
 SIDECAR_APP = "walsidecar"
@@ -80,6 +81,7 @@ STANDBY_NAMES = {
     "receivewal-1": "r1",
     "native-quorum": "ANY 2 (r1, r2, r3)",
     "walsidecar": SIDECAR_APP,
+    "walsidecar-auth": SIDECAR_APP,
     "walsidecar-insecure": SIDECAR_APP,
 }
 
@@ -283,7 +285,7 @@ class Setup:
         for i in range(1, 4):
             self.start_receiver(f"safekeeper{i}")
         args = ["start", "--pg-dsn", self.cluster.dsn(), "--safekeepers", ",".join(self.sk_addrs),
-                "--application-name", SIDECAR_APP, *tls_args(self.certs("proposer"))]
+                "--application-name", SIDECAR_APP, *self.link_args("proposer")]
         child = Child.sidecar("proposer", args, self.base / "proposer.log")
         self.receivers["proposer"] = Receiver("proposer", child.start())
 
@@ -292,7 +294,7 @@ class Setup:
         if name.startswith("safekeeper"):
             i = int(name.removeprefix("safekeeper"))
             args = ["safekeeper", "--id", str(i), "--listen", self.sk_addrs[i - 1], "--data-dir", str(self.base / name),
-                    *tls_args(self.certs(name, "safekeeper", i))]
+                    *self.link_args(name, "safekeeper", i)]
             child = Child.sidecar(name, args, self.base / f"{name}.log")
         else:
             dsn = f"host=127.0.0.1 port={self.port} user=postgres application_name={name}"
@@ -303,6 +305,11 @@ class Setup:
         if old is not None and old.child.running:
             raise BenchError(f"{name} is already running")
         self.receivers[name] = Receiver(name, child.start())
+
+    def link_args(self, name: str, role: str = "proposer", node_id: int | None = None) -> list[str]:
+        """How a walsidecar process of this configuration secures its safekeeper links."""
+        auth_only = ["--link-security", "auth-only"] if self.config == "walsidecar-auth" else []
+        return tls_args(self.certs(name, role, node_id)) + auth_only
 
     def certs(self, name: str, role: str = "proposer", node_id: int | None = None) -> Path | None:
         """A walsidecar process's certificates (made before anything is measured); None without TLS."""
@@ -736,8 +743,8 @@ def markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
     configs = [c for c in CONFIGS if c in s["configs"]]
     head = ["metric (median of rounds)", *configs]
-    # walsidecar ÷ walsidecar-insecure is what TLS costs.
-    ratio_to = [c for c in ("native-quorum", "receivewal-1", "walsidecar-insecure")
+    # walsidecar ÷ walsidecar-insecure is what TLS costs; ÷ walsidecar-auth, what its encryption costs.
+    ratio_to = [c for c in ("native-quorum", "receivewal-1", "walsidecar-auth", "walsidecar-insecure")
                 if c in configs and "walsidecar" in configs]
     head += [f"walsidecar ÷ {c}" for c in ratio_to]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -829,7 +836,7 @@ def chart(report: dict[str, Any], path: Path, log: Callable[[str], None]) -> Non
     if not shown:
         return
     colors = {"async": "#9e9e9e", "receivewal-1": "#64b5f6", "native-quorum": "#1565c0", "walsidecar": "#e65100",
-              "walsidecar-insecure": "#ffb74d"}
+              "walsidecar-auth": "#fb8c00", "walsidecar-insecure": "#ffb74d"}
     cols = 3
     rows = (len(shown) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)

@@ -14,7 +14,7 @@ from sidecar.pgcluster import ClusterError, find_bin_dir
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = {"async", "receivewal-1", "native-quorum", "walsidecar"}
+CONFIGS = {"async", "receivewal-1", "native-quorum", "walsidecar", "walsidecar-auth"}
 
 
 def test_quick_benchmark_produces_every_output(test_dir: Path) -> None:
