@@ -170,16 +170,20 @@ def start(pg_dsn: str, safekeepers: tuple[str, ...], quorum: int, application_na
 @click.option("--insecure", is_flag=True,
               help="Run the safekeeper links without TLS (for debugging); by default `up` makes its own CA "
                    "and certificates under --dir.")
+@click.option("--link-security", type=click.Choice(["tls", "auth-only"]), default="tls", show_default=True,
+              help="auth-only: the children check certificates at connection start but do not encrypt "
+                   "(see `walsidecar safekeeper --help`).")
 @LOG_FORMAT
 @LOG_LEVEL
 @configured(UpSettings)
-def up(dir: Path, pg_port: int, safekeeper_port: int, metrics_port: int, insecure: bool, log_format: str,
-       log_level: str) -> None:
+def up(dir: Path, pg_port: int, safekeeper_port: int, metrics_port: int, insecure: bool, link_security: str,
+       log_format: str, log_level: str) -> None:
     """Run the embedded default: a local PostgreSQL, 3 safekeepers and the proposer, until Ctrl-C."""
     from sidecar.embedded import Embedded
 
     configure(log_format, log_level)
-    Embedded(dir, pg_port, safekeeper_port, log_format, metrics_port=metrics_port, insecure=insecure).run()
+    Embedded(dir, pg_port, safekeeper_port, log_format, metrics_port=metrics_port, insecure=insecure,
+             link_security=link_security).run()
 
 
 @main.group()

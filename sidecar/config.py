@@ -222,6 +222,14 @@ class UpSettings(Settings):
     safekeeper_port: int = Field(7601, ge=1, le=65533)
     metrics_port: int = Field(7610, ge=0, le=65532)
     insecure: bool = False
+    link_security: Literal["tls", "auth-only"] = "tls"
+
+    @model_validator(mode="after")
+    def _auth_only(self) -> UpSettings:
+        if self.link_security != "tls" and self.insecure:
+            raise ValueError(f"link_security: {self.link_security} uses the certificates `up` makes; "
+                             "it cannot be combined with --insecure")
+        return self
 
 
 # Keys valid somewhere: a top-level key unknown to every command is a typo, not another command's option.

@@ -26,9 +26,10 @@ class Embedded:
     """Supervise the embedded default until SIGINT/SIGTERM, then stop everything it started."""
 
     def __init__(self, base_dir: Path, pg_port: int, sk_port: int, log_format: str = "plain",
-                 metrics_port: int = 7610, insecure: bool = False) -> None:
+                 metrics_port: int = 7610, insecure: bool = False, link_security: str = "tls") -> None:
         self.base = base_dir.absolute()
         self.insecure = insecure
+        self.link_security = link_security
         self.cluster = LocalCluster(self.base / "pg", pg_port, log_file=self.base / "postgres.log")
         self.sk_addrs = [f"127.0.0.1:{sk_port + i}" for i in range(SAFEKEEPERS)]
         # Proposer first, then one per safekeeper.
@@ -54,7 +55,8 @@ class Embedded:
                   f"  metrics: http://{self.metrics[0]}/metrics (proposer), "
                   + ", ".join(f"http://{m}/metrics" for m in self.metrics[1:]) + " (safekeepers)\n"
                   + ("  INSECURE: --insecure, the safekeeper links run without TLS\n" if self.insecure else
-                     f"  TLS: CA in {self.base}/ca, a certificate per process in {self.base}/certs\n")
+                     f"  {'auth-only (no encryption)' if self.link_security != 'tls' else 'TLS'}: CA in "
+                     f"{self.base}/ca, a certificate per process in {self.base}/certs\n")
                   + "Press Ctrl-C to stop.\n", flush=True)
             while not stop():
                 self._check_children()
@@ -73,10 +75,14 @@ class Embedded:
         for i, addr in enumerate(self.sk_addrs, start=1):
             self._spawn(f"safekeeper{i}", "safekeeper", "--id", str(i), "--listen", addr,
                         "--data-dir", str(self.base / f"safekeeper{i}"), "--metrics", self.metrics[i],
-                        *tls_args(self._certs(f"safekeeper{i}", "safekeeper", i)))
+                        *self._link_args(f"safekeeper{i}", "safekeeper", i))
         self._spawn("proposer", "start", "--pg-dsn", self.cluster.dsn(), "--safekeepers", ",".join(self.sk_addrs),
-                    "--application-name", APP, "--metrics", self.metrics[0], *tls_args(self._certs("proposer")))
+                    "--application-name", APP, "--metrics", self.metrics[0], *self._link_args("proposer"))
         self._wait_sync()
+
+    def _link_args(self, name: str, role: str = "proposer", node_id: int | None = None) -> list[str]:
+        auth_only = [] if self.link_security == "tls" else ["--link-security", self.link_security]
+        return tls_args(self._certs(name, role, node_id)) + auth_only
 
     def _certs(self, name: str, role: str = "proposer", node_id: int | None = None) -> Path | None:
         """This process's certificates under DIR/certs, signed by DIR/ca (made once, reused); None if insecure."""
@@ -129,7 +135,8 @@ class Embedded:
             f"safekeepers = {_toml_str(','.join(self.sk_addrs))}\n"
             f"application_name = {_toml_str(APP)}\n"
             f"proposer_metrics = {_toml_str(self.metrics[0])}\n"
-            + ("insecure = true\n" if self.insecure else f"certs_dir = {_toml_str(str(self._certs('client', 'client')))}\n"))
+            + ("insecure = true\n" if self.insecure else f"certs_dir = {_toml_str(str(self._certs('client', 'client')))}\n")
+            + ("" if self.link_security == "tls" else f"link_security = {_toml_str(self.link_security)}\n"))
         return path
 
 

@@ -30,7 +30,8 @@ from test_tls import files, foreign_ca, read_frame, walsidecar
 AUTH_ONLY = ("--link-security", "auth-only")
 
 
-def start_safekeeper(procs: ProcessTracker, data_dir: Path, certs: Path, node_id: int = 1) -> tuple[ManagedProcess, int]:
+def start_safekeeper(procs: ProcessTracker, data_dir: Path, certs: Path,
+                     node_id: int = 1) -> tuple[ManagedProcess, int]:
     port = free_port()
     proc = procs.start([sys.executable, "-m", "sidecar", "safekeeper", "--id", str(node_id), "--listen",
                         f"127.0.0.1:{port}", "--data-dir", str(data_dir), "--certs-dir", str(certs), *AUTH_ONLY],
@@ -224,3 +225,18 @@ def test_auth_only_needs_certificates(tmp_path: Path) -> None:
     out = walsidecar("safekeeper", "--id", "1", "--data-dir", str(tmp_path / "sk"), "--certs-dir", str(tmp_path),
                      *AUTH_ONLY)
     assert out.returncode == 1 and "lacks ca.crt, node.crt, node.key" in out.stderr, out.stderr
+
+
+def test_the_mode_comes_from_toml_too(tmp_path: Path) -> None:
+    from sidecar.config import CheckSettings, ConfigError, StartSettings, load
+    conf = tmp_path / "w.toml"
+    conf.write_text(f'certs_dir = "{tmp_path}"\nlink_security = "auth-only"\n[check]\nlink_security = "tls"\n')
+    start = load(StartSettings, {"pg_dsn": "host=x", "safekeepers": "a:1"}, conf)
+    check = load(CheckSettings, {"pg_dsn": "host=x", "safekeepers": "a:1"}, conf)
+    assert (start.link_security, check.link_security) == ("auth-only", "tls")  # type: ignore[attr-defined]
+    conf.write_text('insecure = true\nlink_security = "auth-only"\n')
+    with pytest.raises(ConfigError, match=f"link_security in {conf}.*cannot be combined with --insecure"):
+        load(StartSettings, {"pg_dsn": "host=x", "safekeepers": "a:1"}, conf)
+    conf.write_text(f'certs_dir = "{tmp_path}"\nlink_security = "plaintext"\n')
+    with pytest.raises(ConfigError, match="link_security"):
+        load(StartSettings, {"pg_dsn": "host=x", "safekeepers": "a:1"}, conf)

@@ -35,6 +35,8 @@ async def gather(s: StatusSettings) -> dict[str, Any]:
     link = ctx if s.link_security == "tls" else client_security(s.certs_dir, s.link_security)
     if s.insecure:
         doc["insecure"] = True
+    elif s.link_security != "tls":
+        doc["link_security"] = s.link_security
     if s.proposer_metrics:
         tasks["proposer"] = fetch_status(s.proposer_metrics, s.timeout, ctx)
     for addr in s.safekeepers:
@@ -155,6 +157,8 @@ def _summary(doc: dict[str, Any]) -> list[str]:
     if doc.get("insecure") or (prop or {}).get("insecure"):
         who = "the proposer runs" if (prop or {}).get("insecure") else "asked"
         lines.append(f" Security: INSECURE ({who} with --insecure: links without TLS or authentication)")
+    elif doc.get("link_security") == "auth-only" or (prop or {}).get("link_security") == "auth-only":
+        lines.append(" Security: auth-only (certificates checked at connection start; links not encrypted)")
     if prop is not None:
         if prop.get("error"):
             lines.append(f" Proposer: unreachable at {prop['endpoint']}: {prop['error']}")

@@ -223,8 +223,8 @@ class Safekeeper:
             writer.close()
             return
         if self.link_auth is not None:
-            try:  # nothing else is read or answered before the peer proves its certificate
-                ident = await asyncio.wait_for(self.link_auth.accept(reader, writer), tls.HANDSHAKE_TIMEOUT)  # type: ignore[arg-type]
+            try:
+                ident = await self._authenticate(self.link_auth, reader, writer)
             except Exception as e:
                 reason = f"no answer within {tls.HANDSHAKE_TIMEOUT:g}s" if isinstance(e, asyncio.TimeoutError) \
                     else str(e) or type(e).__name__
@@ -286,6 +286,11 @@ class Safekeeper:
             session.closed()
             self._sessions.discard(session)
             writer.close()
+
+    async def _authenticate(self, auth: linkauth.LinkAuth, reader: framing.FrameReader,
+                            writer: asyncio.StreamWriter) -> tls.Identity | None:
+        """--link-security auth-only: nothing else is read or answered before the peer proves its certificate."""
+        return await asyncio.wait_for(auth.accept(reader, writer), tls.HANDSHAKE_TIMEOUT)  # type: ignore[arg-type]
 
     async def _dispatch(self, session: AcceptorSession, msg: Message, log) -> list[SessionAction]:  # type: ignore[no-untyped-def]
         """Everything but a plain Append: fetch the record end a vote or Elected needs, log, count."""
