@@ -14,8 +14,8 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from sidecar.consensus import codec
-from sidecar.linkauth import LinkAuthError, Security, dial
 from sidecar.consensus.messages import InfoReply, InfoRequest, Refusal
+from sidecar.linkauth import LinkAuthError, Security, dial
 from sidecar.proposer.peers import parse_address
 
 
