@@ -9,6 +9,8 @@ import socket
 import ssl
 from collections.abc import Callable
 
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
+
 from sidecar import framing, linkauth, tls
 from sidecar.certs import Identity
 from sidecar.consensus import codec
@@ -106,23 +108,26 @@ class PeerLink:
 
     async def _connect(self) -> tuple[framing.FrameReader, framing.Writer, Identity | None]:
         """Connect, retrying with backoff; failures are logged at the 1st, 2nd, 4th, 8th... attempt."""
-        pause, failures = REFUSED_PAUSE_MIN, 0
-        while True:
-            try:
+        async for attempt in AsyncRetrying(wait=wait_exponential(multiplier=REFUSED_PAUSE_MIN, max=CONNECT_PAUSE_MAX),
+                                           retry=retry_if_exception_type((OSError, asyncio.TimeoutError)),
+                                           before_sleep=self._connect_failed):
+            with attempt:
                 return await asyncio.wait_for(linkauth.dial(self.host, self.port, self._ssl),
                                               CONNECT_TIMEOUT + (tls.HANDSHAKE_TIMEOUT if self._ssl else 0))
-            except (OSError, asyncio.TimeoutError) as e:
-                failures += 1
-                if isinstance(e, (ssl.SSLError, linkauth.LinkAuthError)) and str(e) != self._last_tls_error:
-                    # Certificates, not the network: say so at once, and again only when it changes.
-                    self._last_tls_error = str(e)
-                    what = "TLS handshake" if isinstance(e, ssl.SSLError) else "authentication"
-                    self.log.error(f"{what} with the safekeeper failed; retrying", reason=str(e))
-                elif failures & (failures - 1) == 0:
-                    self.log.warning("cannot connect to safekeeper; retrying", reason=_reason(e),
-                                     attempts=failures, retry_in=round(pause, 2))
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, CONNECT_PAUSE_MAX)
+        raise AssertionError("tenacity retries forever")  # pragma: no cover
+
+    def _connect_failed(self, state: RetryCallState) -> None:
+        """Say why connecting failed: certificates at once, the network at a slowing rate."""
+        e = state.outcome.exception() if state.outcome is not None else None
+        failures = state.attempt_number
+        if isinstance(e, (ssl.SSLError, linkauth.LinkAuthError)) and str(e) != self._last_tls_error:
+            self._last_tls_error = str(e)  # said at once, and again only when it changes
+            what = "TLS handshake" if isinstance(e, ssl.SSLError) else "authentication"
+            self.log.error(f"{what} with the safekeeper failed; retrying", reason=str(e))
+        elif failures & (failures - 1) == 0:
+            sleep = state.next_action.sleep if state.next_action is not None else 0.0
+            self.log.warning("cannot connect to safekeeper; retrying", reason=_reason(e),
+                             attempts=failures, retry_in=round(sleep, 2))
 
     async def _serve(self, reader: framing.FrameReader, writer: framing.Writer) -> bool:
         """Serve one connection; True if it ended in a fault: refused before any other answer,
