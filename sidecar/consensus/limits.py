@@ -52,29 +52,27 @@ def check_lsn(lsn: int, what: str = "LSN") -> int:
 
 def check_term_history(history: TermHistory) -> TermHistory:
     """Terms strictly ascending, start positions never going back, bounded length."""
-    if len(history) > MAX_HISTORY:
-        raise LimitError(f"term history of {len(history)} entries exceeds {MAX_HISTORY}")
-    prev_term, prev_lsn = -1, 0
+    _check_ascending("term history", "term", [(e.term, e.start_lsn) for e in history], -1)
     for e in history:
         check_term(e.term, "history term")
-        check_lsn(e.start_lsn, "history start LSN")
-        if e.term <= prev_term or e.start_lsn < prev_lsn:
-            raise LimitError(f"term history is not ascending at term {e.term} starting at {e.start_lsn:#x}")
-        prev_term, prev_lsn = e.term, e.start_lsn
     return history
 
 
 def check_timeline_history(history: TimelineHistory) -> TimelineHistory:
     """Timelines strictly ascending from 1, switch positions never going back, bounded length."""
-    if len(history) > MAX_HISTORY:
-        raise LimitError(f"timeline history of {len(history)} entries exceeds {MAX_HISTORY}")
-    prev_tli, prev_lsn = 0, 0
-    for e in history:
-        check_lsn(e.switch_lsn, "timeline switch LSN")
-        if e.timeline <= prev_tli or e.switch_lsn < prev_lsn:
-            raise LimitError(f"timeline history is not ascending at timeline {e.timeline}")
-        prev_tli, prev_lsn = e.timeline, e.switch_lsn
+    _check_ascending("timeline history", "timeline", [(e.timeline, e.switch_lsn) for e in history], 0)
     return history
+
+
+def _check_ascending(what: str, key: str, entries: list[tuple[int, int]], floor: int) -> None:
+    if len(entries) > MAX_HISTORY:
+        raise LimitError(f"{what} of {len(entries)} entries exceeds {MAX_HISTORY}")
+    prev_key, prev_lsn = floor, 0
+    for k, lsn in entries:
+        check_lsn(lsn, f"{what} LSN")
+        if k <= prev_key or lsn < prev_lsn:
+            raise LimitError(f"{what} is not ascending at {key} {k} starting at {lsn:#x}")
+        prev_key, prev_lsn = k, lsn
 
 
 def check_nonce(nonce: bytes) -> None:
