@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from sidecar import __version__
-from sidecar.config import SafekeeperSettings, StartSettings, UpSettings, configured, tls_options
+from sidecar.config import LINK_SECURITY, SafekeeperSettings, StartSettings, UpSettings, configured, tls_options
 from sidecar.logs import configure, get_logger
 
 if TYPE_CHECKING:
-    from sidecar.linkauth import LinkSecurity
+    from sidecar.config import LinkSecurity
 
 # Every option also comes from --config (TOML) or WALSIDECAR_<OPTION>: see sidecar/config.py.
 LOG_FORMAT = click.option("--log-format", type=click.Choice(["plain", "json"]), default="plain",
@@ -24,14 +24,14 @@ METRICS_HELP = ("HOST:PORT to serve Prometheus /metrics and a JSON /status on (e
                 "off when not given. Plain HTTP on loopback, HTTPS with the --certs-dir certificate elsewhere.")
 
 
-def insecure_warning(log: Any, what: str) -> None:
-    log.warning(f"--insecure: {what} without TLS or authentication; anyone who can reach it can change "
-                "safekeeper state. Use --certs-dir outside debugging (see `walsidecar certs --help`)")
-
-
-def auth_only_warning(log: Any, what: str) -> None:
-    log.warning(f"--link-security auth-only: {what} with certificates checked at connection start but no "
-                "encryption; anyone on the network path can read the WAL and alter messages")
+def link_warning(log: Any, what: str, insecure: bool, link_security: str) -> None:
+    """Say at start that links run without TLS or without encryption; nothing under the default."""
+    if insecure:
+        log.warning(f"--insecure: {what} without TLS or authentication; anyone who can reach it can change "
+                    "safekeeper state. Use --certs-dir outside debugging (see `walsidecar certs --help`)")
+    elif link_security == "auth-only":
+        log.warning(f"--link-security auth-only: {what} with certificates checked at connection start but no "
+                    "encryption; anyone on the network path can read the WAL and alter messages")
 
 
 def _endpoint(monitor: Any, metrics: str | None, certs_dir: Path | None) -> Any:
@@ -90,10 +90,7 @@ def safekeeper(id: int, listen: str, data_dir: Path, metrics: str | None, certs_
         endpoint = _endpoint(monitor, metrics, certs_dir)
     except (ControlFileError, StartupError, TlsError) as e:
         raise click.ClickException(str(e)) from e
-    if insecure:
-        insecure_warning(get_logger(node=id), f"listening on {listen}")
-    elif link_security == "auth-only":
-        auth_only_warning(get_logger(node=id), f"listening on {listen}")
+    link_warning(get_logger(node=id), f"listening on {listen}", insecure, link_security)
     try:
         run_until_signal(run_with_endpoint(sk.serve(), endpoint))
     except OSError as e:
@@ -145,10 +142,7 @@ def start(pg_dsn: str, safekeepers: tuple[str, ...], quorum: int, application_na
         endpoint = _endpoint(monitor, metrics, certs_dir)
     except TlsError as e:
         raise click.ClickException(str(e)) from e
-    if insecure:
-        insecure_warning(log, "talking to the safekeepers")
-    elif link_security == "auth-only":
-        auth_only_warning(log, "talking to the safekeepers")
+    link_warning(log, "talking to the safekeepers", insecure, link_security)
     try:
         run_until_signal(run_with_endpoint(service.run(), endpoint))
     except OSError as e:
@@ -170,7 +164,7 @@ def start(pg_dsn: str, safekeepers: tuple[str, ...], quorum: int, application_na
 @click.option("--insecure", is_flag=True,
               help="Run the safekeeper links without TLS (for debugging); by default `up` makes its own CA "
                    "and certificates under --dir.")
-@click.option("--link-security", type=click.Choice(["tls", "auth-only"]), default="tls", show_default=True,
+@click.option("--link-security", type=click.Choice(LINK_SECURITY), default="tls", show_default=True,
               help="auth-only: the children check certificates at connection start but do not encrypt "
                    "(see `walsidecar safekeeper --help`).")
 @LOG_FORMAT

@@ -24,6 +24,10 @@ from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource
 ENV_PREFIX = "WALSIDECAR_"
 
 
+# How links between walsidecar processes are secured (see sidecar/linkauth.py).
+LinkSecurity = Literal["tls", "auth-only"]
+LINK_SECURITY: tuple[LinkSecurity, ...] = ("tls", "auth-only")
+
 class ConfigError(Exception):
     """Configuration that cannot be used; the message names the option and where it came from."""
 
@@ -73,7 +77,7 @@ class TlsSettings(Settings):
     cert_role: ClassVar[str] = "client"
     certs_dir: Path | None = None
     insecure: bool = False
-    link_security: Literal["tls", "auth-only"] = "tls"
+    link_security: LinkSecurity = "tls"
 
     @model_validator(mode="after")
     def _tls(self) -> TlsSettings:
@@ -222,7 +226,7 @@ class UpSettings(Settings):
     safekeeper_port: int = Field(7601, ge=1, le=65533)
     metrics_port: int = Field(7610, ge=0, le=65532)
     insecure: bool = False
-    link_security: Literal["tls", "auth-only"] = "tls"
+    link_security: LinkSecurity = "tls"
 
     @model_validator(mode="after")
     def _auth_only(self) -> UpSettings:
@@ -333,7 +337,7 @@ CONFIG_OPTION = click.option(
 def tls_options(role: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """--certs-dir, --insecure and --link-security, for every command that talks to safekeepers."""
     def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
-        f = click.option("--link-security", type=click.Choice(["tls", "auth-only"]), default="tls",
+        f = click.option("--link-security", type=click.Choice(LINK_SECURITY), default="tls",
                          show_default=True,
                          help="tls: encrypted and mutually authenticated. auth-only: the same certificates prove "
                               "both ends at connection start, then WAL and messages travel in clear and can be "

@@ -17,7 +17,6 @@ import ipaddress
 import os
 import ssl
 from pathlib import Path
-from typing import Literal
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
@@ -26,12 +25,11 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from sidecar import framing, tls
-from sidecar.certs import CA_CERT, NODE_CERT, NODE_KEY, Identity, make_commands
+from sidecar.config import LinkSecurity
+from sidecar.certs import Identity
 from sidecar.consensus import codec, limits
 from sidecar.consensus.messages import AuthChallenge, AuthConfirm, AuthResponse
 
-LinkSecurity = Literal["tls", "auth-only"]
-LINK_SECURITY: tuple[LinkSecurity, ...] = ("tls", "auth-only")
 CLIENT_CONTEXT = b"walsidecar-link-auth-v1 client"
 SERVER_CONTEXT = b"walsidecar-link-auth-v1 server"
 _SIGNATURE = ec.ECDSA(hashes.SHA256())
@@ -49,11 +47,7 @@ class LinkAuth:
     """A process's certificates directory, for authenticating links without TLS."""
 
     def __init__(self, certs_dir: Path) -> None:
-        paths = [certs_dir / n for n in (CA_CERT, NODE_CERT, NODE_KEY)]
-        missing = [p.name for p in paths if not p.is_file()]
-        if missing:
-            raise tls.TlsError(f"certificates directory {certs_dir} lacks {', '.join(missing)}; make it with\n  "
-                               + make_commands(certs_dir=str(certs_dir)))
+        paths = tls.node_files(certs_dir)
         try:
             self.cas = x509.load_pem_x509_certificates(paths[0].read_bytes())
             self.cert = x509.load_pem_x509_certificate(paths[1].read_bytes())

@@ -45,12 +45,18 @@ def https_context(certs_dir: Path) -> ssl.SSLContext:
     return ctx
 
 
-def _context(protocol: int, certs_dir: Path) -> ssl.SSLContext:
-    paths = [certs_dir / n for n in (CA_CERT, NODE_CERT, NODE_KEY)]
+def node_files(certs_dir: Path) -> tuple[Path, Path, Path]:
+    """ca.crt, node.crt and node.key of a certificates directory; TlsError saying how to make missing ones."""
+    paths = (certs_dir / CA_CERT, certs_dir / NODE_CERT, certs_dir / NODE_KEY)
     missing = [p.name for p in paths if not p.is_file()]
     if missing:
         raise TlsError(f"certificates directory {certs_dir} lacks {', '.join(missing)}; make it with\n  "
                        + make_commands(certs_dir=str(certs_dir)))
+    return paths
+
+
+def _context(protocol: int, certs_dir: Path) -> ssl.SSLContext:
+    paths = node_files(certs_dir)
     ctx = ssl.SSLContext(protocol)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
     try:

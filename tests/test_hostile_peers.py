@@ -112,9 +112,13 @@ class Target:
 
 
     def files(self) -> dict[str, bytes]:
-        """Every file of the data directory (control file, segments), by relative path."""
+        """Every file of the data directory (control file, segments), by relative path.
+
+        Not wal.spare: a zero-filled segment a background thread makes whenever the last one was
+        taken, which holds no state and may appear at any moment.
+        """
         return {str(p.relative_to(self.data_dir)): p.read_bytes()
-                for p in sorted(self.data_dir.rglob("*")) if p.is_file()}
+                for p in sorted(self.data_dir.rglob("*")) if p.is_file() and p.name != "wal.spare"}
 
     def stream(self, records: int) -> None:
         """The legitimate proposer sends more WAL and a heartbeat; all of it is acknowledged."""

@@ -55,7 +55,7 @@ class AcceptorSession:
     @property
     def max_frame(self) -> int:
         """Largest frame this connection may send next: WAL-sized only for the term's holder."""
-        if self.acceptor.owner is self:
+        if self.holds_term:
             return codec.MAX_FRAME
         if self.greeted:
             return limits.CONTROL_MAX_FRAME
@@ -80,15 +80,13 @@ class AcceptorSession:
         if self.role is not Role.PROPOSER:
             raise AcceptorError(
                 f"a {self.role.value} connection may only ask for information, not send {type(msg).__name__}")
-        if not self.greeted:
-            if type(msg) is not Greeting:
-                raise AcceptorError(f"the first message must be a Greeting, not {type(msg).__name__}")
-            actions = acc.on_greeting(msg)
-            self.greeted = True
-            return actions  # type: ignore[return-value]
+        if not self.greeted and type(msg) is not Greeting:
+            raise AcceptorError(f"the first message must be a Greeting, not {type(msg).__name__}")
         match msg:
             case Greeting():
-                return acc.on_greeting(msg)  # type: ignore[return-value]
+                actions = acc.on_greeting(msg)
+                self.greeted = True
+                return actions  # type: ignore[return-value]
             case VoteRequest():
                 actions = acc.on_vote(msg, self._record_end(end))
                 if msg.term and acc.state.term == msg.term:
@@ -103,7 +101,7 @@ class AcceptorSession:
 
     def closed(self) -> None:
         """The connection is gone: it no longer holds the term (a reconnect must be elected again)."""
-        if self.acceptor.owner is self:
+        if self.holds_term:
             self.acceptor.owner = None
 
     def _asked_for(self, term: int) -> bool:

@@ -84,18 +84,17 @@ class PeerLink:
         pause = REFUSED_PAUSE_MIN
         while True:
             reader, writer, ident = await self._connect()
+            self._faulted = False
             if self._ssl is not None and (ident is None or ident.role != "safekeeper"):
                 self.log.error("refusing the peer: its certificate is not a safekeeper's", peer_cert=str(ident))
                 writer.close()
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, REFUSED_PAUSE_MAX)
-                continue
-            self._faulted = False
-            try:
-                faulted = await self._serve(reader, writer)
-            except Exception as e:  # a callback failed while the connection was torn down
-                self.log.error("safekeeper link failed; reconnecting", error=repr(e), exc_info=True)
                 faulted = True
+            else:
+                try:
+                    faulted = await self._serve(reader, writer)
+                except Exception as e:  # a callback failed while the connection was torn down
+                    self.log.error("safekeeper link failed; reconnecting", error=repr(e), exc_info=True)
+                    faulted = True
             if faulted or self._faulted:
                 # Refused before any other answer (e.g. a greeting from another cluster's primary),
                 # or a protocol error: retrying soon rarely helps, so back off instead of

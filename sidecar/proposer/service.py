@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ssl
 from dataclasses import dataclass
 
 import google_crc32c

@@ -10,9 +10,7 @@ import ssl
 import struct
 import termios
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import google_crc32c
 
@@ -68,7 +66,6 @@ class Safekeeper:
         self._serving: asyncio.Task | None = None
         self.fatal: BaseException | None = None  # the error that stops the process
         self.stopped: str | None = None  # why nothing is accepted any more (a full disk, or fatal)
-        self.disk_full = False
         self.stats = SafekeeperMetrics(node_id)
 
     @property
@@ -155,6 +152,11 @@ class Safekeeper:
     def _new_storage(self, state: AcceptorState) -> WalStorage:
         return WalStorage(self.data_dir / "wal", state.wal_seg_size, state.timeline, self._no_space)
 
+    @property
+    def disk_full(self) -> bool:
+        """True once a full disk fenced this safekeeper (it stays up, refusing everything)."""
+        return self.stopped is not None and self.fatal is None
+
     def _no_space(self, what: str) -> None:
         """A write found the disk full (the WAL, the spare segment), or the spare failed: count, warn."""
         if what.startswith("disk full"):
@@ -224,7 +226,8 @@ class Safekeeper:
             return
         if self.link_auth is not None:
             try:
-                ident = await self._authenticate(self.link_auth, reader, writer)
+                # auth-only: nothing else is read or answered before the peer proves its certificate
+                ident = await asyncio.wait_for(self.link_auth.accept(reader, writer), tls.HANDSHAKE_TIMEOUT)  # type: ignore[arg-type]
             except Exception as e:
                 reason = f"no answer within {tls.HANDSHAKE_TIMEOUT:g}s" if isinstance(e, asyncio.TimeoutError) \
                     else str(e) or type(e).__name__
@@ -248,7 +251,9 @@ class Safekeeper:
                     msg = await reader.read_message()
                 else:
                     msg = await asyncio.wait_for(reader.read_message(), IDLE_TIMEOUT)
-                if self.stopped is not None:  # a full disk (or exiting): say why to whoever asks, change nothing
+                if self.fatal is not None:  # exiting: the failure was reported once, where it happened
+                    break
+                if self.stopped is not None:  # a full disk: say why to whoever asks, change nothing
                     raise AcceptorError(self.stopped)
                 if type(msg) is Append:  # the hot path: no coroutine hops for a plain append
                     actions = session.receive(msg)
@@ -266,18 +271,13 @@ class Safekeeper:
             log.info("connection closed")
         except asyncio.TimeoutError:
             log.info("idle connection closed", idle_seconds=IDLE_TIMEOUT)
-        except codec.FieldError as e:  # well-formed, but a value no peer may send: say why
+        except (AcceptorError, codec.FieldError) as e:  # a FieldError is well-formed: the peer is told why
             log.warning("message refused; closing the connection", reason=str(e), term=acc.state.term)
             with contextlib.suppress(ConnectionError, RuntimeError):
                 framing.write(writer, codec.encode(Refusal(str(e)[:1000])))
                 await writer.drain()
         except codec.ProtocolError as e:
             log.warning("malformed message; closing the connection", reason=str(e))
-        except AcceptorError as e:
-            log.warning("message refused; closing the connection", reason=str(e), term=acc.state.term)
-            with contextlib.suppress(ConnectionError, RuntimeError):
-                framing.write(writer, codec.encode(Refusal(str(e)[:1000])))
-                await writer.drain()
         except _OwnEncodeError as e:
             log.error("cannot encode this safekeeper's reply; closing the connection", reason=str(e))
         except Exception as e:  # a storage or control-file failure: state may be half-applied
@@ -286,11 +286,6 @@ class Safekeeper:
             session.closed()
             self._sessions.discard(session)
             writer.close()
-
-    async def _authenticate(self, auth: linkauth.LinkAuth, reader: framing.FrameReader,
-                            writer: asyncio.StreamWriter) -> tls.Identity | None:
-        """--link-security auth-only: nothing else is read or answered before the peer proves its certificate."""
-        return await asyncio.wait_for(auth.accept(reader, writer), tls.HANDSHAKE_TIMEOUT)  # type: ignore[arg-type]
 
     async def _dispatch(self, session: AcceptorSession, msg: Message, log) -> list[SessionAction]:  # type: ignore[no-untyped-def]
         """Everything but a plain Append: fetch the record end a vote or Elected needs, log, count."""
@@ -370,10 +365,11 @@ class Safekeeper:
     def _synced(self, flushed: int, began: float) -> None:
         """Record the sync's duration and acknowledge what it made durable."""
         self.stats.fsync.observe(time.perf_counter() - began)
-        if self._stream is not None:
+        stream = self._stream
+        if stream is not None:
             for a in self.acceptor.on_flushed(flushed):  # type: ignore[union-attr]
                 if isinstance(a, Reply):
-                    framing.write(self._stream, codec.encode(a.message))
+                    framing.write(stream, codec.encode(a.message))
 
     async def _flusher(self) -> None:
         """Syncs batches too large to sync on the loop in a thread, while reading goes on."""
@@ -405,7 +401,6 @@ class Safekeeper:
         if is_disk_full(e) and not isinstance(e, WalInDoubt):
             if not isinstance(e, DiskFull):  # a WAL write's was counted where it happened
                 self.stats.disk_full.inc()
-            self.disk_full = True
             self.stopped = str(e) if str(e).startswith("disk full") else f"disk full: {e}"
             log.critical("disk full: no longer acknowledging WAL; free space, then restart the safekeeper",
                          error=self.stopped, flush_lsn=format_lsn(st.flush_lsn) if st else None)
