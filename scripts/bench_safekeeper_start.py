@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How long a safekeeper takes to start on a data directory holding --mib MiB of WAL.
 
-Writes synthetic PostgreSQL 15 WAL (tests/walbuilder.py: records of --record-size bytes, 16 MiB
+Writes synthetic PostgreSQL 15 WAL (tests/support/walbuilder.py: records of --record-size bytes, 16 MiB
 segments) through the safekeeper's storage into a temporary directory, then times
 Safekeeper.open() twice: the first start checks the whole record chain (no checkpoint yet),
 the second only page headers below the checkpoint the first one recorded (see
@@ -30,7 +30,7 @@ from sidecar.lsn import DEFAULT_SEGMENT_SIZE as SEG  # noqa: E402
 from sidecar.safekeeper.control import ControlData, save_control  # noqa: E402
 from sidecar.safekeeper.server import Safekeeper  # noqa: E402
 from sidecar.safekeeper.storage import WalStorage  # noqa: E402
-from walbuilder import DEFAULT_SYSID, WalBuilder  # noqa: E402
+from support.walbuilder import DEFAULT_SYSID, WalBuilder  # noqa: E402
 
 
 def build(data_dir: Path, size: int, record_size: int) -> int:

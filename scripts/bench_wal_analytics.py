@@ -10,7 +10,7 @@ of --repeat runs; MB means 10^6 bytes of segment files. Prints a Markdown table;
 --jit-times also measures, in fresh processes, the kernel's first call with an empty compile cache and with
 a filled one.
 
-    python3 tests/realwal.py /tmp/wal        # the test workload's WAL (needs PostgreSQL 15)
+    python3 tests/support/realwal.py /tmp/wal        # the test workload's WAL (needs PostgreSQL 15)
     python3 scripts/bench_wal_analytics.py /tmp/wal --cores 1,2 --repeat 3 --json bench.json
 
 From other code: run(source, cores, repeat) returns the rows as dicts.

@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO / "tests"))  # netns.py
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
 
 import click  # noqa: E402
-import netns  # noqa: E402
+from support import netns  # noqa: E402
 import psycopg  # noqa: E402
 
 from sidecar.certs import ensure_node  # noqa: E402

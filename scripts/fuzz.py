@@ -14,7 +14,7 @@ Three targets:
 Each property is a named check (CHECKS). A check that is `pending` is known to fail on today's
 core (the rule is being added); its violations are counted, not raised. A violation of any other
 check is a crash: the smallest failing input found is saved under
-tests/fuzz_regressions/ and tests/test_fuzz.py replays it. Exit status 1 if there was a crash.
+tests/fuzz_regressions/ and tests/unit/test_fuzz.py replays it. Exit status 1 if there was a crash.
 
 Engines: the byte targets (codec, framing) run under atheris where it is installed: libFuzzer,
 coverage-guided over the instrumented wire layer, in a child process per target (libFuzzer ends

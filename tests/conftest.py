@@ -17,11 +17,11 @@ os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
 os.environ.setdefault("TC_HOST", "127.0.0.1")
 os.environ.setdefault("TESTCONTAINERS_CONNECTION_MODE", "docker_host")
 
-from backends import BACKENDS, BackendUnavailable, PgServer, make_backend
-import pki as pki_module
-from procs import ProcessTracker
-from deployment import APP, Deployment
-from pki import TestPKI
+from support.backends import BACKENDS, BackendUnavailable, PgServer, make_backend
+from support import pki as pki_module
+from support.procs import ProcessTracker
+from support.deployment import APP, Deployment
+from support.pki import TestPKI
 
 _failed_key = pytest.StashKey[bool]()
 

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import psycopg
 
-from helpers import free_port, wait_for
+from support.helpers import free_port, wait_for
 
 PG_IMAGE = os.environ.get("WALSIDECAR_PG_IMAGE", "walsidecar/postgres:local")
 APP_IMAGE = os.environ.get("WALSIDECAR_IMAGE", "walsidecar/walsidecar:local")
@@ -247,7 +247,7 @@ IMAGE_UID = 10001  # the walsidecar image's user (docker/Dockerfile)
 
 def container_certs(role: str, node_id: int | None = None) -> str:
     """The session's certificates for `role`, copied for the image's user: its key stays 0600."""
-    from pki import session_pki
+    from support.pki import session_pki
     src = session_pki().certs(role, node_id)
     dst = src.parent / "containers" / src.name
     if not dst.exists():

@@ -8,10 +8,10 @@ from typing import Iterator
 import psycopg
 import pytest
 
-from backends import ContainerBackend, ContainerPgServer
-from deployment import APP, Deployment, wal_matches_primary
-from helpers import wait_for
-from procs import ProcessTracker
+from support.backends import ContainerBackend, ContainerPgServer
+from support.deployment import APP, Deployment, wal_matches_primary
+from support.helpers import wait_for
+from support.procs import ProcessTracker
 from sidecar.lsn import parse_lsn
 
 pytestmark = [pytest.mark.containers, pytest.mark.integration]

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from containers.harness import APP, PASSWORD, ContainerDeployment
-from deployment import Writer, start_commit
-from helpers import wait_for
+from support.deployment import Writer, start_commit
+from support.helpers import wait_for
 from sidecar.lsn import parse_lsn
 
 pytestmark = [pytest.mark.containers, pytest.mark.integration]
