@@ -12,44 +12,73 @@ from __future__ import annotations
 import functools
 import os
 import tomllib
+import types
+import typing
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 import click
 from click.core import ParameterSource
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+
+from sidecar.address import Address
 
 ENV_PREFIX = "WALSIDECAR_"
 
-
-# How links between walsidecar processes are secured (see sidecar/linkauth.py).
+# How links between walsidecar processes are secured (sidecar/linkauth.py implements auth-only).
 LinkSecurity = Literal["tls", "auth-only"]
-LINK_SECURITY: tuple[LinkSecurity, ...] = ("tls", "auth-only")
+
 
 class ConfigError(Exception):
     """Configuration that cannot be used; the message names the option and where it came from."""
 
 
+@dataclass(frozen=True)
+class Cli:
+    """What the command line shows for a field beyond its type and description."""
+    metavar: str
+
+
 def _address(value: str) -> str:
-    from sidecar.proposer.peers import parse_address
-    host, port = parse_address(value)
-    return f"{host}:{port}"
+    return str(Address.parse(value))
 
 
-def _listen(value: str | None) -> str | None:
-    if value is None or value == "":
-        return None
-    from sidecar.http import parse_listen
-    host, port = parse_listen(value)
-    return f"{host}:{port}"
+def _endpoint(value: str | None) -> str | None:
+    return str(Address.parse(value, port_zero=True)) if value else None
 
 
-def _address_list(value: Any) -> Any:
+def _split(value: Any) -> Any:
     if isinstance(value, str):
         return tuple(s.strip() for s in value.split(",") if s.strip())
     return value
+
+
+def _distinct(value: tuple[str, ...]) -> tuple[str, ...]:
+    if len(set(value)) != len(value):
+        raise ValueError("a safekeeper is listed twice")
+    return value
+
+
+def _slot(value: str) -> str:
+    from sidecar.proposer.primary import check_slot_name
+    return check_slot_name(value)
+
+
+# An address to connect to or listen on (a HTTP endpoint may listen on port 0), normalised.
+PeerAddress = Annotated[str, AfterValidator(_address), Cli("HOST:PORT")]
+Endpoint = Annotated[str | None, AfterValidator(_endpoint), Cli("HOST:PORT")]
+Safekeepers = Annotated[
+    tuple[PeerAddress, ...], NoDecode, BeforeValidator(_split), AfterValidator(_distinct), Cli("HOST:PORT,..."),
+    Field(description="Comma-separated HOST:PORT list of all safekeepers (their --listen addresses).")]
+PgDsn = Annotated[str, Field(min_length=1), Cli("DSN")]
+Metrics = Annotated[Endpoint, Field(
+    description="HOST:PORT to serve Prometheus /metrics and a JSON /status on (e.g. 127.0.0.1:9187); off when "
+                "not given. Plain HTTP on loopback, HTTPS with the --certs-dir certificate elsewhere.")]
+Timeout = Annotated[float, Field(gt=0, description="Seconds to wait for each answer."), Cli("SECONDS")]
 
 
 class Settings(BaseSettings):
@@ -58,8 +87,9 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
     command: ClassVar[str] = ""
 
-    log_format: Literal["plain", "json"] = "plain"
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["plain", "json"] = Field("plain", description="Log line format.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Least severe log level shown.")
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
@@ -71,22 +101,38 @@ class Settings(BaseSettings):
         return init_settings, env_settings
 
 
-class TlsSettings(Settings):
+class LinkSettings(Settings):
+    """How the links a command runs or uses are secured."""
+
+    certificates: ClassVar[str] = "the --certs-dir certificates"
+    insecure: bool = Field(False, description="Run without TLS or authentication: anyone who can reach a "
+                                              "safekeeper's port can change its state. For debugging only.")
+    link_security: LinkSecurity = Field(
+        "tls", description="tls: encrypted and mutually authenticated. auth-only: the same certificates prove both "
+                           "ends at connection start, then WAL and messages travel in clear and can be read or "
+                           "altered on the path (README, Security). Every process of a deployment must use the same.")
+
+    @model_validator(mode="after")
+    def _auth_only(self) -> LinkSettings:
+        if self.link_security != "tls" and self.insecure:
+            raise ValueError(f"link_security: {self.link_security} authenticates with {self.certificates}; "
+                             "it cannot be combined with --insecure")
+        return self
+
+
+class TlsSettings(LinkSettings):
     """How a command authenticates its links: a certificates directory, or an explicit --insecure."""
 
     cert_role: ClassVar[str] = "client"
-    certs_dir: Path | None = None
-    insecure: bool = False
-    link_security: LinkSecurity = "tls"
+    certs_dir: Path | None = Field(None, description="Directory with ca.crt, node.crt and node.key (a {cert_role} "
+                                                     "certificate from `walsidecar certs create-node`). Required "
+                                                     "unless --insecure.")
 
     @model_validator(mode="after")
     def _tls(self) -> TlsSettings:
         from sidecar.certs import make_commands
         if self.certs_dir is not None and self.insecure:
             raise ValueError("give either --certs-dir or --insecure, not both")
-        if self.link_security != "tls" and self.insecure:
-            raise ValueError(f"link_security: {self.link_security} authenticates with the --certs-dir certificates; "
-                             "it cannot be combined with --insecure")
         if self.certs_dir is None and not self.insecure:
             role = "safekeeper --id N" if self.cert_role == "safekeeper" else self.cert_role
             raise ValueError(
@@ -100,32 +146,18 @@ class TlsSettings(Settings):
 class PrimarySettings(Settings):
     """The primary and the names the sidecar uses on it."""
 
-    application_name: str = Field("walsidecar", min_length=1)
-    slot: str = "walsidecar"
-
-    @field_validator("slot")
-    @classmethod
-    def _slot(cls, v: str) -> str:
-        from sidecar.proposer.primary import check_slot_name
-        return check_slot_name(v)
+    application_name: str = Field("walsidecar", min_length=1, description="The sidecar's application_name: the "
+                                                                         "name synchronous_standby_names lists.")
+    slot: Annotated[str, AfterValidator(_slot)] = Field(
+        "walsidecar", description="The sidecar's physical replication slot. A second slot `<slot>_horizon` stays at "
+                                  "the position every safekeeper has, so one that was down catches up from pg_wal.")
 
 
 class SafekeepersMixin(Settings):
-    safekeepers: Annotated[tuple[str, ...], NoDecode] = ()
-    quorum: int | None = None
-
-    @field_validator("safekeepers", mode="before")
-    @classmethod
-    def _split(cls, v: Any) -> Any:
-        return _address_list(v)
-
-    @field_validator("safekeepers")
-    @classmethod
-    def _addresses(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        names = tuple(_address(s) for s in v)
-        if len(set(names)) != len(names):
-            raise ValueError("a safekeeper is listed twice")
-        return names
+    safekeepers: Safekeepers = ()
+    quorum: int | None = Field(None, description="Votes and flushes a commit needs; default and minimum "
+                                                 "N//2+1 (two quorums must intersect). check and status take the "
+                                                 "proposer's.")
 
     @model_validator(mode="after")
     def _quorum(self) -> SafekeepersMixin:
@@ -139,67 +171,56 @@ class SafekeepersMixin(Settings):
 
 
 class SafekeeperSettings(TlsSettings):
+    """walsidecar safekeeper: store WAL durably and vote in proposer elections."""
+
     command: ClassVar[str] = "safekeeper"
     cert_role: ClassVar[str] = "safekeeper"
-    id: int = Field(ge=1)
-    listen: str = "127.0.0.1:7601"
-    data_dir: Path
-    metrics: str | None = None
-
-    @field_validator("listen")
-    @classmethod
-    def _listen_ok(cls, v: str) -> str:
-        return _address(v)
-
-    @field_validator("metrics")
-    @classmethod
-    def _metrics_ok(cls, v: str | None) -> str | None:
-        return _listen(v)
+    id: int = Field(ge=1, description="This safekeeper's id (stable, unique, 1 or more).")
+    listen: PeerAddress = Field("127.0.0.1:7601", description="HOST:PORT to accept proposers on.")
+    data_dir: Path = Field(description="Where the control file and WAL segments live.")
+    metrics: Metrics = None
 
 
 class StartSettings(PrimarySettings, SafekeepersMixin, TlsSettings):
+    """walsidecar start: the WAL proposer attached to a primary."""
+
     command: ClassVar[str] = "start"
     cert_role: ClassVar[str] = "proposer"
-    pg_dsn: str = Field(min_length=1)
-    safekeepers: Annotated[tuple[str, ...], NoDecode] = Field(min_length=1)
-    wal_buffer: int = Field(64, ge=1)
-    allow_primary_mismatch: bool = False
-    metrics: str | None = None
-    quorum_wait_alert: float = Field(10.0, ge=0)
-
-    @field_validator("metrics")
-    @classmethod
-    def _metrics_ok(cls, v: str | None) -> str | None:
-        return _listen(v)
+    pg_dsn: PgDsn = Field(description="libpq connection string of the primary (a role with REPLICATION).")
+    safekeepers: Safekeepers = Field(min_length=1)
+    wal_buffer: int = Field(64, ge=1, description="MiB of WAL kept in memory for lagging safekeepers; beyond it "
+                                                  "they catch up from the primary.")
+    allow_primary_mismatch: bool = Field(False, description="DANGEROUS: stream even if the primary lacks WAL a "
+                                                            "quorum committed; this discards that WAL. For "
+                                                            "disaster recovery only.")
+    metrics: Metrics = None
+    quorum_wait_alert: float = Field(10.0, ge=0, description="Log an error and set "
+                                     "walsidecar_proposer_quorum_wait_alert when WAL has waited this many seconds "
+                                     "for the quorum (commits are hanging); 0 turns it off.")
 
 
 class CheckSettings(PrimarySettings, SafekeepersMixin, TlsSettings):
-    command: ClassVar[str] = "check"
-    pg_dsn: str = Field(min_length=1)
-    safekeepers: Annotated[tuple[str, ...], NoDecode] = Field(min_length=1)
-    proposer_metrics: str | None = None
-    format: Literal["console", "json"] = "console"
-    timeout: float = Field(5.0, gt=0)
+    """walsidecar check: one line per check of the primary, the safekeepers and the sidecar."""
 
-    @field_validator("proposer_metrics")
-    @classmethod
-    def _pm_ok(cls, v: str | None) -> str | None:
-        return _listen(v)
+    command: ClassVar[str] = "check"
+    pg_dsn: PgDsn = Field(description="libpq connection string of the primary.")
+    safekeepers: Safekeepers = Field(min_length=1)
+    proposer_metrics: Endpoint = Field(None, description="Also check the proposer's --metrics endpoint.")
+    format: Literal["console", "json"] = Field("console", description="One line per check, or a JSON document.")
+    timeout: Timeout = 5.0
 
 
 class StatusSettings(PrimarySettings, SafekeepersMixin, TlsSettings):
-    command: ClassVar[str] = "status"
-    proposer_metrics: str | None = None
-    pg_dsn: str | None = None
-    format: Literal["table", "json"] = "table"
-    watch: float | None = Field(None, gt=0)
-    count: int | None = Field(None, ge=1)
-    timeout: float = Field(3.0, gt=0)
+    """walsidecar status: each safekeeper's and the proposer's state."""
 
-    @field_validator("proposer_metrics")
-    @classmethod
-    def _pm_ok(cls, v: str | None) -> str | None:
-        return _listen(v)
+    command: ClassVar[str] = "status"
+    proposer_metrics: Endpoint = Field(None, description="The proposer's --metrics address: the full picture.")
+    pg_dsn: PgDsn | None = Field(None, description="libpq connection string of the primary: adds its flush LSN, "
+                                                   "waiting commits and the sidecar's sync state.")
+    format: Literal["table", "json"] = Field("table", description="A table like `patronictl list`, or JSON.")
+    watch: float | None = Field(None, gt=0, description="Refresh every this many seconds until Ctrl-C.")
+    count: int | None = Field(None, ge=1, description="With --watch: stop after this many refreshes.")
+    timeout: Timeout = 3.0
 
     @model_validator(mode="after")
     def _something(self) -> StatusSettings:
@@ -210,30 +231,32 @@ class StatusSettings(PrimarySettings, SafekeepersMixin, TlsSettings):
 
 
 class InitPostgresSettings(PrimarySettings):
+    """walsidecar init-postgres: apply sql/install.sql to a primary."""
+
     command: ClassVar[str] = "init-postgres"
-    pg_dsn: str = Field(min_length=1)
-    role: str = "walsidecar"
-    max_slot_wal_keep_size: str = "10GB"
-    sync: Literal["auto", "on", "off"] = "auto"
-    uninstall: bool = False
-    sql_dir: Path | None = None
+    pg_dsn: PgDsn = Field(description="libpq connection string of the primary. Connect as a superuser.")
+    role: str = Field("walsidecar", description="Role to create with LOGIN REPLICATION and pg_monitor for the "
+                                                "sidecar; '' for none.")
+    max_slot_wal_keep_size: str = Field("10GB", description="Set when unlimited (-1): WAL the primary keeps for a "
+                                                            "safekeeper that stays down.")
+    sync: Literal["auto", "on", "off"] = Field("auto", description="Name the sidecar in an empty "
+                                               "synchronous_standby_names: on, off, or auto (only once it streams).")
+    uninstall: bool = Field(False, description="Apply sql/uninstall.sql instead (stop `walsidecar start` first).")
+    sql_dir: Path | None = Field(None, description="Directory holding install.sql and uninstall.sql; default: the "
+                                                   "package's sql/.")
 
 
-class UpSettings(Settings):
+class UpSettings(LinkSettings):
+    """walsidecar up: a local PostgreSQL, 3 safekeepers and the proposer, with its own CA under --dir."""
+
     command: ClassVar[str] = "up"
-    dir: Path = Path("/tmp/walsidecar-up")
-    pg_port: int = Field(55432, ge=1, le=65535)
-    safekeeper_port: int = Field(7601, ge=1, le=65533)
-    metrics_port: int = Field(7610, ge=0, le=65532)
-    insecure: bool = False
-    link_security: LinkSecurity = "tls"
-
-    @model_validator(mode="after")
-    def _auth_only(self) -> UpSettings:
-        if self.link_security != "tls" and self.insecure:
-            raise ValueError(f"link_security: {self.link_security} uses the certificates `up` makes; "
-                             "it cannot be combined with --insecure")
-        return self
+    certificates: ClassVar[str] = "the certificates `up` makes"
+    dir: Path = Field(Path("/tmp/walsidecar-up"), description="Where the cluster, the safekeepers and the "
+                                                              "certificates `up` makes live.")
+    pg_port: int = Field(55432, ge=1, le=65535, description="Port of the local PostgreSQL.")
+    safekeeper_port: int = Field(7601, ge=1, le=65533, description="First of three consecutive safekeeper ports.")
+    metrics_port: int = Field(7610, ge=0, le=65532, description="First of four consecutive metrics ports "
+                              "(proposer, then safekeepers 1-3); 0 picks free ports.")
 
 
 # Keys valid somewhere: a top-level key unknown to every command is a typo, not another command's option.
@@ -334,45 +357,104 @@ CONFIG_OPTION = click.option(
     help="TOML file with options (flags win over it, it wins over WALSIDECAR_* variables).")
 
 
-def tls_options(role: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """--certs-dir, --insecure and --link-security, for every command that talks to safekeepers."""
-    def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
-        f = click.option("--link-security", type=click.Choice(LINK_SECURITY), default="tls",
-                         show_default=True,
-                         help="tls: encrypted and mutually authenticated. auth-only: the same certificates prove "
-                              "both ends at connection start, then WAL and messages travel in clear and can be "
-                              "read or altered on the path (README, Security). Every process of a deployment "
-                              "must use the same.")(f)
-        f = click.option("--insecure", is_flag=True,
-                         help="Run without TLS or authentication: anyone who can reach a safekeeper's port can "
-                              "change its state. For debugging only.")(f)
-        return click.option("--certs-dir", type=click.Path(file_okay=False, path_type=Path),
-                            help=f"Directory with ca.crt, node.crt and node.key (a {role} certificate from "
-                                 "`walsidecar certs create-node`). Required unless --insecure.")(f)
-    return wrap
+def fields(cls: type[Settings]) -> list[str]:
+    """The options of `cls` in --help order: the command's own first, those every command has last."""
+    names: list[str] = []
+    for klass in cls.__mro__:
+        names += [n for n in klass.__dict__.get("__annotations__", {}) if n in cls.model_fields and n not in names]
+    return names
+
+
+def _kinds(annotation: Any) -> list[Any]:
+    """`annotation` and what it is made of, outermost first (Optional, Annotated and tuple unwrapped)."""
+    out = [annotation]
+    for arg in typing.get_args(annotation):
+        if arg is not type(None) and arg is not Ellipsis and typing.get_origin(annotation) is not Literal:
+            out += _kinds(arg)
+    return out
+
+
+def _base(field: FieldInfo) -> Any:
+    """The field's type without None: bool, int, float, str, Path, a Literal or a tuple."""
+    args = [a for a in typing.get_args(field.annotation) if a is not type(None)]
+    kind = args[0] if typing.get_origin(field.annotation) in (typing.Union, types.UnionType) else field.annotation
+    return typing.get_args(kind)[0] if typing.get_origin(kind) is Annotated else kind
+
+
+def _metavar(field: FieldInfo) -> str | None:
+    metadata = list(field.metadata) + [m for k in _kinds(field.annotation) if typing.get_origin(k) is Annotated
+                                       for m in k.__metadata__]
+    return next((m.metavar for m in metadata if isinstance(m, Cli)), None)
+
+
+def _help(cls: type[Settings], name: str) -> str:
+    field = cls.model_fields[name]
+    text = (field.description or "").replace("{cert_role}", getattr(cls, "cert_role", ""))
+    return text + (" Required." if field.is_required() else "")
+
+
+def _shown_default(field: FieldInfo) -> Any:
+    default = field.get_default()
+    return None if default in (None, (), False) or field.is_required() else default
+
+
+def _option(cls: type[Settings], name: str) -> click.Option:
+    field = cls.model_fields[name]
+    kind = _base(field)
+    if kind is bool:
+        return click.Option([flag(name)], is_flag=True, help=_help(cls, name))
+    if typing.get_origin(kind) is Literal:
+        type_: click.ParamType = click.Choice(typing.get_args(kind))
+    elif kind is Path:
+        type_ = click.Path(file_okay=False, path_type=Path)
+    else:
+        type_ = {int: click.INT, float: click.FLOAT}.get(kind, click.STRING)
+    default = _shown_default(field)
+    return click.Option([flag(name)], type=type_, default=default, show_default=default is not None,
+                        metavar=_metavar(field), help=_help(cls, name))
+
+
+CONFIG_OPTION = click.Option(
+    ["--config", "config_file"], type=click.Path(dir_okay=False, path_type=Path), envvar="WALSIDECAR_CONFIG",
+    help="TOML file with options (flags win over it, it wins over WALSIDECAR_* variables).")
 
 
 def configured(cls: type[Settings]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorate a click command: add --config, then call it with validated settings as keyword arguments.
+    """Give a click command the options of `cls` and --config; call it with the validated settings.
 
-    Only flags actually given on the command line count as flags; the click defaults shown in
-    --help are the settings' defaults and never hide a TOML or environment value.
+    Only flags actually given on the command line count as flags; the defaults --help shows are
+    the settings' own and never hide a TOML or environment value. Logging is set up before the call.
     """
     def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
-        @CONFIG_OPTION
         @functools.wraps(f)
         def inner(config_file: Path | None, **params: Any) -> Any:
+            from sidecar.logs import configure
             ctx = click.get_current_context()
             given = {k: v for k, v in params.items() if ctx.get_parameter_source(k) is ParameterSource.COMMANDLINE}
             try:
                 settings = load(cls, given, config_file)
             except ConfigError as e:
                 raise click.UsageError(str(e), ctx) from None
-            return f(**{k: getattr(settings, k) for k in params})
+            configure(settings.log_format, settings.log_level)
+            return f(settings)
+        inner.__click_params__ = [CONFIG_OPTION] + [_option(cls, n) for n in reversed(fields(cls))]  # type: ignore[attr-defined]
         return inner
     return wrap
 
 
-def default(cls: type[Settings], name: str) -> Any:
-    """The default of option `name`, for click's --help."""
-    return cls.model_fields[name].default
+def options_table(cls: type[Settings]) -> str:
+    """The options of `cls` as the markdown table the README shows."""
+    rows = ["| option | default | meaning |", "|---|---|---|"]
+    for name in fields(cls):
+        field = cls.model_fields[name]
+        kind = _base(field)
+        if kind is bool:
+            value = ""
+        elif typing.get_origin(kind) is Literal:
+            value = " " + "\\|".join(typing.get_args(kind))
+        else:
+            value = " " + (_metavar(field) or {int: "N", float: "SECONDS", Path: "DIR"}.get(kind, "TEXT"))
+        default = "required" if field.is_required() else _shown_default(field)
+        shown = f"`{default}`" if default not in (None, "required") else (default or "")
+        rows.append(f"| `{flag(name)}{value}` | {shown} | {_help(cls, name).removesuffix(' Required.')} |")
+    return "\n".join(rows) + "\n"

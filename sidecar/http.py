@@ -20,6 +20,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from sidecar.address import parse_listen
 from sidecar.logs import get_logger
 
 MAX_REQUEST_HEAD = 8192
@@ -37,14 +38,6 @@ Handler = Callable[[], Response]
 
 _REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 400: "Bad Request",
             500: "Internal Server Error", 503: "Service Unavailable"}
-
-
-def parse_listen(value: str) -> tuple[str, int]:
-    """HOST:PORT for an endpoint; ValueError with the expected form otherwise."""
-    host, sep, port = value.strip().rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"not a listen address: {value!r} (expected HOST:PORT, e.g. 127.0.0.1:9187)")
-    return host.strip("[]"), int(port)
 
 
 def is_loopback(host: str) -> bool:

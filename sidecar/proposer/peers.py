@@ -12,6 +12,7 @@ from collections.abc import Callable
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from sidecar import framing, linkauth, tls
+from sidecar.address import parse_address
 from sidecar.certs import Identity
 from sidecar.consensus import codec
 from sidecar.consensus.messages import Append, Message, Refusal
@@ -22,13 +23,6 @@ REFUSED_PAUSE_MIN, REFUSED_PAUSE_MAX = 0.05, 5.0
 CONNECT_PAUSE_MAX = 2.0
 CONNECT_TIMEOUT = 5.0  # a silently dropped SYN would otherwise hold the link for the kernel's ~2 minutes
 SPLIT_WRITE_AT = 64 * 1024  # Append data this long is written after its header instead of copied behind it
-
-
-def parse_address(text: str) -> tuple[str, int]:
-    host, sep, port = text.strip().rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"not a safekeeper address: {text!r} (expected HOST:PORT)")
-    return host, int(port)
 
 
 class PeerLink:
