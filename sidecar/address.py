@@ -28,7 +28,7 @@ class Address:
             if rest and sep != ":":
                 raise _refused(text, f"{rest!r} after the ] is not :PORT")
         elif value.count(":") > 1:
-            raise _refused(text, "an IPv6 address goes in brackets, as in [::1]:7601")
+            raise _refused(text, "an IPv6 address goes in brackets")
         else:
             host, sep, port = value.rpartition(":")
         if not sep or not port:

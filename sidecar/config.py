@@ -381,10 +381,17 @@ def _base(field: FieldInfo) -> Any:
     return typing.get_args(kind)[0] if typing.get_origin(kind) is Annotated else kind
 
 
-def _metavar(field: FieldInfo) -> str | None:
+def _value(field: FieldInfo) -> str:
+    """What a flag takes, as --help and the README show it; empty for a switch."""
+    kind = _base(field)
+    if kind is bool:
+        return ""
+    if typing.get_origin(kind) is Literal:
+        return "|".join(typing.get_args(kind))
     metadata = list(field.metadata) + [m for k in _kinds(field.annotation) if typing.get_origin(k) is Annotated
                                        for m in k.__metadata__]
-    return next((m.metavar for m in metadata if isinstance(m, Cli)), None)
+    return next((m.metavar for m in metadata if isinstance(m, Cli)),
+                {int: "N", float: "SECONDS", Path: "DIR"}.get(kind, "TEXT"))
 
 
 def _help(cls: type[Settings], name: str) -> str:
@@ -395,28 +402,28 @@ def _help(cls: type[Settings], name: str) -> str:
 
 def _shown_default(field: FieldInfo) -> Any:
     default = field.get_default()
-    return None if default in (None, (), False) or field.is_required() else default
+    return None if field.is_required() or default is None or default is False or default == () else default
 
 
 def _option(cls: type[Settings], name: str) -> click.Option:
+    """The click option of field `name`: a switch for a bool, a choice for a Literal, a directory for a Path."""
     field = cls.model_fields[name]
     kind = _base(field)
     if kind is bool:
         return click.Option([flag(name)], is_flag=True, help=_help(cls, name))
-    if typing.get_origin(kind) is Literal:
-        type_: click.ParamType = click.Choice(typing.get_args(kind))
-    elif kind is Path:
-        type_ = click.Path(file_okay=False, path_type=Path)
-    else:
-        type_ = {int: click.INT, float: click.FLOAT}.get(kind, click.STRING)
     default = _shown_default(field)
-    return click.Option([flag(name)], type=type_, default=default, show_default=default is not None,
-                        metavar=_metavar(field), help=_help(cls, name))
+    if typing.get_origin(kind) is Literal:
+        return click.Option([flag(name)], type=click.Choice(typing.get_args(kind)), default=default,
+                            show_default=True, help=_help(cls, name))
+    type_ = {int: click.INT, float: click.FLOAT, Path: click.Path(file_okay=False, path_type=Path)}.get(kind)
+    return click.Option([flag(name)], type=type_ or click.STRING, default=default, show_default=default is not None,
+                        metavar=_value(field), help=_help(cls, name))
 
 
-CONFIG_OPTION = click.Option(
-    ["--config", "config_file"], type=click.Path(dir_okay=False, path_type=Path), envvar="WALSIDECAR_CONFIG",
-    help="TOML file with options (flags win over it, it wins over WALSIDECAR_* variables).")
+def _config_option() -> click.Option:
+    return click.Option(["--config", "config_file"], type=click.Path(dir_okay=False, path_type=Path),
+                        envvar="WALSIDECAR_CONFIG",
+                        help="TOML file with options (flags win over it, it wins over WALSIDECAR_* variables).")
 
 
 def configured(cls: type[Settings]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -437,7 +444,8 @@ def configured(cls: type[Settings]) -> Callable[[Callable[..., Any]], Callable[.
                 raise click.UsageError(str(e), ctx) from None
             configure(settings.log_format, settings.log_level)
             return f(settings)
-        inner.__click_params__ = [CONFIG_OPTION] + [_option(cls, n) for n in reversed(fields(cls))]  # type: ignore[attr-defined]
+        # click lists __click_params__ in reverse, as decorators stack them.
+        inner.__click_params__ = [_config_option()] + [_option(cls, n) for n in reversed(fields(cls))]  # type: ignore
         return inner
     return wrap
 
@@ -447,14 +455,8 @@ def options_table(cls: type[Settings]) -> str:
     rows = ["| option | default | meaning |", "|---|---|---|"]
     for name in fields(cls):
         field = cls.model_fields[name]
-        kind = _base(field)
-        if kind is bool:
-            value = ""
-        elif typing.get_origin(kind) is Literal:
-            value = " " + "\\|".join(typing.get_args(kind))
-        else:
-            value = " " + (_metavar(field) or {int: "N", float: "SECONDS", Path: "DIR"}.get(kind, "TEXT"))
-        default = "required" if field.is_required() else _shown_default(field)
-        shown = f"`{default}`" if default not in (None, "required") else (default or "")
-        rows.append(f"| `{flag(name)}{value}` | {shown} | {_help(cls, name).removesuffix(' Required.')} |")
+        option = f"{flag(name)} {_value(field)}".strip().replace("|", "\\|")
+        default = _shown_default(field)
+        shown = "required" if field.is_required() else "" if default is None else f"`{default}`"
+        rows.append(f"| `{option}` | {shown} | {_help(cls, name).removesuffix(' Required.')} |")
     return "\n".join(rows) + "\n"
