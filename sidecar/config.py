@@ -5,6 +5,9 @@ then defaults. One name per option everywhere: `--wal-buffer` is `wal_buffer` in
 `WALSIDECAR_WAL_BUFFER` in the environment. In the TOML file, top-level keys apply to every
 command that has that option, and a table named after the command (`[start]`,
 `[safekeeper]`, `[check]`, `[status]`, `[init-postgres]`, `[up]`) overrides them for it.
+
+Each option is declared once, as a field of a settings class with its type, default and
+description: `configured` makes the click options from the fields, `options_table` the README's.
 """
 
 from __future__ import annotations
@@ -38,9 +41,9 @@ class ConfigError(Exception):
 
 
 @dataclass(frozen=True)
-class Cli:
-    """What the command line shows for a field beyond its type and description."""
-    metavar: str
+class Metavar:
+    """What a field's flag takes, as --help shows it (`--listen HOST:PORT`)."""
+    text: str
 
 
 def _address(value: str) -> str:
@@ -68,17 +71,17 @@ def _slot(value: str) -> str:
     return check_slot_name(value)
 
 
-# An address to connect to or listen on (a HTTP endpoint may listen on port 0), normalised.
-PeerAddress = Annotated[str, AfterValidator(_address), Cli("HOST:PORT")]
-Endpoint = Annotated[str | None, AfterValidator(_endpoint), Cli("HOST:PORT")]
+# Addresses are kept as normalised HOST:PORT text; an HTTP endpoint may listen on port 0.
+PeerAddress = Annotated[str, AfterValidator(_address), Metavar("HOST:PORT")]
+Endpoint = Annotated[str | None, AfterValidator(_endpoint), Metavar("HOST:PORT")]
 Safekeepers = Annotated[
-    tuple[PeerAddress, ...], NoDecode, BeforeValidator(_split), AfterValidator(_distinct), Cli("HOST:PORT,..."),
+    tuple[PeerAddress, ...], NoDecode, BeforeValidator(_split), AfterValidator(_distinct), Metavar("HOST:PORT,..."),
     Field(description="Comma-separated HOST:PORT list of all safekeepers (their --listen addresses).")]
-PgDsn = Annotated[str, Field(min_length=1), Cli("DSN")]
+PgDsn = Annotated[str, Metavar("DSN")]
 Metrics = Annotated[Endpoint, Field(
     description="HOST:PORT to serve Prometheus /metrics and a JSON /status on (e.g. 127.0.0.1:9187); off when "
                 "not given. Plain HTTP on loopback, HTTPS with the --certs-dir certificate elsewhere.")]
-Timeout = Annotated[float, Field(gt=0, description="Seconds to wait for each answer."), Cli("SECONDS")]
+Timeout = Annotated[float, Field(gt=0, description="Seconds to wait for each answer.")]
 
 
 class Settings(BaseSettings):
@@ -181,12 +184,12 @@ class SafekeeperSettings(TlsSettings):
     metrics: Metrics = None
 
 
-class StartSettings(PrimarySettings, SafekeepersMixin, TlsSettings):
+class StartSettings(SafekeepersMixin, PrimarySettings, TlsSettings):
     """walsidecar start: the WAL proposer attached to a primary."""
 
     command: ClassVar[str] = "start"
     cert_role: ClassVar[str] = "proposer"
-    pg_dsn: PgDsn = Field(description="libpq connection string of the primary (a role with REPLICATION).")
+    pg_dsn: PgDsn = Field(min_length=1, description="libpq connection string of the primary (a role with REPLICATION).")
     safekeepers: Safekeepers = Field(min_length=1)
     wal_buffer: int = Field(64, ge=1, description="MiB of WAL kept in memory for lagging safekeepers; beyond it "
                                                   "they catch up from the primary.")
@@ -199,18 +202,18 @@ class StartSettings(PrimarySettings, SafekeepersMixin, TlsSettings):
                                      "for the quorum (commits are hanging); 0 turns it off.")
 
 
-class CheckSettings(PrimarySettings, SafekeepersMixin, TlsSettings):
+class CheckSettings(SafekeepersMixin, PrimarySettings, TlsSettings):
     """walsidecar check: one line per check of the primary, the safekeepers and the sidecar."""
 
     command: ClassVar[str] = "check"
-    pg_dsn: PgDsn = Field(description="libpq connection string of the primary.")
+    pg_dsn: PgDsn = Field(min_length=1, description="libpq connection string of the primary.")
     safekeepers: Safekeepers = Field(min_length=1)
     proposer_metrics: Endpoint = Field(None, description="Also check the proposer's --metrics endpoint.")
     format: Literal["console", "json"] = Field("console", description="One line per check, or a JSON document.")
     timeout: Timeout = 5.0
 
 
-class StatusSettings(PrimarySettings, SafekeepersMixin, TlsSettings):
+class StatusSettings(SafekeepersMixin, PrimarySettings, TlsSettings):
     """walsidecar status: each safekeeper's and the proposer's state."""
 
     command: ClassVar[str] = "status"
@@ -234,7 +237,7 @@ class InitPostgresSettings(PrimarySettings):
     """walsidecar init-postgres: apply sql/install.sql to a primary."""
 
     command: ClassVar[str] = "init-postgres"
-    pg_dsn: PgDsn = Field(description="libpq connection string of the primary. Connect as a superuser.")
+    pg_dsn: PgDsn = Field(min_length=1, description="libpq connection string of the primary. Connect as a superuser.")
     role: str = Field("walsidecar", description="Role to create with LOGIN REPLICATION and pg_monitor for the "
                                                 "sidecar; '' for none.")
     max_slot_wal_keep_size: str = Field("10GB", description="Set when unlimited (-1): WAL the primary keeps for a "
@@ -390,7 +393,7 @@ def _value(field: FieldInfo) -> str:
         return "|".join(typing.get_args(kind))
     metadata = list(field.metadata) + [m for k in _kinds(field.annotation) if typing.get_origin(k) is Annotated
                                        for m in k.__metadata__]
-    return next((m.metavar for m in metadata if isinstance(m, Cli)),
+    return next((m.text for m in metadata if isinstance(m, Metavar)),
                 {int: "N", float: "SECONDS", Path: "DIR"}.get(kind, "TEXT"))
 
 
