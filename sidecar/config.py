@@ -157,6 +157,8 @@ class PrimarySettings(Settings):
 
 
 class SafekeepersMixin(Settings):
+    """The safekeepers and the quorum, for the commands that reach them."""
+
     safekeepers: Safekeepers = ()
     quorum: int | None = Field(None, description="Votes and flushes a commit needs; default and minimum "
                                                  "N//2+1 (two quorums must intersect). check and status take the "
