@@ -134,11 +134,12 @@ def start(pg_dsn: str, safekeepers: tuple[str, ...], quorum: int, application_na
     log = get_logger(role="proposer")
     if len(safekeepers) < 3:
         log.warning("fewer than 3 safekeepers: losing any one of them stops commits", safekeepers=len(safekeepers))
-    monitor = ProposerMonitor(quorum_wait_alert or None)
     try:
         ctx = client_security(certs_dir, link_security)
         service = ProposerService(StartOptions(pg_dsn, safekeepers, quorum, application_name, slot,
-                                               allow_primary_mismatch, wal_buffer * 1024 * 1024, ctx), monitor=monitor)
+                                               allow_primary_mismatch, wal_buffer * 1024 * 1024, ctx))
+        monitor = ProposerMonitor(service, quorum_wait_alert or None)  # reads the service's published view
+        service.subscribe(monitor)
         endpoint = _endpoint(monitor, metrics, certs_dir)
     except TlsError as e:
         raise click.ClickException(str(e)) from e

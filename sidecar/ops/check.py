@@ -14,7 +14,8 @@ from sidecar.config import CheckSettings
 from sidecar.consensus.messages import InfoReply
 from sidecar.lsn import format_lsn
 from sidecar.ops.probe import ProbeError, connect, fetch_status, probe_safekeeper, redact_dsn
-from sidecar.proposer import primary as pg
+from sidecar.proposer import syncrep
+from sidecar.proposer.primary import catchup_slot, quote_ident
 from sidecar.linkauth import client_security
 from sidecar.tls import TlsError, client_context
 
@@ -114,7 +115,7 @@ class Checker:
             self.add(_ok("replication role", f"{user} may open replication connections"))
         else:
             self.add(_fail("replication role", f"{user} has neither REPLICATION nor SUPERUSER",
-                           f"ALTER ROLE {pg._quote_ident(user)} REPLICATION;"))
+                           f"ALTER ROLE {quote_ident(user)} REPLICATION;"))
 
         settings = dict(await (await conn.execute(
             """SELECT name, setting FROM pg_settings WHERE name IN ('wal_level', 'max_wal_senders',
@@ -145,7 +146,7 @@ class Checker:
                            _restart_hint("max_wal_senders", str(max(10, wanted)))))
         else:
             self.add(_ok("max_wal_senders", str(senders)))
-        ours = (self.s.slot, f"{self.s.slot}_horizon")
+        ours = (self.s.slot, catchup_slot(self.s.slot))
         row = await (await conn.execute(
             "SELECT count(*), count(*) FILTER (WHERE slot_name IN (%s, %s)) FROM pg_replication_slots",
             ours)).fetchone()
@@ -165,14 +166,14 @@ class Checker:
     def _standby_names(self, value: str) -> None:
         app = self.s.application_name
         name = "synchronous_standby_names"
-        hint = pg._set_standby_names_hint(app)
+        hint = syncrep.set_standby_names_hint(app)
         shown = repr(value) if value else "'' (empty)"
         try:
-            config = pg.parse_synchronous_standby_names(value)
-        except pg.SyncStandbyNamesError as e:
+            config = syncrep.parse_synchronous_standby_names(value)
+        except syncrep.SyncStandbyNamesError as e:
             self.add(_fail(name, f"{shown} does not parse ({e})", hint))
             return
-        if not pg.standby_name_matches(config, app):
+        if not syncrep.standby_name_matches(config, app):
             self.add(_fail(name, f"{shown} does not name {app!r}: commits do not wait for the safekeeper quorum",
                            hint))
             return
@@ -180,7 +181,7 @@ class Checker:
         if config.num_sync > len(config.names) and "*" not in config.names:
             self.add(_fail(name, f"{shown} asks for {config.num_sync} standbys but lists {len(config.names)}: "
                                  "commits wait forever", hint))
-        elif not pg.sidecar_is_required(config, app):
+        elif not syncrep.sidecar_is_required(config, app):
             self.add(_warn(name, f"{shown} lets other standbys release a commit without {app!r}", hint))
         else:
             self.add(_ok(name, value))
@@ -223,8 +224,8 @@ class Checker:
             """SELECT slot_name, slot_type, active, restart_lsn::text, wal_status, safe_wal_size,
                       pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint
                  FROM pg_replication_slots WHERE slot_name IN (%s, %s)""",
-            (self.s.slot, f"{self.s.slot}_horizon"))).fetchall()}
-        for slot, critical in ((self.s.slot, True), (f"{self.s.slot}_horizon", False)):
+            (self.s.slot, catchup_slot(self.s.slot)))).fetchall()}
+        for slot, critical in ((self.s.slot, True), (catchup_slot(self.s.slot), False)):
             name = f"replication slot {slot}"
             bad = _fail if critical else _warn
             row = rows.get(slot)
