@@ -173,8 +173,12 @@ class ProposerService:
         finally:
             for t in background:
                 t.cancel()
-            await self._end_term()
-            await self._cancel_all()
+            await self.close()
+
+    async def close(self) -> None:
+        """End the current term and stop all background work."""
+        await self._end_term()
+        await self._cancel_all()
 
     def _unreachable(self, state: RetryCallState) -> None:
         e = state.outcome.exception() if state.outcome is not None else None
