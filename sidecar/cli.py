@@ -125,7 +125,8 @@ def start(pg_dsn: str, safekeepers: tuple[str, ...], quorum: int, application_na
     from sidecar.http import run_with_endpoint
     from sidecar.proposer.monitor import ProposerMonitor
     from sidecar.proposer.primary import PrimaryConfigError
-    from sidecar.proposer.service import PrimaryMismatch, ProposerService, StartOptions
+    from sidecar.proposer.options import StartOptions
+    from sidecar.proposer.service import PrimaryMismatch, ProposerService
     from sidecar.runtime import run_until_signal
     from sidecar.linkauth import client_security
     from sidecar.tls import TlsError

@@ -15,7 +15,7 @@ from sidecar.consensus.messages import InfoReply
 from sidecar.lsn import format_lsn
 from sidecar.ops.probe import ProbeError, connect, fetch_status, probe_safekeeper, redact_dsn
 from sidecar.proposer import syncrep
-from sidecar.proposer.primary import catchup_slot, quote_ident
+from sidecar.proposer.primary import catchup_slot, quote_ident, read_syncrep_state
 from sidecar.linkauth import client_security
 from sidecar.tls import TlsError, client_context
 
@@ -332,29 +332,24 @@ class Checker:
         except (psycopg.Error, OSError, asyncio.TimeoutError):
             return
         try:
-            row = await (await conn.execute(
-                """SELECT state, sync_state, flush_lsn::text,
-                          pg_wal_lsn_diff(pg_current_wal_flush_lsn(), flush_lsn)::bigint
-                     FROM pg_stat_replication WHERE application_name = %s LIMIT 1""", (app,))).fetchone()
-            waiting = await (await conn.execute(
-                """SELECT count(*), coalesce(extract(epoch FROM max(now() - query_start)), 0)::float8
-                     FROM pg_stat_activity WHERE wait_event = 'SyncRep'""")).fetchone()
+            st = await read_syncrep_state(conn, app)
         finally:
             await conn.close()
-        if row is None:
+        state, sync_state, flush = st.replication_state, st.sync_state, st.sidecar_flush_lsn
+        if state is None:
             self.add(_fail(name, f"no replication connection named {app!r} in pg_stat_replication",
                            "start the proposer: walsidecar start --pg-dsn ... --safekeepers ...; then read its log"))
         else:
-            state, sync_state, flush, lag = row
-            detail = f"{state}, sync_state {sync_state}, flush_lsn {flush}, {lag} bytes behind the primary"
+            lag = st.flush_lsn - flush if flush is not None else None
+            shown = format_lsn(flush) if flush is not None else None
+            detail = f"{state}, sync_state {sync_state}, flush_lsn {shown}, {lag} bytes behind the primary"
             if state != "streaming":
                 self.add(_warn(name, detail, "it is starting or catching up; check again in a moment"))
             elif sync_state not in ("sync", "quorum"):
                 self.add(_fail(name, detail, "commits do not wait for it: fix synchronous_standby_names (above)"))
             else:
                 self.add(_ok(name, detail))
-        assert waiting is not None
-        count, oldest = waiting
+        count, oldest = st.commits_waiting, st.oldest_wait_seconds or 0.0
         if count and oldest > 5:
             self.add(_warn("commits waiting", f"{count} waiting for the quorum, the oldest for {oldest:.0f}s",
                            "see `walsidecar status` and the README's Operations section"))

@@ -96,7 +96,8 @@ class PrimaryReader:
             waiter.cancel()
             if not done.is_set():
                 await closed  # raises the stream's error
-                raise repl.ReplicationError(f"the primary ended the stream at {format_lsn(got)} before {format_lsn(end)}")
+                raise repl.ReplicationError(
+                    f"the primary ended the stream at {format_lsn(got)} before {format_lsn(end)}")
             closed.cancel()
         finally:
             for task in resuming:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from sidecar import __version__
 from sidecar.consensus.proposer import Campaign, ElectionWon, PeerJoined, Phase, ProposerEvent
 from sidecar.http import HttpEndpoint, Response, json_response, metrics_handler
-from sidecar.limbo import Limbo
+from sidecar.proposer.limbo import Limbo
 from sidecar.linkauth import LinkAuth
 from sidecar.logs import get_logger, set_context_provider
 from sidecar.lsn import format_lsn, parse_lsn

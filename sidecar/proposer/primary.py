@@ -375,6 +375,41 @@ async def advance_slot(conn: psycopg.AsyncConnection, slot: str, lsn: int) -> in
     return parse_lsn(result[0])
 
 
+# --- what commits wait for --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SyncRepState:
+    """The primary's flush position, the commits waiting in SyncRep, and the sidecar's walsender."""
+
+    flush_lsn: int
+    commits_waiting: int
+    oldest_wait_seconds: float | None  # None: no commit waits
+    replication_state: str | None  # None: no walsender of that name
+    sync_state: str | None
+    sidecar_flush_lsn: int | None
+
+
+async def read_syncrep_state(conn: psycopg.AsyncConnection, application_name: str) -> SyncRepState:
+    """One look at what commits wait for (the proposer's poller, `walsidecar status` and `check`)."""
+    cur = await conn.execute(
+        """
+        SELECT pg_current_wal_flush_lsn()::text,
+               (SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'),
+               (SELECT extract(epoch FROM max(now() - query_start))::float8
+                  FROM pg_stat_activity WHERE wait_event = 'SyncRep'),
+               r.state, r.sync_state, r.flush_lsn::text
+        FROM (SELECT 1) one
+        LEFT JOIN LATERAL (SELECT state, sync_state, flush_lsn FROM pg_stat_replication
+                           WHERE application_name = %s LIMIT 1) r ON true
+        """, (application_name,))
+    row = await cur.fetchone()
+    assert row is not None
+    flush, waiting, oldest, state, sync_state, sidecar_flush = row
+    return SyncRepState(parse_lsn(flush), int(waiting), oldest, state, sync_state,
+                        parse_lsn(sidecar_flush) if sidecar_flush else None)
+
+
 # --- the poller --------------------------------------------------------------------------
 
 
@@ -402,9 +437,9 @@ class PrimaryPoller:
 
     async def run(self) -> None:
         """Poll every PRIMARY_POLL seconds; after a failure wait PRIMARY_RETRY, with the error in the snapshot."""
+        # Any failure: observing must never stop the proposer, and the next poll may work.
         async for attempt in AsyncRetrying(wait=wait_fixed(PRIMARY_RETRY), before_sleep=self._failed,
-                                           retry=retry_if_exception_type((psycopg.Error, OSError,
-                                                                          asyncio.TimeoutError))):
+                                           retry=retry_if_exception_type(Exception)):
             with attempt:
                 while True:
                     await asyncio.wait_for(self.poll(), timeout=POOL_TIMEOUT)
@@ -417,17 +452,7 @@ class PrimaryPoller:
 
     async def poll(self) -> None:
         async with self.pool.connection() as conn:
-            cur = await conn.execute(
-                """
-                SELECT pg_current_wal_flush_lsn()::text,
-                       (SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'),
-                       (SELECT extract(epoch FROM max(now() - query_start))::float8
-                          FROM pg_stat_activity WHERE wait_event = 'SyncRep'),
-                       (SELECT sync_state FROM pg_stat_replication WHERE application_name = %(app)s LIMIT 1),
-                       (SELECT state FROM pg_stat_replication WHERE application_name = %(app)s LIMIT 1)
-                """, {"app": self.application_name})
-            row = await cur.fetchone()
-            assert row is not None
+            state = await read_syncrep_state(conn, self.application_name)
             cur = await conn.execute(
                 """
                 SELECT slot_name, wal_status, safe_wal_size, active,
@@ -437,7 +462,7 @@ class PrimaryPoller:
             slots = {name: {"wal_status": status, "safe_wal_size": safe, "active": active, "retained_bytes": kept}
                      for name, status, safe, active, kept in await cur.fetchall()}
         p = self.snapshot
-        p.flush_lsn = parse_lsn(row[0])
-        p.commits_waiting, p.oldest_wait_seconds = int(row[1]), row[2]
-        p.sync_state, p.replication_state = row[3], row[4]
+        p.flush_lsn, p.commits_waiting, p.oldest_wait_seconds = state.flush_lsn, state.commits_waiting, \
+            state.oldest_wait_seconds
+        p.sync_state, p.replication_state = state.sync_state, state.replication_state
         p.slots, p.error, p.polled_at = slots, None, self.clock()

@@ -37,9 +37,6 @@ RECONNECT_MIN, RECONNECT_MAX = 0.5, 5.0
 STATUS_DELAY = 0.01
 
 
-__all__ = ["PrimaryMismatch", "ProposerService", "ProposerStopped", "SafekeepersRefused", "StartOptions"]
-
-
 class Link(Protocol):
     """A safekeeper link as the service drives it (`PeerLink`; a fake in tests)."""
 

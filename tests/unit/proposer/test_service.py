@@ -19,8 +19,9 @@ from sidecar.consensus.messages import (
     VoteReply, VoteRequest,
 )
 from sidecar.consensus.proposer import Campaign, ElectionWon, Phase, ProposerEvent, Streaming
+from sidecar.proposer.options import StartOptions
 from sidecar.proposer.primary import PrimaryInfo
-from sidecar.proposer.service import PrimaryMismatch, ProposerService, StartOptions
+from sidecar.proposer.service import PrimaryMismatch, ProposerService
 
 SEG = 16 * 1024 * 1024
 BOOT = 3 * SEG  # the slot's restart_lsn: where the first term starts
