@@ -140,7 +140,7 @@ class ElectionWon(ProposerEvent):
     term: int
     donor: str
     start_lsn: int
-    voters: list[str]
+    voters: list[str]  # sorted; a list, as the log line has always shown it
 
 
 @dataclass(frozen=True)

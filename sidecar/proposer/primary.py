@@ -6,6 +6,7 @@ The replication protocol (the stream, IDENTIFY_SYSTEM, timeline histories) is in
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 from collections.abc import Callable
@@ -57,6 +58,9 @@ def sql_pool(dsn: str, application_name: str) -> AsyncConnectionPool:
     Connections are checked when taken out, so one broken by a primary restart is replaced, not
     handed over. The advisory lock is not in here: see `AdvisoryLock`.
     """
+    # While the primary is away the pool would print each failed connection attempt; its users
+    # get the failure (PoolTimeout) and the service logs why the primary is unreachable.
+    logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
     return AsyncConnectionPool(
         dsn, min_size=1, max_size=3, open=False, name=f"{application_name} sql", timeout=POOL_TIMEOUT,
         check=AsyncConnectionPool.check_connection,

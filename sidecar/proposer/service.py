@@ -157,16 +157,21 @@ class ProposerService:
         background += [self._spawn(o.run()) for o in self.observers]
         try:
             async with primary.sql_pool(self.options.pg_dsn, self.options.application_name) as pool:
-                poller = primary.PrimaryPoller(pool, self.options.application_name,
-                                               (self.options.slot, self.options.catchup_slot), self._primary)
-                background.append(self._spawn(poller.run()))
-                while True:  # each attachment ends when the advisory lock is lost
-                    async for attempt in AsyncRetrying(
-                            retry=retry_if_exception_type((psycopg.OperationalError, OSError)),
-                            wait=wait_exponential(multiplier=RECONNECT_MIN, max=RECONNECT_MAX),
-                            before_sleep=self._unreachable):
-                        with attempt:
-                            await self._attached(pool)
+                poller = self._spawn(primary.PrimaryPoller(
+                    pool, self.options.application_name, (self.options.slot, self.options.catchup_slot),
+                    self._primary).run())
+                try:
+                    while True:  # each attachment ends when the advisory lock is lost
+                        async for attempt in AsyncRetrying(
+                                retry=retry_if_exception_type((psycopg.OperationalError, OSError)),
+                                wait=wait_exponential(multiplier=RECONNECT_MIN, max=RECONNECT_MAX),
+                                before_sleep=self._unreachable):
+                            with attempt:
+                                await self._attached(pool)
+                finally:
+                    poller.cancel()  # before the pool closes under it
+                    with contextlib.suppress(BaseException):
+                        await poller
         finally:
             for t in background:
                 t.cancel()
