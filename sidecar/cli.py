@@ -78,7 +78,8 @@ def start(s: StartSettings) -> None:
     from sidecar.http import run_with_endpoint
     from sidecar.proposer.monitor import ProposerMonitor
     from sidecar.proposer.primary import PrimaryConfigError
-    from sidecar.proposer.service import PrimaryMismatch, ProposerService, StartOptions
+    from sidecar.proposer.options import StartOptions
+    from sidecar.proposer.service import PrimaryMismatch, ProposerService
     from sidecar.runtime import run_until_signal
     from sidecar.linkauth import client_security
     from sidecar.tls import TlsError
@@ -86,12 +87,12 @@ def start(s: StartSettings) -> None:
     log = get_logger(role="proposer")
     if len(s.safekeepers) < 3:
         log.warning("fewer than 3 safekeepers: losing any one of them stops commits", safekeepers=len(s.safekeepers))
-    monitor = ProposerMonitor(s.quorum_wait_alert or None)
     try:
         ctx = client_security(s.certs_dir, s.link_security)
         service = ProposerService(StartOptions(s.pg_dsn, s.safekeepers, s.quorum, s.application_name, s.slot,
-                                               s.allow_primary_mismatch, s.wal_buffer * 1024 * 1024, ctx),
-                                  monitor=monitor)
+                                               s.allow_primary_mismatch, s.wal_buffer * 1024 * 1024, ctx))
+        monitor = ProposerMonitor(service, s.quorum_wait_alert or None)  # reads the service's published view
+        service.subscribe(monitor)
         endpoint = _endpoint(monitor, s.metrics, s.certs_dir)
     except TlsError as e:
         raise click.ClickException(str(e)) from e

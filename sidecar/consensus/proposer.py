@@ -1,5 +1,9 @@
 """The proposer's state machine, sans IO: election, term start, fan-out and the commit rule.
 
+"Proposer" is the protocol role; this module plays it inside the core, and `sidecar.proposer`
+(the package) runs it as a process, as `consensus.acceptor` and `sidecar.safekeeper` do for
+the safekeeper's role.
+
 One instance lives for one term attempt: a new replication stream from the primary is a
 new term, so the service builds a new `Proposer` (with `min_term`) after a stream ends.
 """
@@ -8,7 +12,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import fields as dataclass_fields
+from typing import Any, ClassVar
 
 from sidecar.consensus import codec, limits
 from sidecar.consensus import history as hist
@@ -114,16 +119,70 @@ class TermsExhausted:
     peer: str | None  # the safekeeper that reported it, if one did
 
 
+# Events: what happened, for the service's log and the observers. Each names itself in the log.
 @dataclass(frozen=True)
-class Note:
-    """Something worth a log line."""
+class ProposerEvent:
+    name: ClassVar[str]
 
-    event: str
-    fields: dict[str, Any] = field(default_factory=dict)
+    def fields(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclass_fields(self)}
+
+
+@dataclass(frozen=True)
+class Campaign(ProposerEvent):
+    name: ClassVar[str] = "campaign"
+    term: int
+
+
+@dataclass(frozen=True)
+class ElectionWon(ProposerEvent):
+    name: ClassVar[str] = "elected"
+    term: int
+    donor: str
+    start_lsn: int
+    voters: list[str]  # sorted; a list, as the log line has always shown it
+
+
+@dataclass(frozen=True)
+class Streaming(ProposerEvent):
+    name: ClassVar[str] = "streaming"
+    term: int
+    start_lsn: int
+
+
+@dataclass(frozen=True)
+class TermEnded(ProposerEvent):
+    name: ClassVar[str] = "term ended"
+    term: int
+    commit_lsn: int
+
+
+@dataclass(frozen=True)
+class PeerJoined(ProposerEvent):
+    """A safekeeper acknowledged our Elected: it is in the term from `flush_lsn` on."""
+
+    name: ClassVar[str] = "safekeeper joined term"
+    peer: str
+    term: int
+    flush_lsn: int
+
+
+@dataclass(frozen=True)
+class PrimaryRefused(ProposerEvent):
+    name: ClassVar[str] = "primary refused"
+    term: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class UnexpectedMessage(ProposerEvent):
+    name: ClassVar[str] = "unexpected message"
+    peer: str
+    message: str  # its type's name
 
 
 Action = (Send | VerifyPrimary | StartStreaming | ReportStatus | FetchWal | TermLost | GreetingsRefused
-          | DropPeer | TermsExhausted | Note)
+          | DropPeer | TermsExhausted | ProposerEvent)
 
 
 class Phase(enum.Enum):
@@ -201,7 +260,7 @@ class Proposer:
                 return self._on_append_reply(p, msg)
             case Refusal():
                 return self._on_refusal(p, msg)
-        return [Note("unexpected message", {"peer": name, "message": type(msg).__name__})]
+        return [UnexpectedMessage(name, type(msg).__name__)]
 
     def election_timeout(self) -> list[Action]:
         """No quorum of votes in time: try again one term higher."""
@@ -223,8 +282,7 @@ class Proposer:
     def _start_streaming(self) -> list[Action]:
         self.phase = Phase.STREAMING
         self.buffer = WalBuffer(self.term_start)
-        actions: list[Action] = [Note("streaming", {"term": self.term, "start_lsn": self.term_start}),
-                                 StartStreaming(self.term_start)]
+        actions: list[Action] = [Streaming(self.term, self.term_start), StartStreaming(self.term_start)]
         for p in self.peers.values():
             if p.connected and p.vote is not None:
                 actions.append(self._elected_msg(p))
@@ -232,7 +290,7 @@ class Proposer:
 
     def primary_refused(self, reason: str) -> list[Action]:
         self.phase = Phase.STOPPED
-        return [Note("primary refused", {"term": self.term, "reason": reason})]
+        return [PrimaryRefused(self.term, reason)]
 
     def wal_received(self, lsn: int, data: bytes) -> list[Action]:
         if self.buffer is None or self.phase is not Phase.STREAMING:
@@ -269,7 +327,7 @@ class Proposer:
 
     def stream_ended(self) -> list[Action]:
         self.phase = Phase.STOPPED
-        return [Note("term ended", {"term": self.term, "commit_lsn": self.commit_lsn})]
+        return [TermEnded(self.term, self.commit_lsn)]
 
     # ---- election -------------------------------------------------------------------------
 
@@ -307,7 +365,7 @@ class Proposer:
         self.phase, self.term = Phase.VOTING, term
         for q in self.peers.values():
             q.vote = None
-        return [Note("campaign", {"term": term})] + [
+        return [Campaign(term)] + [
             Send(q.name, VoteRequest(term)) for q in self.peers.values() if q.greeted_term is not None]
 
     def _higher_term(self, term: int, peer: str) -> list[Action]:
@@ -366,8 +424,7 @@ class Proposer:
         self.term_start = start
         self.history = hist.extend(dv.term_history if dv.flush_lsn else (), self.term, start)
         self.phase = Phase.VERIFYING
-        actions: list[Action] = [Note("elected", {"term": self.term, "donor": donor, "start_lsn": start,
-                                                  "voters": sorted(votes)})]
+        actions: list[Action] = [ElectionWon(self.term, donor, start, sorted(votes))]
         if self._checked == (start, dv.tail_lsn, dv.tail_crc):
             return actions + self._start_streaming()  # the probe already checked this very log
         return actions + [VerifyPrimary(self.term, start, donor, dv.tail_lsn, dv.tail_crc, dv.timeline_history)]
@@ -393,8 +450,7 @@ class Proposer:
                               sent_lsn=p.sent_max, term_start_lsn=self.term_start)
         p.elected = True
         p.flush_lsn = p.sent_lsn = msg.flush_lsn
-        return [Note("safekeeper joined term", {"peer": p.name, "term": self.term, "flush_lsn": msg.flush_lsn})] \
-            + self._progress() + self._pump(p)
+        return [PeerJoined(p.name, self.term, msg.flush_lsn)] + self._progress() + self._pump(p)
 
     def _on_append_reply(self, p: PeerState, msg: AppendReply) -> list[Action]:
         if self.term == 0:
@@ -426,12 +482,13 @@ class Proposer:
         return actions
 
     def _append(self, begin: int, data: bytes) -> Append:
-        return Append(self.term, begin, self.commit_lsn, self._horizon(), data)
+        return Append(self.term, begin, self.commit_lsn, self._peer_horizon_lsn(), data)
 
     def _in_term(self, p: PeerState) -> int:
         return p.flush_lsn if p.flush_lsn >= self.term_start else 0
 
-    def _horizon(self) -> int:
+    def _peer_horizon_lsn(self) -> int:
+        """What every safekeeper has flushed in this term, up to commit_lsn (an Append's `peer_horizon_lsn`)."""
         return min(min(self._in_term(p) for p in self.peers.values()), self.commit_lsn)
 
     def _progress(self) -> list[Action]:

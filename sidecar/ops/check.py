@@ -14,7 +14,8 @@ from sidecar.config import CheckSettings
 from sidecar.consensus.messages import InfoReply
 from sidecar.lsn import format_lsn
 from sidecar.ops.probe import ProbeError, connect, fetch_status, probe_safekeeper, redact_dsn
-from sidecar.proposer import primary as pg
+from sidecar.proposer import syncrep
+from sidecar.proposer.primary import catchup_slot, quote_ident, read_syncrep_state
 from sidecar.linkauth import client_security
 from sidecar.tls import TlsError, client_context
 
@@ -114,7 +115,7 @@ class Checker:
             self.add(_ok("replication role", f"{user} may open replication connections"))
         else:
             self.add(_fail("replication role", f"{user} has neither REPLICATION nor SUPERUSER",
-                           f"ALTER ROLE {pg._quote_ident(user)} REPLICATION;"))
+                           f"ALTER ROLE {quote_ident(user)} REPLICATION;"))
 
         settings = dict(await (await conn.execute(
             """SELECT name, setting FROM pg_settings WHERE name IN ('wal_level', 'max_wal_senders',
@@ -145,7 +146,7 @@ class Checker:
                            _restart_hint("max_wal_senders", str(max(10, wanted)))))
         else:
             self.add(_ok("max_wal_senders", str(senders)))
-        ours = (self.s.slot, f"{self.s.slot}_horizon")
+        ours = (self.s.slot, catchup_slot(self.s.slot))
         row = await (await conn.execute(
             "SELECT count(*), count(*) FILTER (WHERE slot_name IN (%s, %s)) FROM pg_replication_slots",
             ours)).fetchone()
@@ -165,14 +166,14 @@ class Checker:
     def _standby_names(self, value: str) -> None:
         app = self.s.application_name
         name = "synchronous_standby_names"
-        hint = pg._set_standby_names_hint(app)
+        hint = syncrep.set_standby_names_hint(app)
         shown = repr(value) if value else "'' (empty)"
         try:
-            config = pg.parse_synchronous_standby_names(value)
-        except pg.SyncStandbyNamesError as e:
+            config = syncrep.parse_synchronous_standby_names(value)
+        except syncrep.SyncStandbyNamesError as e:
             self.add(_fail(name, f"{shown} does not parse ({e})", hint))
             return
-        if not pg.standby_name_matches(config, app):
+        if not syncrep.standby_name_matches(config, app):
             self.add(_fail(name, f"{shown} does not name {app!r}: commits do not wait for the safekeeper quorum",
                            hint))
             return
@@ -180,7 +181,7 @@ class Checker:
         if config.num_sync > len(config.names) and "*" not in config.names:
             self.add(_fail(name, f"{shown} asks for {config.num_sync} standbys but lists {len(config.names)}: "
                                  "commits wait forever", hint))
-        elif not pg.sidecar_is_required(config, app):
+        elif not syncrep.sidecar_is_required(config, app):
             self.add(_warn(name, f"{shown} lets other standbys release a commit without {app!r}", hint))
         else:
             self.add(_ok(name, value))
@@ -223,8 +224,8 @@ class Checker:
             """SELECT slot_name, slot_type, active, restart_lsn::text, wal_status, safe_wal_size,
                       pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint
                  FROM pg_replication_slots WHERE slot_name IN (%s, %s)""",
-            (self.s.slot, f"{self.s.slot}_horizon"))).fetchall()}
-        for slot, critical in ((self.s.slot, True), (f"{self.s.slot}_horizon", False)):
+            (self.s.slot, catchup_slot(self.s.slot)))).fetchall()}
+        for slot, critical in ((self.s.slot, True), (catchup_slot(self.s.slot), False)):
             name = f"replication slot {slot}"
             bad = _fail if critical else _warn
             row = rows.get(slot)
@@ -331,29 +332,24 @@ class Checker:
         except (psycopg.Error, OSError, asyncio.TimeoutError):
             return
         try:
-            row = await (await conn.execute(
-                """SELECT state, sync_state, flush_lsn::text,
-                          pg_wal_lsn_diff(pg_current_wal_flush_lsn(), flush_lsn)::bigint
-                     FROM pg_stat_replication WHERE application_name = %s LIMIT 1""", (app,))).fetchone()
-            waiting = await (await conn.execute(
-                """SELECT count(*), coalesce(extract(epoch FROM max(now() - query_start)), 0)::float8
-                     FROM pg_stat_activity WHERE wait_event = 'SyncRep'""")).fetchone()
+            st = await read_syncrep_state(conn, app)
         finally:
             await conn.close()
-        if row is None:
+        state, sync_state, flush = st.replication_state, st.sync_state, st.sidecar_flush_lsn
+        if state is None:
             self.add(_fail(name, f"no replication connection named {app!r} in pg_stat_replication",
                            "start the proposer: walsidecar start --pg-dsn ... --safekeepers ...; then read its log"))
         else:
-            state, sync_state, flush, lag = row
-            detail = f"{state}, sync_state {sync_state}, flush_lsn {flush}, {lag} bytes behind the primary"
+            lag = st.flush_lsn - flush if flush is not None else None
+            shown = format_lsn(flush) if flush is not None else None
+            detail = f"{state}, sync_state {sync_state}, flush_lsn {shown}, {lag} bytes behind the primary"
             if state != "streaming":
                 self.add(_warn(name, detail, "it is starting or catching up; check again in a moment"))
             elif sync_state not in ("sync", "quorum"):
                 self.add(_fail(name, detail, "commits do not wait for it: fix synchronous_standby_names (above)"))
             else:
                 self.add(_ok(name, detail))
-        assert waiting is not None
-        count, oldest = waiting
+        count, oldest = st.commits_waiting, st.oldest_wait_seconds or 0.0
         if count and oldest > 5:
             self.add(_warn("commits waiting", f"{count} waiting for the quorum, the oldest for {oldest:.0f}s",
                            "see `walsidecar status` and the README's Operations section"))

@@ -13,7 +13,7 @@ import psycopg
 
 from sidecar.config import InitPostgresSettings
 from sidecar.ops.probe import redact_dsn
-from sidecar.proposer import primary as pg
+from sidecar.proposer import syncrep
 
 TOUCHED = ("wal_level", "max_wal_senders", "max_replication_slots", "max_slot_wal_keep_size",
            "synchronous_standby_names")
@@ -75,7 +75,7 @@ def run_init(s: InitPostgresSettings) -> int:
 def _run(s: InitPostgresSettings) -> int:
     sql_dir = find_sql_dir(s.sql_dir)
     script = sql_dir / ("uninstall.sql" if s.uninstall else "install.sql")
-    standby = pg._quote_standby_name(s.application_name)
+    standby = syncrep.quote_standby_name(s.application_name)
     with psycopg.connect(s.pg_dsn, autocommit=True, application_name="walsidecar init-postgres") as conn:
         before = _settings(conn)
         role_existed = bool(s.role) and conn.execute(
@@ -141,14 +141,14 @@ def _report_objects(conn: psycopg.Connection, s: InitPostgresSettings, role_exis
         print(f"  role {s.role}: {verb}, REPLICATION {'yes' if row and row[0] else 'no'}, member of pg_monitor; "
               "give it a password (\\password in psql) or a pg_hba.conf rule, and use it in --pg-dsn")
     value = after["synchronous_standby_names"]["value"]
-    warnings = pg.standby_names_warnings(value, s.application_name)
+    warnings = syncrep.standby_names_warnings(value, s.application_name)
     if not warnings:
         print(f"  synchronous_standby_names = {value}: names {s.application_name!r}; every commit waits for the "
               "safekeeper quorum")
     elif value == "" and s.sync != "off":
         print(f"  synchronous_standby_names = '': left empty because `walsidecar start` is not streaming yet "
               "(commits would wait for it from the reload on). Once it streams, run "
-              f"`walsidecar init-postgres --sync on` or: {pg._set_standby_names_hint(s.application_name)}")
+              f"`walsidecar init-postgres --sync on` or: {syncrep.set_standby_names_hint(s.application_name)}")
     else:
         print(f"  synchronous_standby_names: {warnings[0]}")
     slots = conn.execute(
@@ -167,7 +167,7 @@ def _report_objects(conn: psycopg.Connection, s: InitPostgresSettings, role_exis
 
 def _report_uninstall(conn: psycopg.Connection, s: InitPostgresSettings, after: dict[str, dict[str, Any]]) -> None:
     value = after["synchronous_standby_names"]["value"]
-    if pg.standby_name_matches(_parse(value), s.application_name):
+    if syncrep.standby_name_matches(_parse(value), s.application_name):
         print(f"  synchronous_standby_names = {value!r} still names {s.application_name!r}: edit it by hand, or "
               "commits wait forever once the sidecar stops")
     else:
@@ -186,8 +186,8 @@ def _report_uninstall(conn: psycopg.Connection, s: InitPostgresSettings, after: 
     print("  wal_level, max_wal_senders, max_replication_slots, max_slot_wal_keep_size: left as they are")
 
 
-def _parse(value: str) -> pg.SyncStandbyConfig | None:
+def _parse(value: str) -> syncrep.SyncStandbyConfig | None:
     try:
-        return pg.parse_synchronous_standby_names(value)
-    except pg.SyncStandbyNamesError:
+        return syncrep.parse_synchronous_standby_names(value)
+    except syncrep.SyncStandbyNamesError:
         return None

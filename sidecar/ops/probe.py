@@ -16,7 +16,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from sidecar.consensus import codec
 from sidecar.consensus.messages import InfoReply, InfoRequest, Refusal
 from sidecar.linkauth import LinkAuthError, Security, dial
-from sidecar.proposer.peers import parse_address
+from sidecar.address import parse_address
 
 
 class ProbeError(Exception):
@@ -97,6 +97,9 @@ def redact_dsn(dsn: str) -> str:
 
 async def connect(dsn: str, timeout: float, purpose: str) -> psycopg.AsyncConnection:
     """An autocommit connection with a connect timeout (libpq's own, in whole seconds)."""
+    # `check` and `status` run a few queries once and exit: one plain connection each time. A pool
+    # (as the proposer uses) would only add background connecting and health checks that outlive
+    # the work, and a failure here is reported, not retried.
     return await asyncio.wait_for(psycopg.AsyncConnection.connect(
         dsn, autocommit=True, connect_timeout=max(int(timeout), 1), application_name=f"walsidecar {purpose}"),
         timeout + 1)

@@ -21,6 +21,7 @@ from sidecar.config import StatusSettings
 from sidecar.consensus.messages import InfoReply
 from sidecar.lsn import format_lsn, parse_lsn
 from sidecar.ops.probe import ProbeError, connect, fetch_status, probe_safekeeper, redact_dsn
+from sidecar.proposer.primary import read_syncrep_state
 from sidecar.linkauth import client_security
 from sidecar.tls import TlsError, client_context
 
@@ -90,20 +91,13 @@ async def _primary(s: StatusSettings) -> dict[str, Any]:
     except (psycopg.Error, OSError, asyncio.TimeoutError) as e:
         raise ProbeError((str(e).strip() or "timed out").splitlines()[0]) from None
     try:
-        row = await (await conn.execute(
-            """SELECT pg_current_wal_flush_lsn()::text,
-                      (SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'),
-                      (SELECT extract(epoch FROM max(now() - query_start))::float8
-                         FROM pg_stat_activity WHERE wait_event = 'SyncRep'),
-                      r.state, r.sync_state, r.flush_lsn::text
-                 FROM (SELECT 1) one LEFT JOIN pg_stat_replication r ON r.application_name = %s""",
-            (s.application_name,))).fetchone()
+        st = await read_syncrep_state(conn, s.application_name)
     finally:
         await conn.close()
-    assert row is not None
-    return {"dsn": redact_dsn(s.pg_dsn), "flush_lsn": row[0], "commits_waiting": row[1],
-            "oldest_wait_seconds": round(row[2], 3) if row[2] is not None else None,
-            "replication_state": row[3], "sync_state": row[4], "sidecar_flush_lsn": row[5]}
+    return {"dsn": redact_dsn(s.pg_dsn), "flush_lsn": format_lsn(st.flush_lsn), "commits_waiting": st.commits_waiting,
+            "oldest_wait_seconds": round(st.oldest_wait_seconds, 3) if st.oldest_wait_seconds is not None else None,
+            "replication_state": st.replication_state, "sync_state": st.sync_state,
+            "sidecar_flush_lsn": format_lsn(st.sidecar_flush_lsn) if st.sidecar_flush_lsn is not None else None}
 
 
 def _fill_lag(doc: dict[str, Any], rows: dict[str, dict[str, Any]]) -> None:

@@ -1,7 +1,7 @@
 """What the proposer shows operators: metrics, the /status document, the limbo and its alert.
 
-The service calls the cheap hooks (`wal_received`, `committed`, `peer_contact`, `note`) on its
-hot path; everything else is computed from the service's state when scraped or on a slow tick.
+The service calls the cheap hooks (`wal_received`, `committed`, `peer_contact`, `event`) on its
+hot path; everything else is computed from its published view when scraped or on a slow tick.
 The clock lives here, not in the consensus core: the core exposes positions and this module
 timestamps them.
 """
@@ -9,50 +9,31 @@ timestamps them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import psycopg
-
 from sidecar import __version__
-from sidecar.consensus.proposer import Phase, PeerState
+from sidecar.consensus.proposer import Campaign, ElectionWon, PeerJoined, Phase, ProposerEvent
 from sidecar.http import HttpEndpoint, Response, json_response, metrics_handler
-from sidecar.limbo import Limbo
+from sidecar.proposer.limbo import Limbo
+from sidecar.linkauth import LinkAuth
 from sidecar.logs import get_logger, set_context_provider
 from sidecar.lsn import format_lsn, parse_lsn
 from sidecar.metrics import SLOT_WAL_STATUSES, ProposerMetrics, counter, gauge, info
+from sidecar.proposer.view import PeerView, ProposerView
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
-    from sidecar.proposer.service import ProposerService
-
 TICK = 0.5
-PRIMARY_POLL = 1.0
-PRIMARY_RETRY = 5.0
 ALERT_REPEAT = 60.0
 PROGRESS_EVERY = 5.0
 # A safekeeper this far behind what the primary sent is "catching up" rather than streaming.
 CATCHING_UP_BYTES = 16 * 1024 * 1024
 
 STATES = ("streaming", "catching up", "joining", "down")
-
-
-@dataclass
-class PrimarySnapshot:
-    """What the last poll of the primary saw (None fields: unknown)."""
-
-    polled_at: float | None = None
-    error: str | None = None
-    flush_lsn: int | None = None
-    commits_waiting: int | None = None
-    oldest_wait_seconds: float | None = None
-    sync_state: str | None = None
-    replication_state: str | None = None
-    slots: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -64,16 +45,15 @@ class _CatchUp:
 
 
 class ProposerMonitor:
-    """Observes one ProposerService; optionally serves /metrics and /status."""
+    """Observes one proposer through its published view; optionally serves /metrics and /status."""
 
-    def __init__(self, quorum_wait_alert: float | None = 10.0, clock=time.monotonic) -> None:
+    def __init__(self, view: ProposerView, quorum_wait_alert: float | None = 10.0, clock=time.monotonic) -> None:
+        self.view = view
         self.alert_after = quorum_wait_alert if quorum_wait_alert else None
         self.clock = clock
         self.limbo = Limbo()
         self.metrics = ProposerMetrics()
         self.metrics.add_collector(self._collect)
-        self.primary = PrimarySnapshot()
-        self.service: ProposerService | None = None
         self.log = get_logger(role="proposer")
         self.last_contact: dict[str, float] = {}
         self.node_ids: dict[str, int] = {}
@@ -83,9 +63,6 @@ class ProposerMonitor:
         self._alert_logged = 0.0
         self._catchups: dict[str, _CatchUp] = {}
         self.started = clock()
-
-    def attach(self, service: ProposerService) -> None:
-        self.service = service
         set_context_provider("peer", self._peer_log_context)
 
     # ---- hot-path hooks ----------------------------------------------------------------------
@@ -102,24 +79,25 @@ class ProposerMonitor:
     def peer_contact(self, name: str) -> None:
         self.last_contact[name] = self.clock()
 
-    def note(self, event: str, fields: dict[str, Any]) -> None:
-        if event == "elected":
-            self.metrics.elections.inc()
-        elif event == "campaign":
-            self.metrics.campaigns.inc()
-        elif event == "safekeeper joined term":
-            self._joined(str(fields.get("peer")), int(fields.get("flush_lsn") or 0))
+    def event(self, event: ProposerEvent) -> None:
+        match event:
+            case ElectionWon():
+                self.metrics.elections.inc()
+            case Campaign():
+                self.metrics.campaigns.inc()
+            case PeerJoined():
+                self._joined(event.peer, event.flush_lsn)
 
     def _joined(self, name: str, flush: int) -> None:
         """A safekeeper far behind starts catching up now: log it even if it is done before the next tick."""
-        core = self.service.core if self.service else None
+        view = self.view
         behind = max(self.limbo.received_lsn - flush, 0)
-        if core is None or not (behind > CATCHING_UP_BYTES or flush < core.term_start):
+        if view.phase is None or not (behind > CATCHING_UP_BYTES or flush < view.term_start):
             return
         now = self.clock()
         self._catchups[name] = _CatchUp(now, flush, now, flush)
         self.log.info("safekeeper catching up", peer=name, behind_bytes=behind,
-                      term_start_lsn=format_lsn(core.term_start))
+                      term_start_lsn=format_lsn(view.term_start))
 
     def term_lost(self) -> None:
         self.metrics.terms_lost.inc()
@@ -139,19 +117,13 @@ class ProposerMonitor:
     # ---- background --------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Tick: cache peer facts, watch the limbo, log catch-up progress, poll the primary."""
-        poller = asyncio.ensure_future(self._poll_primary())
-        try:
-            while True:
-                await asyncio.sleep(TICK)
-                try:
-                    self._tick()
-                except Exception:  # observing must never stop the proposer
-                    self.log.exception("monitor tick failed")
-        finally:
-            poller.cancel()
-            with contextlib.suppress(BaseException):
-                await poller
+        """Tick: cache peer facts, watch the limbo, log catch-up progress."""
+        while True:
+            await asyncio.sleep(TICK)
+            try:
+                self._tick()
+            except Exception:  # observing must never stop the proposer
+                self.log.exception("monitor tick failed")
 
     def _tick(self) -> None:
         now = self.clock()
@@ -160,20 +132,20 @@ class ProposerMonitor:
         self._catch_up_progress(now)
 
     def _remember_peers(self) -> None:
-        core = self.service.core if self.service else None
-        if core is None:
+        if self.view.phase is None:
             return
-        for name, p in core.peers.items():
+        term = self.view.term
+        for p in self.view.peers():
             if p.node_id is not None:
-                self.node_ids[name] = p.node_id
+                self.node_ids[p.name] = p.node_id
             if p.elected:
-                self.terms[name] = core.term
-                self.flushes[name] = p.flush_lsn
+                self.terms[p.name] = term
+                self.flushes[p.name] = p.flush_lsn
             elif p.greeted_term is not None:
-                self.terms[name] = max(p.greeted_term, self.terms.get(name, 0))
+                self.terms[p.name] = max(p.greeted_term, self.terms.get(p.name, 0))
 
     def _check_limbo(self, now: float) -> None:
-        pr = self.primary
+        pr = self.view.primary_poll
         if not self._streaming() and pr.flush_lsn and pr.error is None and pr.replication_state is None:
             # No sidecar streams from the primary at all (not even another one holding the lock),
             # yet it has WAL no quorum acknowledged: commits wait for that WAL too.
@@ -200,15 +172,14 @@ class ProposerMonitor:
             self.alerting_since = None
 
     def _catch_up_progress(self, now: float) -> None:
-        core = self.service.core if self.service else None
-        for name in self.service.links if self.service else ():
-            p = core.peers.get(name) if core else None
-            state = self._state(name, p)
+        for p in self.view.peers():
+            name = p.name
+            state = self._state(p)
             cu = self._catchups.get(name)
-            flush = p.flush_lsn if p is not None else 0
+            flush = p.flush_lsn
             remaining = max(self.limbo.received_lsn - flush, 0)
             ids = {"peer": name}
-            if state == "catching up" and p is not None:
+            if state == "catching up":
                 if cu is None:
                     self._catchups[name] = _CatchUp(now, flush, now, flush)
                     self.log.info("safekeeper catching up", **ids, behind_bytes=remaining,
@@ -229,166 +200,108 @@ class ProposerMonitor:
                 else:
                     self.log.warning("catch-up interrupted", **ids, done_bytes=done, state=state)
 
-    async def _poll_primary(self) -> None:
-        svc = self.service
-        assert svc is not None
-        opts = svc.opts
-        while True:
-            try:
-                async with await psycopg.AsyncConnection.connect(
-                        opts.pg_dsn, autocommit=True, connect_timeout=5,
-                        application_name=f"{opts.application_name} monitor") as conn:
-                    while True:
-                        await asyncio.wait_for(self._poll_once(conn), timeout=10)
-                        await asyncio.sleep(PRIMARY_POLL)
-            except (psycopg.Error, OSError, asyncio.TimeoutError) as e:
-                self.primary.error = str(e).strip() or type(e).__name__
-                self.primary.polled_at = self.clock()
-                await asyncio.sleep(PRIMARY_RETRY)
-
-    async def _poll_once(self, conn: psycopg.AsyncConnection) -> None:
-        opts = self.service.opts  # type: ignore[union-attr]
-        cur = await conn.execute(
-            """
-            SELECT pg_current_wal_flush_lsn()::text,
-                   (SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'),
-                   (SELECT extract(epoch FROM max(now() - query_start))::float8
-                      FROM pg_stat_activity WHERE wait_event = 'SyncRep'),
-                   (SELECT sync_state FROM pg_stat_replication WHERE application_name = %(app)s LIMIT 1),
-                   (SELECT state FROM pg_stat_replication WHERE application_name = %(app)s LIMIT 1)
-            """, {"app": opts.application_name})
-        row = await cur.fetchone()
-        assert row is not None
-        cur = await conn.execute(
-            """
-            SELECT slot_name, wal_status, safe_wal_size, active,
-                   pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint
-            FROM pg_replication_slots WHERE slot_name IN (%s, %s)
-            """, (opts.slot, opts.horizon_slot))
-        slots = {name: {"wal_status": status, "safe_wal_size": safe, "active": active, "retained_bytes": kept}
-                 for name, status, safe, active, kept in await cur.fetchall()}
-        p = self.primary
-        p.flush_lsn = parse_lsn(row[0])
-        p.commits_waiting, p.oldest_wait_seconds = int(row[1]), row[2]
-        p.sync_state, p.replication_state = row[3], row[4]
-        p.slots, p.error, p.polled_at = slots, None, self.clock()
-
     # ---- derived state -----------------------------------------------------------------------
 
     def _streaming(self) -> bool:
-        core = self.service.core if self.service else None
-        return core is not None and core.phase is Phase.STREAMING
+        return self.view.phase is Phase.STREAMING
 
     def _quorum(self) -> int:
-        return self.service.opts.quorum if self.service else 0
+        return self.view.options.quorum
 
     def _quorum_available(self) -> bool:
-        core = self.service.core if self.service else None
-        if core is None or core.phase is not Phase.STREAMING:
+        if not self._streaming():
             return False
-        links = self.service.links  # type: ignore[union-attr]
-        joined = sum(1 for n, p in core.peers.items() if p.elected and links[n].connected)
-        return joined >= self._quorum()
+        return sum(1 for p in self.view.peers() if p.elected and p.connected) >= self._quorum()
 
-    def _state(self, name: str, p: PeerState | None) -> str:
-        link = self.service.links[name]  # type: ignore[union-attr]
-        core = self.service.core  # type: ignore[union-attr]
-        if not link.connected:
+    def _state(self, p: PeerView) -> str:
+        if not p.connected:
             return "down"
-        if p is None or core is None or not p.elected:
+        if not p.elected:
             return "joining"
-        if p.fetching or p.flush_lsn < core.term_start or \
+        if p.fetching or p.flush_lsn < self.view.term_start or \
                 self.limbo.received_lsn - p.flush_lsn > CATCHING_UP_BYTES:
             return "catching up"
         return "streaming"
 
-    def _flush(self, name: str, p: PeerState | None) -> int:
-        if p is not None and p.elected:
+    def _flush(self, p: PeerView) -> int:
+        if p.elected:
             return p.flush_lsn
-        return self.flushes.get(name, 0)
+        return self.flushes.get(p.name, 0)
 
-    def _term(self, name: str, p: PeerState | None) -> int | None:
-        core = self.service.core if self.service else None
-        if p is not None and p.elected and core is not None:
-            return core.term
-        if p is not None and p.greeted_term is not None:
+    def _term(self, p: PeerView) -> int | None:
+        if p.elected:
+            return self.view.term
+        if p.greeted_term is not None:
             return p.greeted_term
-        return self.terms.get(name)
+        return self.terms.get(p.name)
+
+    def _node_id(self, p: PeerView) -> int | None:
+        return p.node_id if p.node_id is not None else self.node_ids.get(p.name)
 
     def _ack_vector(self) -> dict[str, str]:
-        core = self.service.core if self.service else None
-        return {name: format_lsn(self._flush(name, core.peers.get(name) if core else None))
-                for name in (self.service.links if self.service else ())}
+        return {p.name: format_lsn(self._flush(p)) for p in self.view.peers()}
 
     def _down(self) -> list[str]:
-        return [n for n, link in (self.service.links.items() if self.service else ()) if not link.connected]
+        return [p.name for p in self.view.peers() if not p.connected]
 
     def _peer_log_context(self, name: object) -> dict[str, object]:
         """Fields every log line about safekeeper `name` should carry."""
-        svc = self.service
-        if svc is None or name not in svc.links:
+        p = self.view.peer(name) if isinstance(name, str) else None
+        if p is None:
             return {}
-        p = svc.core.peers.get(name) if svc.core else None  # type: ignore[arg-type]
         out: dict[str, object] = {}
-        node = self.node_ids.get(name) if p is None or p.node_id is None else p.node_id
+        node = self._node_id(p)
         if node is not None:
             out["safekeeper_id"] = node
-        term = self._term(name, p)  # type: ignore[arg-type]
+        term = self._term(p)
         if term is not None:
             out["term"] = term
-        out["flush_lsn"] = format_lsn(self._flush(name, p))  # type: ignore[arg-type]
+        out["flush_lsn"] = format_lsn(self._flush(p))
         return out
 
     def peers(self) -> list[dict[str, Any]]:
         """One row per configured safekeeper, as `walsidecar status` shows it."""
-        svc = self.service
-        if svc is None:
-            return []
         now = self.clock()
-        core = svc.core
         rows = []
-        for name, link in svc.links.items():
-            p = core.peers.get(name) if core else None
-            flush = self._flush(name, p)
+        for p in self.view.peers():
+            flush = self._flush(p)
             received = self.limbo.received_lsn
-            contact = self.last_contact.get(name)
-            node = p.node_id if p is not None and p.node_id is not None else self.node_ids.get(name)
+            contact = self.last_contact.get(p.name)
             rows.append({
-                "id": node,
-                "address": name,
-                "state": self._state(name, p),
-                "term": self._term(name, p),
+                "id": self._node_id(p),
+                "address": p.name,
+                "state": self._state(p),
+                "term": self._term(p),
                 "flush_lsn": format_lsn(flush) if flush else None,
                 "lag_bytes": max(received - flush, 0) if received and flush else None,
                 "lag_seconds": round(self.limbo.lag_seconds(flush, now), 3) if received and flush else None,
                 "last_contact_seconds": round(now - contact, 3) if contact is not None else None,
-                "reconnects": link.reconnects,
-                "catching_up_from_primary": bool(p is not None and p.fetching),
+                "reconnects": p.reconnects,
+                "catching_up_from_primary": p.fetching,
             })
         return rows
 
     def status(self) -> dict[str, Any]:
         """The /status document."""
-        svc = self.service
+        view, opts = self.view, self.view.options
         now = self.clock()
-        core = svc.core if svc else None
         oldest = self.limbo.oldest(now)
-        pr = self.primary
+        pr = view.primary_poll
         return {
             "role": "proposer",
             "version": __version__,
-            "application_name": svc.opts.application_name if svc else None,
-            "slot": svc.opts.slot if svc else None,
-            "insecure": svc.opts.ssl_context is None if svc else None,
-            "link_security": _link_security(svc.opts.ssl_context) if svc else None,
+            "application_name": opts.application_name,
+            "slot": opts.slot,
+            "insecure": opts.ssl_context is None,
+            "link_security": _link_security(opts.ssl_context),
             "uptime_seconds": round(now - self.started, 1),
-            "phase": core.phase.value if core else "between terms",
-            "term": core.term if core and core.term else (svc.last_term if svc else 0),
-            "term_start_lsn": format_lsn(core.term_start) if core and core.term_start else None,
-            "commit_lsn": format_lsn(core.commit_lsn) if core and core.commit_lsn else None,
+            "phase": view.phase.value if view.phase is not None else "between terms",
+            "term": view.term,
+            "term_start_lsn": format_lsn(view.term_start) if view.term_start else None,
+            "commit_lsn": format_lsn(view.commit_lsn) if view.commit_lsn else None,
             "received_lsn": format_lsn(self.limbo.received_lsn) if self.limbo.received_lsn else None,
             "quorum": self._quorum(),
-            "safekeepers_configured": len(svc.links) if svc else 0,
+            "safekeepers_configured": len(view.peers()),
             "quorum_available": self._quorum_available(),
             "limbo": {
                 "pending_bytes": self.limbo.pending_bytes,
@@ -415,27 +328,24 @@ class ProposerMonitor:
     # ---- scrape-time gauges --------------------------------------------------------------------
 
     def _collect(self) -> Iterable[Metric]:
-        svc = self.service
+        view, opts = self.view, self.view.options
         now = self.clock()
-        core = svc.core if svc else None
         yield info("walsidecar_proposer", "Version and names this proposer runs with.",
-                   {"version": __version__, "application_name": svc.opts.application_name if svc else "",
-                    "slot": svc.opts.slot if svc else ""})
-        term = core.term if core and core.term else (svc.last_term if svc else 0)
-        yield gauge("walsidecar_proposer_term", "Current (or last) term of this proposer.", term)
+                   {"version": __version__, "application_name": opts.application_name, "slot": opts.slot})
+        yield gauge("walsidecar_proposer_term", "Current (or last) term of this proposer.", view.term)
         yield gauge("walsidecar_proposer_streaming", "1 while a term streams WAL from the primary.",
                     1 if self._streaming() else 0)
         yield gauge("walsidecar_proposer_term_start_lsn_bytes", "Where the current term's WAL starts.",
-                    core.term_start if core else 0)
+                    view.term_start)
         yield gauge("walsidecar_proposer_commit_lsn_bytes",
-                    "Quorum-flushed position reported to the primary as flush.", core.commit_lsn if core else 0)
+                    "Quorum-flushed position reported to the primary as flush.", view.commit_lsn)
         yield gauge("walsidecar_proposer_received_lsn_bytes", "End of the WAL received from the primary.",
                     self.limbo.received_lsn)
         yield gauge("walsidecar_proposer_quorum_available",
                     "1 while at least a quorum of safekeepers are connected and in the current term.",
                     1 if self._quorum_available() else 0)
         yield gauge("walsidecar_proposer_quorum_size", "Safekeepers needed to acknowledge a commit.", self._quorum())
-        yield gauge("walsidecar_proposer_safekeepers", "Safekeepers configured.", len(svc.links) if svc else 0)
+        yield gauge("walsidecar_proposer_safekeepers", "Safekeepers configured.", len(view.peers()))
         oldest = self.limbo.oldest(now)
         yield gauge("walsidecar_proposer_limbo_bytes", "WAL received but not yet acknowledged by a quorum.",
                     self.limbo.pending_bytes)
@@ -477,7 +387,7 @@ class ProposerMonitor:
         yield from self._primary_metrics(now)
 
     def _primary_metrics(self, now: float) -> Iterable[Metric]:
-        pr = self.primary
+        pr = self.view.primary_poll
         yield gauge("walsidecar_primary_up", "1 if the last poll of the primary succeeded.",
                     1 if pr.polled_at is not None and pr.error is None else 0)
         if pr.flush_lsn is not None:
@@ -488,8 +398,7 @@ class ProposerMonitor:
                         pr.commits_waiting)
             yield gauge("walsidecar_primary_commit_wait_oldest_seconds",
                         "How long the oldest SyncRep waiter's statement has run.", pr.oldest_wait_seconds or 0.0)
-        svc = self.service
-        if svc is None or pr.polled_at is None or pr.error is not None:
+        if pr.polled_at is None or pr.error is not None:
             return
         status = gauge("walsidecar_primary_slot_wal_status",
                        "1 for the slot's current wal_status (missing: the slot does not exist).",
@@ -498,7 +407,7 @@ class ProposerMonitor:
                      "WAL that can still be written before the slot is at risk (absent when unlimited).",
                      labels=["slot"])
         kept = gauge("walsidecar_primary_slot_retained_bytes", "WAL the slot keeps on the primary.", labels=["slot"])
-        for slot in (svc.opts.slot, svc.opts.horizon_slot):
+        for slot in (self.view.options.slot, self.view.options.catchup_slot):
             row = pr.slots.get(slot)
             current = (row or {}).get("wal_status") or ("missing" if row is None else "reserved")
             for s in SLOT_WAL_STATUSES:
@@ -514,5 +423,4 @@ class ProposerMonitor:
 
 def _link_security(security: object) -> str | None:
     """tls, auth-only, or None under --insecure."""
-    from sidecar.linkauth import LinkAuth
     return None if security is None else "auth-only" if isinstance(security, LinkAuth) else "tls"

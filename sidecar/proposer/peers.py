@@ -9,7 +9,7 @@ import socket
 import ssl
 from collections.abc import Callable
 
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, retry_if_result, wait_exponential
 
 from sidecar import framing, linkauth, tls
 from sidecar.address import parse_address
@@ -75,29 +75,29 @@ class PeerLink:
         Nothing a safekeeper sends, and nothing a callback raises, ends this loop: the link is
         dropped, the reason logged, and it connects again.
         """
-        pause = REFUSED_PAUSE_MIN
+        # Refused before any other answer (e.g. a greeting from another cluster's primary), or a
+        # protocol error: retrying soon rarely helps, so back off, growing while faults repeat,
+        # instead of reconnecting (and logging it) 20 times a second.
+        after_faults = AsyncRetrying(retry=retry_if_result(bool),
+                                     wait=wait_exponential(multiplier=REFUSED_PAUSE_MIN, max=REFUSED_PAUSE_MAX))
         while True:
-            reader, writer, ident = await self._connect()
-            self._faulted = False
-            if self._ssl is not None and (ident is None or ident.role != "safekeeper"):
-                self.log.error("refusing the peer: its certificate is not a safekeeper's", peer_cert=str(ident))
-                writer.close()
-                faulted = True
-            else:
-                try:
-                    faulted = await self._serve(reader, writer)
-                except Exception as e:  # a callback failed while the connection was torn down
-                    self.log.error("safekeeper link failed; reconnecting", error=repr(e), exc_info=True)
-                    faulted = True
-            if faulted or self._faulted:
-                # Refused before any other answer (e.g. a greeting from another cluster's primary),
-                # or a protocol error: retrying soon rarely helps, so back off instead of
-                # reconnecting (and logging it) 20 times a second.
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, REFUSED_PAUSE_MAX)
-            else:
-                pause = REFUSED_PAUSE_MIN
-                await asyncio.sleep(REFUSED_PAUSE_MIN)
+            await after_faults(self._session)  # returns after a connection that ended without a fault
+            await asyncio.sleep(REFUSED_PAUSE_MIN)
+
+    async def _session(self) -> bool:
+        """Connect (retrying until it works) and serve one connection; True if it ended in a fault."""
+        reader, writer, ident = await self._connect()
+        self._faulted = False
+        if self._ssl is not None and (ident is None or ident.role != "safekeeper"):
+            self.log.error("refusing the peer: its certificate is not a safekeeper's", peer_cert=str(ident))
+            writer.close()
+            return True
+        try:
+            faulted = await self._serve(reader, writer)
+        except Exception as e:  # a callback failed while the connection was torn down
+            self.log.error("safekeeper link failed; reconnecting", error=repr(e), exc_info=True)
+            faulted = True
+        return faulted or self._faulted
 
     async def _connect(self) -> tuple[framing.FrameReader, framing.Writer, Identity | None]:
         """Connect, retrying with backoff; failures are logged at the 1st, 2nd, 4th, 8th... attempt."""

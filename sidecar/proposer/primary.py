@@ -1,23 +1,35 @@
-"""The ordinary SQL side of the primary: settings checks, the advisory lock and slots."""
+"""The ordinary SQL side of the primary: its pool, settings checks, the advisory lock, slots and the poller.
+
+The replication protocol (the stream, IDENTIFY_SYSTEM, timeline histories) is in `replication.py`.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import re
-from dataclasses import dataclass
-from typing import Literal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import psycopg
+from psycopg_pool import AsyncConnectionPool
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_fixed
 
+from sidecar.logs import get_logger
 from sidecar.lsn import INVALID_LSN, format_lsn, parse_lsn
+from sidecar.proposer.syncrep import sql_literal, standby_names_warnings
 
-log = logging.getLogger(__name__)
+log = get_logger(role="proposer")
 
 # First key of the two-key advisory lock ("WALS"); the second is hashtext(slot name).
 ADVISORY_LOCK_CLASS = 0x57414C53
 
 _SLOT_NAME_RE = re.compile(r"^[a-z0-9_]{1,63}$")
+POOL_TIMEOUT = 10.0  # waiting for a pooled connection; also bounds one poll
+PRIMARY_POLL = 1.0
+PRIMARY_RETRY = 5.0
 
 
 @dataclass(frozen=True)
@@ -33,6 +45,33 @@ class PrimaryInfo:
 
 class PrimaryConfigError(Exception):
     """The primary cannot serve walsidecar as configured; the message says how to fix it."""
+
+
+def catchup_slot(slot: str) -> str:
+    """The slot that keeps the WAL some safekeeper still lacks, so it can catch up from pg_wal."""
+    return f"{slot}_horizon"
+
+
+def sql_pool(dsn: str, application_name: str) -> AsyncConnectionPool:
+    """A small pool for the ordinary SQL (checks, slots, the poller); open it with `async with`.
+
+    Connections are checked when taken out, so one broken by a primary restart is replaced, not
+    handed over. The advisory lock is not in here: see `AdvisoryLock`.
+    """
+    # While the primary is away the pool would print each failed connection attempt; its users
+    # get the failure (PoolTimeout) and the service logs why the primary is unreachable.
+    logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
+    return AsyncConnectionPool(
+        dsn, min_size=1, max_size=3, open=False, name=f"{application_name} sql", timeout=POOL_TIMEOUT,
+        check=AsyncConnectionPool.check_connection,
+        kwargs={"autocommit": True, "connect_timeout": 5, "application_name": f"{application_name} sql"})
+
+
+def quote_ident(name: str) -> str:
+    """`name` as an SQL identifier: quoted unless PostgreSQL would read it unchanged."""
+    if re.fullmatch(r"[a-z_][a-z_0-9$]*", name):
+        return name
+    return '"' + name.replace('"', '""') + '"'
 
 
 def check_slot_name(slot: str) -> str:
@@ -76,184 +115,6 @@ async def read_primary_info(conn: psycopg.AsyncConnection) -> PrimaryInfo:
         wal_seg_size=int(seg_size),
         pg_version=int(version_num) // 10000,
     )
-
-
-# --- synchronous_standby_names -------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SyncStandbyConfig:
-    """A parsed synchronous_standby_names value."""
-
-    method: Literal["priority", "quorum"]
-    num_sync: int
-    names: tuple[str, ...]
-
-
-class SyncStandbyNamesError(ValueError):
-    """synchronous_standby_names does not parse."""
-
-
-_TOKEN_RE = re.compile(
-    r"""
-    (?P<space>\s+)
-  | (?P<quoted>"(?:[^"]|"")*")
-  | (?P<ident>[A-Za-z\x80-\U0010FFFF_][A-Za-z\x80-\U0010FFFF_0-9$]*)
-  | (?P<num>[0-9]+)
-  | (?P<punct>[*,()])
-    """,
-    re.VERBOSE,
-)
-
-
-def _tokenize(value: str) -> list[tuple[str, str]]:
-    tokens: list[tuple[str, str]] = []
-    pos = 0
-    while pos < len(value):
-        m = _TOKEN_RE.match(value, pos)
-        if not m:
-            if value[pos] == '"':
-                raise SyncStandbyNamesError("unterminated quoted identifier")
-            raise SyncStandbyNamesError(f"unexpected character {value[pos]!r} at position {pos}")
-        pos = m.end()
-        kind = m.lastgroup
-        assert kind is not None
-        text = m.group()
-        if kind == "space":
-            continue
-        if kind == "quoted":
-            tokens.append(("name", text[1:-1].replace('""', '"')))
-        elif kind == "ident":
-            # Same as syncrep_scanner.l: ANY and FIRST are keywords unless quoted.
-            upper = text.upper()
-            tokens.append((upper.lower(), text) if upper in ("ANY", "FIRST") else ("name", text))
-        elif kind == "num":
-            tokens.append(("num", text))
-        elif text == "*":
-            tokens.append(("name", "*"))
-        else:
-            tokens.append((text, text))
-    return tokens
-
-
-def parse_synchronous_standby_names(value: str) -> SyncStandbyConfig | None:
-    """Parse as PostgreSQL's syncrep grammar does; None when the setting is empty."""
-    tokens = _tokenize(value)
-    if not tokens:
-        return None
-    pos = 0
-
-    def peek(offset: int = 0) -> str | None:
-        i = pos + offset
-        return tokens[i][0] if i < len(tokens) else None
-
-    method: Literal["priority", "quorum"] = "priority"
-    num_sync = 1
-    parenthesized = False
-    if peek() in ("any", "first"):
-        method = "quorum" if peek() == "any" else "priority"
-        if peek(1) != "num" or peek(2) != "(":
-            raise SyncStandbyNamesError(f"expected a number and '(' after {tokens[pos][1]}")
-        num_sync = int(tokens[pos + 1][1])
-        pos += 3
-        parenthesized = True
-    elif peek() == "num" and peek(1) == "(":
-        # The pre-9.6 form "n (a, b)" is FIRST n.
-        num_sync = int(tokens[pos][1])
-        pos += 2
-        parenthesized = True
-
-    names: list[str] = []
-    while True:
-        kind = peek()
-        if kind not in ("name", "num"):
-            raise SyncStandbyNamesError("expected a standby name")
-        names.append(tokens[pos][1])
-        pos += 1
-        if peek() == ",":
-            pos += 1
-            continue
-        break
-    if parenthesized:
-        if peek() != ")":
-            raise SyncStandbyNamesError("expected ')'")
-        pos += 1
-    if pos != len(tokens):
-        raise SyncStandbyNamesError(f"unexpected {tokens[pos][1]!r} after the standby list")
-    if num_sync <= 0:
-        raise SyncStandbyNamesError(f"number of synchronous standbys ({num_sync}) must be greater than zero")
-    return SyncStandbyConfig(method=method, num_sync=num_sync, names=tuple(names))
-
-
-def standby_name_matches(config: SyncStandbyConfig | None, application_name: str) -> bool:
-    """True if `application_name` is one of the listed synchronous standbys (case-insensitive, or '*')."""
-    if config is None:
-        return False
-    return any(n == "*" or n.lower() == application_name.lower() for n in config.names)
-
-
-def sidecar_is_required(config: SyncStandbyConfig | None, application_name: str) -> bool:
-    """True if no set of other standbys can release a commit without `application_name`."""
-    if not standby_name_matches(config, application_name):
-        return False
-    assert config is not None
-    if "*" in config.names:
-        # '*' matches every standby, so any other walsender can take the sidecar's place.
-        return False
-    # Every listed name must be waited for: n >= number of listed standbys.
-    return config.num_sync >= len(config.names)
-
-
-def _quote_standby_name(name: str) -> str:
-    if re.fullmatch(r"[A-Za-z_][A-Za-z_0-9$]*", name) and name.upper() not in ("ANY", "FIRST"):
-        return name
-    return '"' + name.replace('"', '""') + '"'
-
-
-def _quote_ident(name: str) -> str:
-    if re.fullmatch(r"[a-z_][a-z_0-9$]*", name):
-        return name
-    return '"' + name.replace('"', '""') + '"'
-
-
-def _sql_literal(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
-
-
-def _set_standby_names_hint(application_name: str) -> str:
-    value = _sql_literal(_quote_standby_name(application_name))
-    return f"ALTER SYSTEM SET synchronous_standby_names = {value}; SELECT pg_reload_conf();"
-
-
-def standby_names_warnings(value: str, application_name: str) -> list[str]:
-    """Warnings about a synchronous_standby_names value for a sidecar named `application_name`."""
-    hint = _set_standby_names_hint(application_name)
-    try:
-        config = parse_synchronous_standby_names(value)
-    except SyncStandbyNamesError as exc:
-        return [
-            f"synchronous_standby_names = {_sql_literal(value)} does not parse ({exc}), so commits "
-            f"do not wait for the safekeeper quorum. Run: {hint}"
-        ]
-    if not standby_name_matches(config, application_name):
-        shown = _sql_literal(value) if value.strip() else "'' (empty)"
-        return [
-            f"synchronous_standby_names = {shown} does not name {application_name!r}: commits do not "
-            f"wait for the safekeeper quorum and can be lost on failover. Run: {hint}"
-        ]
-    assert config is not None
-    if config.num_sync > len(config.names) and "*" not in config.names:
-        return [
-            f"synchronous_standby_names = {_sql_literal(value)} asks for {config.num_sync} synchronous "
-            f"standbys but lists only {len(config.names)}, so commits wait forever. Run: {hint}"
-        ]
-    if not sidecar_is_required(config, application_name):
-        return [
-            f"synchronous_standby_names = {_sql_literal(value)} lets other standbys release a commit "
-            f"without {application_name!r}, so an acknowledged commit may not be on a safekeeper "
-            f"quorum. To wait for the quorum on every commit, run: {hint}"
-        ]
-    return []
 
 
 # --- settings check ----------------------------------------------------------------------
@@ -319,11 +180,11 @@ async def check_settings(conn: psycopg.AsyncConnection, application_name: str) -
         if value not in _WEAK_SYNC_COMMIT:
             continue
         if rolname and datname:
-            target = f"ALTER ROLE {_quote_ident(rolname)} IN DATABASE {_quote_ident(datname)}"
+            target = f"ALTER ROLE {quote_ident(rolname)} IN DATABASE {quote_ident(datname)}"
         elif rolname:
-            target = f"ALTER ROLE {_quote_ident(rolname)}"
+            target = f"ALTER ROLE {quote_ident(rolname)}"
         else:
-            target = f"ALTER DATABASE {_quote_ident(datname)}"
+            target = f"ALTER DATABASE {quote_ident(datname)}"
         warnings.append(
             f"{target} sets synchronous_commit = {value}: those sessions do not wait for the "
             f"safekeeper quorum. Run: {target} RESET synchronous_commit;"
@@ -338,6 +199,10 @@ class AdvisoryLock:
     """A session advisory lock on a dedicated connection: one walsidecar per primary and slot.
 
     Advisory locks are per database, so every sidecar must connect to the same database.
+    The lock lives as long as its session, so it never goes through the pool (a pooled
+    connection is reset and handed to others). A primary restart ends the session: `verify()`
+    says so, the service ends its terms and attaches again (its tenacity retry backs off while
+    the primary is away), and takes the lock afresh on a new connection before the next term.
     """
 
     def __init__(
@@ -361,14 +226,19 @@ class AdvisoryLock:
         """True once acquired, until close() or the connection is found broken."""
         return self._held and self._conn is not None and not self._conn.closed
 
-    async def acquire(self, wait: bool = True) -> bool:
-        """Take the lock; with `wait`, poll until it is free. Returns whether it is held."""
-        if self.held:
-            return True
+    async def connect(self) -> None:
+        """Open the lock's own session (if not open): the lock is taken on it by `acquire`."""
         if self._conn is None or self._conn.closed:
             self._conn = await psycopg.AsyncConnection.connect(
                 self.dsn, autocommit=True, application_name=self.application_name
             )
+
+    async def acquire(self, wait: bool = True) -> bool:
+        """Take the lock; with `wait`, poll until it is free. Returns whether it is held."""
+        if self.held:
+            return True
+        await self.connect()
+        assert self._conn is not None
         logged = False
         while True:
             self.attempts += 1
@@ -379,17 +249,14 @@ class AdvisoryLock:
             if row is not None and row[0]:
                 self._held = True
                 if logged:
-                    log.info("acquired the walsidecar lock on this primary for slot %s", self.slot)
+                    log.info("acquired the walsidecar lock on this primary", slot=self.slot)
                 return True
             if not wait:
                 return False
             if not logged:
                 holder = await self.holder()
-                log.warning(
-                    "another walsidecar holds the lock on this primary; waiting (slot %s, holder %s)",
-                    self.slot,
-                    holder or "unknown",
-                )
+                log.warning("another walsidecar holds the lock on this primary; waiting", slot=self.slot,
+                            holder=holder or "unknown")
                 logged = True
             await asyncio.sleep(self.poll_interval)
 
@@ -457,12 +324,12 @@ def _restart_lsn_of(slot: str, row: tuple[str, str | None, str | None]) -> int:
     if slot_type != "physical":
         raise PrimaryConfigError(
             f"replication slot {slot!r} is a {slot_type} slot; walsidecar needs a physical one. "
-            f"Pick another slot name, or drop it: SELECT pg_drop_replication_slot({_sql_literal(slot)});"
+            f"Pick another slot name, or drop it: SELECT pg_drop_replication_slot({sql_literal(slot)});"
         )
     if wal_status == "lost":
         raise PrimaryConfigError(
             f"replication slot {slot!r} was invalidated (its WAL was removed, see max_slot_wal_keep_size). "
-            f"Drop it so walsidecar recreates it: SELECT pg_drop_replication_slot({_sql_literal(slot)});"
+            f"Drop it so walsidecar recreates it: SELECT pg_drop_replication_slot({sql_literal(slot)});"
         )
     return parse_lsn(restart) if restart else INVALID_LSN
 
@@ -478,7 +345,7 @@ async def ensure_slot(conn: psycopg.AsyncConnection, slot: str) -> int:
             )
             created = await cur.fetchone()
             assert created is not None
-            log.info("created physical replication slot %s at %s", slot, created[0])
+            log.info("created physical replication slot", slot=slot, restart_lsn=created[0])
             return parse_lsn(created[0])
         except psycopg.errors.DuplicateObject:
             # Created concurrently: read what is there now.
@@ -500,7 +367,7 @@ async def advance_slot(conn: psycopg.AsyncConnection, slot: str, lsn: int) -> in
     if current == INVALID_LSN:
         raise PrimaryConfigError(
             f"replication slot {slot!r} has never reserved WAL, so it cannot be advanced; "
-            f"drop it so walsidecar recreates it: SELECT pg_drop_replication_slot({_sql_literal(slot)});"
+            f"drop it so walsidecar recreates it: SELECT pg_drop_replication_slot({sql_literal(slot)});"
         )
     # The server clamps the target to its own flush position.
     cur = await conn.execute(
@@ -510,3 +377,96 @@ async def advance_slot(conn: psycopg.AsyncConnection, slot: str, lsn: int) -> in
     result = await cur.fetchone()
     assert result is not None
     return parse_lsn(result[0])
+
+
+# --- what commits wait for --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SyncRepState:
+    """The primary's flush position, the commits waiting in SyncRep, and the sidecar's walsender."""
+
+    flush_lsn: int
+    commits_waiting: int
+    oldest_wait_seconds: float | None  # None: no commit waits
+    replication_state: str | None  # None: no walsender of that name
+    sync_state: str | None
+    sidecar_flush_lsn: int | None
+
+
+async def read_syncrep_state(conn: psycopg.AsyncConnection, application_name: str) -> SyncRepState:
+    """One look at what commits wait for (the proposer's poller, `walsidecar status` and `check`)."""
+    cur = await conn.execute(
+        """
+        SELECT pg_current_wal_flush_lsn()::text,
+               (SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'),
+               (SELECT extract(epoch FROM max(now() - query_start))::float8
+                  FROM pg_stat_activity WHERE wait_event = 'SyncRep'),
+               r.state, r.sync_state, r.flush_lsn::text
+        FROM (SELECT 1) one
+        LEFT JOIN LATERAL (SELECT state, sync_state, flush_lsn FROM pg_stat_replication
+                           WHERE application_name = %s LIMIT 1) r ON true
+        """, (application_name,))
+    row = await cur.fetchone()
+    assert row is not None
+    flush, waiting, oldest, state, sync_state, sidecar_flush = row
+    return SyncRepState(parse_lsn(flush), int(waiting), oldest, state, sync_state,
+                        parse_lsn(sidecar_flush) if sidecar_flush else None)
+
+
+# --- the poller --------------------------------------------------------------------------
+
+
+@dataclass
+class PrimarySnapshot:
+    """What the last poll of the primary saw (None fields: unknown)."""
+
+    polled_at: float | None = None
+    error: str | None = None
+    flush_lsn: int | None = None
+    commits_waiting: int | None = None
+    oldest_wait_seconds: float | None = None
+    sync_state: str | None = None
+    replication_state: str | None = None
+    slots: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+class PrimaryPoller:
+    """Polls what the operator sees of the primary: flush, SyncRep waiters, our walsender, our slots."""
+
+    def __init__(self, pool: AsyncConnectionPool, application_name: str, slots: tuple[str, ...],
+                 snapshot: PrimarySnapshot | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.pool, self.application_name, self.slots, self.clock = pool, application_name, slots, clock
+        self.snapshot = snapshot if snapshot is not None else PrimarySnapshot()
+
+    async def run(self) -> None:
+        """Poll every PRIMARY_POLL seconds; after a failure wait PRIMARY_RETRY, with the error in the snapshot."""
+        # Any failure: observing must never stop the proposer, and the next poll may work.
+        async for attempt in AsyncRetrying(wait=wait_fixed(PRIMARY_RETRY), before_sleep=self._failed,
+                                           retry=retry_if_exception_type(Exception)):
+            with attempt:
+                while True:
+                    await asyncio.wait_for(self.poll(), timeout=POOL_TIMEOUT)
+                    await asyncio.sleep(PRIMARY_POLL)
+
+    def _failed(self, state: RetryCallState) -> None:
+        e = state.outcome.exception() if state.outcome is not None else None
+        self.snapshot.error = str(e).strip() or type(e).__name__
+        self.snapshot.polled_at = self.clock()
+
+    async def poll(self) -> None:
+        async with self.pool.connection() as conn:
+            state = await read_syncrep_state(conn, self.application_name)
+            cur = await conn.execute(
+                """
+                SELECT slot_name, wal_status, safe_wal_size, active,
+                       pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint
+                FROM pg_replication_slots WHERE slot_name = ANY(%s)
+                """, (list(self.slots),))
+            slots = {name: {"wal_status": status, "safe_wal_size": safe, "active": active, "retained_bytes": kept}
+                     for name, status, safe, active, kept in await cur.fetchall()}
+        p = self.snapshot
+        p.flush_lsn, p.commits_waiting, p.oldest_wait_seconds = state.flush_lsn, state.commits_waiting, \
+            state.oldest_wait_seconds
+        p.sync_state, p.replication_state = state.sync_state, state.replication_state
+        p.slots, p.error, p.polled_at = slots, None, self.clock()

@@ -615,3 +615,18 @@ def _result_error(res: pq.abc.PGresult) -> ReplicationError:
     if detail:
         message = f"{message} ({detail})"
     return ReplicationError(message, field(pq.DiagnosticField.SQLSTATE))
+
+
+class ReplicationClient:
+    """Replication connections to one primary, as the service uses them; its tests put a fake here."""
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+
+    async def connect(self, application_name: str) -> psycopg.AsyncConnection:
+        return await connect_replication(self.dsn, application_name)
+
+    identify_system = staticmethod(identify_system)
+    read_slot = staticmethod(read_slot)
+    timeline_history = staticmethod(timeline_history)
+    stream = ReplicationStream

@@ -1,53 +1,68 @@
-"""The proposer service: primary connections and safekeeper links around the consensus core."""
+"""The proposer service: terms of the core (`consensus.proposer`) against the primary and the safekeepers."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
+from collections.abc import Callable
+from typing import Protocol
 
 import google_crc32c
 import psycopg
+from psycopg_pool import AsyncConnectionPool
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
-from sidecar.consensus import codec, limits
-from sidecar.consensus.messages import Message, Refusal, TimelineHistory
+from sidecar.consensus import codec, limits, primary_check
+from sidecar.consensus.messages import Message, Refusal
 from sidecar.consensus.proposer import (
-    Action, DropPeer, FetchWal, GreetingsRefused, Note, Proposer, ProposerConfig, ReportStatus, Send,
-    StartStreaming, TermLost, TermsExhausted, VerifyPrimary, MAX_APPEND,
+    Action, DropPeer, FetchWal, GreetingsRefused, Phase, Proposer, ProposerConfig, ProposerEvent, ReportStatus,
+    Send, StartStreaming, TermLost, TermsExhausted, VerifyPrimary,
 )
 from sidecar.linkauth import Security
 from sidecar.lsn import format_lsn, segment_start
 from sidecar.logs import get_logger
-from sidecar.proposer import primary as pg
+from sidecar.proposer import primary
 from sidecar.proposer import replication as repl
-from sidecar.proposer.monitor import ProposerMonitor
+from sidecar.proposer.catchup import PrimaryReader
+from sidecar.proposer.options import StartOptions
 from sidecar.proposer.peers import PeerLink
+from sidecar.proposer.view import PeerView, ProposerObserver
 
 ELECTION_TIMEOUT = 5.0
 HEARTBEAT_INTERVAL = 1.0
-HORIZON_INTERVAL = 5.0
+CATCHUP_SLOT_INTERVAL = 5.0
 RECONNECT_MIN, RECONNECT_MAX = 0.5, 5.0
-CATCHUP_BACKLOG = 16 * 1024 * 1024  # bytes queued to one safekeeper before catch-up reading pauses
 # How long a status that moves only write or apply may wait to be sent (see _report); commits
 # with synchronous_commit = remote_write or remote_apply may wait this much longer.
 STATUS_DELAY = 0.01
 
 
-@dataclass(frozen=True)
-class StartOptions:
-    pg_dsn: str
-    safekeepers: tuple[str, ...]
-    quorum: int
-    application_name: str = "walsidecar"
-    slot: str = "walsidecar"
-    allow_primary_mismatch: bool = False
-    wal_buffer_bytes: int = 64 * 1024 * 1024
-    # For the safekeeper links: TLS, or a linkauth.LinkAuth (--link-security auth-only); None: --insecure.
-    ssl_context: Security = None
+class Link(Protocol):
+    """A safekeeper link as the service drives it (`PeerLink`; a fake in tests)."""
+
+    name: str
+    reconnects: int
 
     @property
-    def horizon_slot(self) -> str:
-        return f"{self.slot}_horizon"
+    def connected(self) -> bool: ...
+
+    def send(self, msg: Message) -> None: ...
+
+    def drop(self, faulted: bool = False) -> None: ...
+
+    def buffered(self) -> int: ...
+
+    async def drain(self) -> None: ...
+
+    async def run(self) -> None: ...
+
+
+LinkFactory = Callable[[str, Callable[[str], None], Callable[[str, Message], None], Callable[[str], None],
+                        Security], Link]
+
+
+class HeldLock(Protocol):
+    async def verify(self) -> bool: ...
 
 
 class PrimaryMismatch(Exception):
@@ -63,13 +78,20 @@ class ProposerStopped(PrimaryMismatch):
 
 
 class ProposerService:
-    def __init__(self, opts: StartOptions, monitor: ProposerMonitor | None = None) -> None:
-        self.opts = opts
-        self.monitor = monitor if monitor is not None else ProposerMonitor()
+    """Runs terms of the core against the primary and the safekeepers; publishes a `ProposerView`."""
+
+    def __init__(self, options: StartOptions, *, link_factory: LinkFactory = PeerLink,
+                 replication: repl.ReplicationClient | None = None) -> None:
+        self.options = options
         self.log = get_logger(role="proposer")
         self.core: Proposer | None = None
-        self.links = {name: PeerLink(name, self._peer_up, self._peer_message, self._peer_down, opts.ssl_context)
-                      for name in opts.safekeepers}
+        self.links: dict[str, Link] = {
+            name: link_factory(name, self._peer_up, self._peer_message, self._peer_down, options.ssl_context)
+            for name in options.safekeepers}
+        self.replication = replication if replication is not None else repl.ReplicationClient(options.pg_dsn)
+        self.reader = PrimaryReader(self.replication, options.application_name)
+        self.observers: list[ProposerObserver] = []
+        self._primary = primary.PrimarySnapshot()
         self.stream: repl.ReplicationStream | None = None
         self._term_over: asyncio.Event = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -86,51 +108,111 @@ class ProposerService:
         self._pending_lsn = 0
         self._pg_version = 0
         self.last_term = 0
-        self.monitor.attach(self)
+
+    def subscribe(self, observer: ProposerObserver) -> None:
+        """Call `observer`'s hooks from now on, and run it alongside the service."""
+        self.observers.append(observer)
+
+    # ---- the published view (see view.ProposerView) --------------------------------------------
+
+    @property
+    def term(self) -> int:
+        core = self.core
+        return core.term if core is not None and core.term else self.last_term
+
+    @property
+    def phase(self) -> Phase | None:
+        return self.core.phase if self.core is not None else None
+
+    @property
+    def term_start(self) -> int:
+        return self.core.term_start if self.core is not None else 0
+
+    @property
+    def commit_lsn(self) -> int:
+        return self.core.commit_lsn if self.core is not None else 0
+
+    @property
+    def primary_poll(self) -> primary.PrimarySnapshot:
+        return self._primary
+
+    def peer(self, name: str) -> PeerView | None:
+        link = self.links.get(name)
+        if link is None:
+            return None
+        p = self.core.peers.get(name) if self.core is not None else None
+        if p is None:
+            return PeerView(name, link.connected, link.reconnects)
+        return PeerView(name, link.connected, link.reconnects, p.node_id, p.greeted_term, p.elected,
+                        p.flush_lsn, p.fetching)
+
+    def peers(self) -> list[PeerView]:
+        return [self.peer(name) for name in self.links]  # type: ignore[misc]
 
     # ---- lifecycle -----------------------------------------------------------------------
 
     async def run(self) -> None:
         """Attach to the primary and run terms until cancelled; reattach after losing it."""
-        links = [self._spawn(link.run()) for link in self.links.values()]
-        links.append(self._spawn(self.monitor.run()))
-        delay = RECONNECT_MIN
+        background = [self._spawn(link.run()) for link in self.links.values()]
+        background += [self._spawn(o.run()) for o in self.observers]
         try:
-            while True:
+            async with primary.sql_pool(self.options.pg_dsn, self.options.application_name) as pool:
+                poller = self._spawn(primary.PrimaryPoller(
+                    pool, self.options.application_name, (self.options.slot, self.options.catchup_slot),
+                    self._primary).run())
                 try:
-                    await self._attached()
-                    delay = RECONNECT_MIN
-                except (psycopg.OperationalError, OSError) as e:
-                    self.log.warning("primary unreachable; retrying", retry_in=delay, error=str(e).strip())
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, RECONNECT_MAX)
-        finally:
-            for t in links:
-                t.cancel()
-            await self._end_term()
-            await self._cancel_all()
-
-    async def _attached(self) -> None:
-        """One session with the primary: checks, the advisory lock, slots, then terms while the lock holds."""
-        async with await psycopg.AsyncConnection.connect(self.opts.pg_dsn, autocommit=True) as sql:
-            for warning in await pg.check_settings(sql, self.opts.application_name):
-                self.log.warning(warning)
-            lock = pg.AdvisoryLock(self.opts.pg_dsn, self.opts.slot, application_name=self.opts.application_name)
-            try:
-                await lock.acquire(wait=True)
-                info = await pg.read_primary_info(sql)
-                self._seg_size, self._pg_version = info.wal_seg_size, info.pg_version
-                await pg.ensure_slot(sql, self.opts.slot)
-                await pg.ensure_slot(sql, self.opts.horizon_slot)
-                horizon = self._spawn(self._horizon_loop(sql))
-                try:
-                    await self._terms(lock)
+                    while True:  # each attachment ends when the advisory lock is lost
+                        async for attempt in AsyncRetrying(
+                                retry=retry_if_exception_type((psycopg.OperationalError, OSError)),
+                                wait=wait_exponential(multiplier=RECONNECT_MIN, max=RECONNECT_MAX),
+                                before_sleep=self._unreachable):
+                            with attempt:
+                                await self._attached(pool)
                 finally:
-                    horizon.cancel()
-            finally:
-                await lock.close()
+                    poller.cancel()  # before the pool closes under it
+                    with contextlib.suppress(BaseException):
+                        await poller
+        finally:
+            for t in background:
+                t.cancel()
+            await self.close()
 
-    async def _terms(self, lock: pg.AdvisoryLock) -> None:
+    async def close(self) -> None:
+        """End the current term and stop all background work."""
+        await self._end_term()
+        await self._cancel_all()
+
+    def _unreachable(self, state: RetryCallState) -> None:
+        e = state.outcome.exception() if state.outcome is not None else None
+        retry_in = state.next_action.sleep if state.next_action is not None else 0.0
+        self.log.warning("primary unreachable; retrying", retry_in=retry_in, error=str(e).strip())
+
+    async def _attached(self, pool: AsyncConnectionPool) -> None:
+        """One attachment to the primary: checks, the advisory lock, slots, then terms while the lock holds."""
+        opts = self.options
+        lock = primary.AdvisoryLock(opts.pg_dsn, opts.slot, application_name=opts.application_name)
+        try:
+            # The lock's own session first: if the primary is away, its error says why.
+            await lock.connect()
+            async with pool.connection() as sql:
+                for warning in await primary.check_settings(sql, opts.application_name):
+                    self.log.warning(warning)
+            await lock.acquire(wait=True)
+            async with pool.connection() as sql:
+                info = await primary.read_primary_info(sql)
+                await primary.ensure_slot(sql, opts.slot)
+                await primary.ensure_slot(sql, opts.catchup_slot)
+            keeper = self._spawn(self._advance_catchup_slot(pool))
+            try:
+                await self.stream_terms(lock, info)
+            finally:
+                keeper.cancel()
+        finally:
+            await lock.close()
+
+    async def stream_terms(self, lock: HeldLock, info: primary.PrimaryInfo) -> None:
+        """Run terms, one replication stream each, while `lock` holds; raise PrimaryMismatch to stop."""
+        self._seg_size, self._pg_version = info.wal_seg_size, info.pg_version
         # A primary restart drops the lock's session: stop and take the lock again before the
         # next term, so that a second sidecar cannot slip in between.
         while await lock.verify():
@@ -145,18 +227,19 @@ class ProposerService:
         self.log.warning("lost the advisory lock on the primary; reconnecting")
 
     async def _one_term(self) -> None:
-        conn = await repl.connect_replication(self.opts.pg_dsn, self.opts.application_name)
+        opts = self.options
+        conn = await self.replication.connect(opts.application_name)
         self._replication_conn = conn
-        system_id, timeline, _ = await repl.identify_system(conn)
-        slot = await repl.read_slot(conn, self.opts.slot)
+        system_id, timeline, _ = await self.replication.identify_system(conn)
+        slot = await self.replication.read_slot(conn, opts.slot)
         if slot is None:
-            raise repl.ReplicationError(f"replication slot {self.opts.slot} disappeared")
+            raise repl.ReplicationError(f"replication slot {opts.slot} disappeared")
         self._timeline = timeline
         cfg = ProposerConfig(
-            proposer_id=self.opts.application_name, peers=self.opts.safekeepers, quorum=self.opts.quorum,
+            proposer_id=opts.application_name, peers=opts.safekeepers, quorum=opts.quorum,
             system_id=system_id, timeline=timeline, wal_seg_size=self._seg_size,
             pg_version=self._pg_version, bootstrap_lsn=segment_start(slot[0], self._seg_size),
-            buffer_limit=self.opts.wal_buffer_bytes, max_inflight=max(self.opts.wal_buffer_bytes // 2, 1 << 20))
+            buffer_limit=opts.wal_buffer_bytes, max_inflight=max(opts.wal_buffer_bytes // 2, 1 << 20))
         self._term_over = asyncio.Event()
         self.core = Proposer(cfg, min_term=self.last_term)
         for name, link in self.links.items():
@@ -197,17 +280,18 @@ class ProposerService:
             if ticks % int(ELECTION_TIMEOUT / HEARTBEAT_INTERVAL) == 0:
                 self._run(core.election_timeout())
 
-    async def _horizon_loop(self, sql: psycopg.AsyncConnection) -> None:
-        """Keep the horizon slot at the WAL every safekeeper has, so laggards can catch up."""
+    async def _advance_catchup_slot(self, pool: AsyncConnectionPool) -> None:
+        """Keep the catch-up slot at the WAL every safekeeper has, so laggards can catch up from pg_wal."""
         while True:
-            await asyncio.sleep(HORIZON_INTERVAL)
+            await asyncio.sleep(CATCHUP_SLOT_INTERVAL)
             core = self.core
             if core is None or core.commit_lsn == 0:
                 continue
-            horizon = min(core.status()[2], core.commit_lsn)
-            if horizon:
+            everywhere = min(core.status()[2], core.commit_lsn)
+            if everywhere:
                 with contextlib.suppress(psycopg.Error):
-                    await pg.advance_slot(sql, self.opts.horizon_slot, horizon)
+                    async with pool.connection() as sql:
+                        await primary.advance_slot(sql, self.options.catchup_slot, everywhere)
 
     # ---- safekeeper links ------------------------------------------------------------------
 
@@ -216,7 +300,8 @@ class ProposerService:
             self._run(self.core.peer_connected(name))
 
     def _peer_message(self, name: str, msg: Message) -> None:
-        self.monitor.peer_contact(name)
+        for o in self.observers:
+            o.peer_contact(name)
         if isinstance(msg, Refusal):
             self.log.error("safekeeper refused us and closed the connection", peer=name, reason=msg.reason)
         if self.core is not None:
@@ -252,13 +337,14 @@ class ProposerService:
                     self.log.warning("term lost", term=self.core.term if self.core else 0,
                                      higher_term=a.term, reason=a.reason)
                     self.last_term = max(self.last_term, a.term)
-                    self.monitor.term_lost()
+                    for o in self.observers:
+                        o.term_lost()
                     self._term_over.set()
                 case GreetingsRefused():
                     reasons = "; ".join(f"safekeeper {peer}: {why}" for peer, why in sorted(a.reasons.items()))
                     self._fatal(SafekeepersRefused(
                         f"{len(a.reasons)} of {len(self.links)} safekeepers refuse this primary, so no quorum "
-                        f"of {self.opts.quorum} can form ({reasons}); point the sidecar at the safekeepers of "
+                        f"of {self.options.quorum} can form ({reasons}); point the sidecar at the safekeepers of "
                         "this primary's cluster"))
                     self.log.critical("safekeepers refuse this primary", reason=str(self._refusal))
                 case DropPeer():
@@ -274,12 +360,14 @@ class ProposerService:
                         "reset that safekeeper's data directory and let it re-sync"))
                     self.log.critical("no term left to campaign in", term=a.term, peer=a.peer,
                                       max_term=limits.MAX_TERM)
-                case Note():
-                    self.monitor.note(a.event, a.fields)
-                    self.log.info(a.event, **{k: _fmt(k, v) for k, v in a.fields.items()})
+                case ProposerEvent():
+                    for o in self.observers:
+                        o.event(a)
+                    self.log.info(a.name, **{k: _fmt(k, v) for k, v in a.fields().items()})
 
     def _report(self, a: ReportStatus) -> None:
-        self.monitor.committed(a.flush_lsn)
+        for o in self.observers:
+            o.committed(a.flush_lsn)
         if self.stream is None:
             return
         # Commits wait for flush: a status that moves it goes out right after this pass of the event
@@ -316,9 +404,9 @@ class ProposerService:
     async def _stream(self, start_lsn: int) -> None:
         core, conn = self.core, self._replication_conn
         assert core is not None and conn is not None
-        stream = repl.ReplicationStream(conn, start_lsn=start_lsn, timeline=self._timeline,
-                                        slot=self.opts.slot, on_wal=self._on_wal,
-                                        on_batch_end=self._on_batch_end)
+        stream = self.replication.stream(conn, start_lsn=start_lsn, timeline=self._timeline,
+                                         slot=self.options.slot, on_wal=self._on_wal,
+                                         on_batch_end=self._on_batch_end)
         self.stream = stream
         try:
             await stream.start()
@@ -348,7 +436,8 @@ class ProposerService:
         if self._pending and self.core is not None:
             data = b"".join(self._pending)
             self._pending.clear()
-            self.monitor.wal_received(self._pending_lsn + len(data), len(data))
+            for o in self.observers:
+                o.wal_received(self._pending_lsn + len(data), len(data))
             self._run(self.core.wal_received(self._pending_lsn, data))
 
     async def _verify(self, a: VerifyPrimary) -> None:
@@ -356,7 +445,7 @@ class ProposerService:
         try:
             await self._check_primary(a)
         except PrimaryMismatch as e:
-            if not self.opts.allow_primary_mismatch:
+            if not self.options.allow_primary_mismatch:
                 self.log.critical("refusing to stream", term=a.term, reason=str(e))
                 if core is self.core and core is not None:
                     self._run(core.primary_refused(str(e)))
@@ -371,87 +460,14 @@ class ProposerService:
         """The primary must hold the donor's WAL up to the term start, byte for byte."""
         conn = self._replication_conn
         assert conn is not None
-        _, timeline, flush = await repl.identify_system(conn)
-        start = format_lsn(a.start_lsn)
-        if flush < a.start_lsn:
-            raise PrimaryMismatch(
-                f"the primary lacks quorum-committed WAL between {format_lsn(flush)} and {start}: "
-                "catch it up from the safekeepers before promoting it, or it is a stale primary")
-        ours = _switches_below(await repl.timeline_history(conn, timeline), a.start_lsn)
-        theirs = _switches_below(a.timeline_history, a.start_lsn)
-        if ours != theirs:
-            raise PrimaryMismatch(
-                f"the primary's timeline history {ours} leaves the safekeepers' WAL ({theirs}) before {start}")
-        if a.tail_lsn:
-            data = await self._read_primary(a.tail_lsn, a.start_lsn, timeline)
-            if google_crc32c.value(data) != a.tail_crc:
-                raise PrimaryMismatch(
-                    f"the primary's WAL between {format_lsn(a.tail_lsn)} and {start} differs from "
-                    f"safekeeper {a.donor}'s: it is a different or stale primary")
-
-    async def _read_primary(self, start: int, end: int, timeline: int) -> bytes:
-        parts: list[bytes | memoryview] = []
-        await self._copy_primary(start, end, timeline, lambda lsn, data: parts.append(data))
-        return b"".join(parts)
-
-    async def _copy_primary(self, start: int, end: int, timeline: int, sink,
-                            link: PeerLink | None = None) -> None:
-        """Stream WAL [start, end) from the primary without a slot, under a reader's name.
-
-        With `link`, reading pauses while that safekeeper's socket has a backlog.
-        """
-        conn = await repl.connect_replication(self.opts.pg_dsn, f"{self.opts.application_name}_reader")
-        done = asyncio.Event()
-        got = start
-        pieces: list[memoryview] = []  # received, not yet handed to sink: [got - size, got)
-        size = 0
-
-        def hand_over() -> None:
-            nonlocal size
-            if pieces:
-                sink(got - size, pieces[0] if len(pieces) == 1 else b"".join(pieces))
-                pieces.clear()
-                size = 0
-
-        def on_wal(lsn: int, data: memoryview) -> None:
-            nonlocal got, size
-            if lsn >= end:
-                done.set()
-                return
-            piece = data[: end - lsn]
-            pieces.append(piece)
-            size += len(piece)
-            got = lsn + len(piece)
-            if size >= MAX_APPEND:
-                hand_over()
-            if got >= end:
-                hand_over()
-                done.set()
-
-        def on_batch_end() -> None:
-            hand_over()  # the messages of one drained batch make one Append
-            if link is not None and link.buffered() > CATCHUP_BACKLOG:
-                stream.pause()
-                self._spawn(resume_when_drained())
-
-        async def resume_when_drained() -> None:
-            await link.drain()  # type: ignore[union-attr]
-            stream.resume()
-
-        stream = repl.ReplicationStream(conn, start_lsn=start, timeline=timeline, slot=None, on_wal=on_wal,
-                                        on_batch_end=on_batch_end)
-        try:
-            await stream.start()
-            closed = asyncio.ensure_future(stream.wait_closed())
-            waiter = asyncio.ensure_future(done.wait())
-            await asyncio.wait({closed, waiter}, return_when=asyncio.FIRST_COMPLETED)
-            waiter.cancel()
-            if not done.is_set():
-                await closed  # raises the stream's error
-                raise repl.ReplicationError(f"the primary ended the stream at {format_lsn(got)} before {format_lsn(end)}")
-            closed.cancel()
-        finally:
-            await stream.close()
+        _, timeline, flush = await self.replication.identify_system(conn)
+        history = await self.replication.timeline_history(conn, timeline)
+        problem = primary_check.lineage_mismatch(a, flush, history)
+        if problem is None and a.tail_lsn:
+            tail = await self.reader.read(a.tail_lsn, a.start_lsn, timeline)
+            problem = primary_check.tail_mismatch(a, google_crc32c.value(tail))
+        if problem is not None:
+            raise PrimaryMismatch(problem)
 
     async def _fetch(self, a: FetchWal) -> None:
         """Catch a lagging safekeeper up from the primary's pg_wal."""
@@ -464,7 +480,7 @@ class ProposerService:
             self._run(core.catchup_data(a.peer, lsn, data))
 
         try:
-            await self._copy_primary(a.start, a.end, self._timeline, sink, link)
+            await self.reader.copy(a.start, a.end, self._timeline, sink, link)
         except (repl.ReplicationError, psycopg.Error, OSError) as e:
             self.log.error("catch-up failed; will retry after reconnect", peer=a.peer, error=str(e).strip())
             link.drop()
@@ -509,10 +525,6 @@ class ProposerService:
         for t in list(self._tasks):
             with contextlib.suppress(BaseException):
                 await t
-
-
-def _switches_below(history: TimelineHistory, lsn: int) -> tuple[tuple[int, int], ...]:
-    return tuple((e.timeline, e.switch_lsn) for e in history if e.switch_lsn <= lsn)
 
 
 def _fmt(key: str, value: object) -> object:

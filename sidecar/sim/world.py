@@ -36,16 +36,19 @@ from sidecar.consensus.messages import (
 )
 from sidecar.consensus.proposer import (
     Action,
+    Campaign,
     DropPeer,
+    ElectionWon,
     FetchWal,
     GreetingsRefused,
-    Note,
     Phase,
     Proposer,
     ProposerConfig,
+    ProposerEvent,
     ReportStatus,
     Send,
     StartStreaming,
+    Streaming,
     TermLost,
     TermsExhausted,
     VerifyPrimary,
@@ -60,7 +63,6 @@ SYSTEM_ID = 7301
 PG_VERSION = 15  # the major version, as the proposer reads it from server_version_num
 MIN_SEG_SIZE = 1024  # the simulator's tiny segments are below PostgreSQL's 1 MiB minimum
 ROGUE = "rogue"  # sender of the hostile connections that belong to no proposer
-NOTES = frozenset({"campaign", "elected", "streaming", "safekeeper refused"})  # Notes worth a trace line
 
 
 @dataclass(frozen=True)
@@ -673,10 +675,11 @@ class World:
                         self._close_prop_end(c, notify=False)
                 case TermsExhausted():
                     self._stop_service(svc, "exits: no term left to campaign in")
-                case Note():
-                    if a.event in NOTES:
-                        self.event(svc.label, a.event, *(f"{k}={pos(v) if k.endswith('_lsn') else v}"
-                                                         for k, v in a.fields.items()))
+                case Campaign() | ElectionWon() | Streaming():  # the events worth a trace line
+                    self.event(svc.label, a.name, *(f"{k}={pos(v) if k.endswith('_lsn') else v}"
+                                                    for k, v in a.fields().items()))
+                case ProposerEvent():
+                    pass
                 case _:
                     raise AssertionError(f"the simulator does not know the action {a!r}")
         if refused and svc.alive:

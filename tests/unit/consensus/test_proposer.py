@@ -14,7 +14,7 @@ from sidecar.consensus.messages import (
     TimelineEntry, VoteReply, VoteRequest,
 )
 from sidecar.consensus.proposer import (
-    Action, DropPeer, FetchWal, Note, Phase, Proposer, ProposerConfig, ReportStatus, Send, StartStreaming,
+    Action, Campaign, DropPeer, FetchWal, Phase, Proposer, ProposerConfig, ReportStatus, Send, StartStreaming,
     TermLost, TermsExhausted, VerifyPrimary,
 )
 
@@ -546,7 +546,7 @@ def test_a_precheck_that_outlives_every_connection_still_campaigns() -> None:
     probed(p, flush=BOOT + 500, tail=(BOOT + 100, 77))
     for n in PEERS:
         p.peer_disconnected(n)
-    assert p.primary_verified() == [Note("campaign", {"term": 1})]
+    assert p.primary_verified() == [Campaign(1)]
     assert p.phase is Phase.VOTING
     out = p.peer_connected("a") + p.peer_message("a", GreetingReply(1, 3))
     assert sends(out, VoteRequest)[-1].message == VoteRequest(4)  # a higher term restarts the campaign

@@ -15,8 +15,9 @@ from sidecar.consensus import codec
 from sidecar.consensus.limits import MAX_TERM
 from sidecar.consensus.messages import Greeting, GreetingReply, Message, VoteRequest
 from sidecar.consensus.proposer import DropPeer, Send, TermsExhausted
+from sidecar.proposer.options import StartOptions
 from sidecar.proposer.peers import PeerLink
-from sidecar.proposer.service import ProposerService, ProposerStopped, StartOptions
+from sidecar.proposer.service import ProposerService, ProposerStopped
 
 GREETING = Greeting(1, "p", 42, 1, 16 << 20, 150000)
 

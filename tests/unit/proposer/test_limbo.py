@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sidecar.limbo import Limbo
+from sidecar.proposer.limbo import Limbo
 
 
 def test_acknowledgement_releases_entries_with_their_waits() -> None:

@@ -1,0 +1,105 @@
+"""Catch-up from the primary: WAL a lagging safekeeper needs, read from the primary's pg_wal.
+
+A slot-less replication connection under a reader's name copies [start, end) and hands it over
+in Append-sized pieces; the service checks the donor's tail with the same reader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Protocol
+
+from sidecar.consensus.proposer import MAX_APPEND
+from sidecar.lsn import format_lsn
+from sidecar.proposer import replication as repl
+
+CATCHUP_BACKLOG = 16 * 1024 * 1024  # bytes queued to one safekeeper before catch-up reading pauses
+
+Sink = Callable[[int, bytes | memoryview], None]
+
+
+class Backlog(Protocol):
+    """The safekeeper link being fed: reading pauses while its socket has a backlog."""
+
+    def buffered(self) -> int: ...
+
+    async def drain(self) -> None: ...
+
+
+class PrimaryReader:
+    """Reads WAL ranges from the primary over replication connections named `<application_name>_reader`."""
+
+    def __init__(self, replication: repl.ReplicationClient, application_name: str) -> None:
+        self.replication = replication
+        self.name = f"{application_name}_reader"
+
+    async def read(self, start: int, end: int, timeline: int) -> bytes:
+        """WAL [start, end) as one piece (for the tail check: a few kilobytes)."""
+        parts: list[bytes | memoryview] = []
+        await self.copy(start, end, timeline, lambda lsn, data: parts.append(data))
+        return b"".join(parts)
+
+    async def copy(self, start: int, end: int, timeline: int, sink: Sink, link: Backlog | None = None) -> None:
+        """Stream WAL [start, end) from the primary without a slot into `sink`.
+
+        With `link`, reading pauses while that safekeeper's socket has a backlog.
+        """
+        conn = await self.replication.connect(self.name)
+        done = asyncio.Event()
+        got = start
+        pieces: list[memoryview] = []  # received, not yet handed to sink: [got - size, got)
+        size = 0
+        resuming: set[asyncio.Task[None]] = set()
+
+        def hand_over() -> None:
+            nonlocal size
+            if pieces:
+                sink(got - size, pieces[0] if len(pieces) == 1 else b"".join(pieces))
+                pieces.clear()
+                size = 0
+
+        def on_wal(lsn: int, data: memoryview) -> None:
+            nonlocal got, size
+            if lsn >= end:
+                done.set()
+                return
+            piece = data[: end - lsn]
+            pieces.append(piece)
+            size += len(piece)
+            got = lsn + len(piece)
+            if size >= MAX_APPEND:
+                hand_over()
+            if got >= end:
+                hand_over()
+                done.set()
+
+        def on_batch_end() -> None:
+            hand_over()  # the messages of one drained batch make one Append
+            if link is not None and link.buffered() > CATCHUP_BACKLOG:
+                stream.pause()
+                task = asyncio.ensure_future(resume_when_drained(link))
+                resuming.add(task)
+                task.add_done_callback(resuming.discard)
+
+        async def resume_when_drained(link: Backlog) -> None:
+            await link.drain()
+            stream.resume()
+
+        stream = self.replication.stream(conn, start_lsn=start, timeline=timeline, slot=None, on_wal=on_wal,
+                                         on_batch_end=on_batch_end)
+        try:
+            await stream.start()
+            closed = asyncio.ensure_future(stream.wait_closed())
+            waiter = asyncio.ensure_future(done.wait())
+            await asyncio.wait({closed, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if not done.is_set():
+                await closed  # raises the stream's error
+                raise repl.ReplicationError(
+                    f"the primary ended the stream at {format_lsn(got)} before {format_lsn(end)}")
+            closed.cancel()
+        finally:
+            for task in resuming:
+                task.cancel()
+            await stream.close()

@@ -1,0 +1,25 @@
+"""What `walsidecar start` runs the proposer with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sidecar.linkauth import Security
+from sidecar.proposer.primary import catchup_slot
+
+
+@dataclass(frozen=True)
+class StartOptions:
+    pg_dsn: str
+    safekeepers: tuple[str, ...]
+    quorum: int
+    application_name: str = "walsidecar"
+    slot: str = "walsidecar"
+    allow_primary_mismatch: bool = False
+    wal_buffer_bytes: int = 64 * 1024 * 1024
+    # For the safekeeper links: TLS, or a linkauth.LinkAuth (--link-security auth-only); None: --insecure.
+    ssl_context: Security = None
+
+    @property
+    def catchup_slot(self) -> str:
+        return catchup_slot(self.slot)
