@@ -11,7 +11,7 @@ import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import psycopg
 
@@ -75,6 +75,7 @@ class OwnCA:
         return ensure_node(self.base / "ca", self.base / "certs" / name, role, node_id, hosts=hosts)
 
 
+@runtime_checkable
 class PgServer(Protocol):
     """The primary's server as the deployment drives it (a LocalCluster, or a test backend's server)."""
 

@@ -12,38 +12,25 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 import psycopg
 
 from support.helpers import free_port, wait_for
+from sidecar.deployment import PgServer as DeployedServer
 from sidecar.pgcluster import ClusterError, LocalCluster, initdb_args
 
 
 @runtime_checkable
-class PgServer(Protocol):
-    """What tests may do with a PostgreSQL server, whatever runs it."""
+class PgServer(DeployedServer, Protocol):
+    """What tests may do with a PostgreSQL server, whatever runs it: what a deployment does, and more."""
 
     name: str
     host: str
-    port: int
-
-    @property
-    def data_dir(self) -> Path: ...
 
     @property
     def pg_wal_dir(self) -> Path: ...
-
-    def start(self, timeout: float = 60) -> None: ...
-
-    def stop(self, mode: str = "fast", timeout: float = 60) -> None: ...
-
-    def crash(self) -> None: ...
 
     def restart(self) -> None: ...
 
     def reload(self) -> None: ...
 
-    def is_running(self) -> bool: ...
-
     def set(self, settings: Mapping[str, str | None]) -> None: ...
-
-    def dsn(self, dbname: str = "postgres", user: str = "postgres", **params: str) -> str: ...
 
     def run_bin(
         self, name: str, *args: str, check: bool = True, capture: bool = True
