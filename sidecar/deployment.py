@@ -294,8 +294,8 @@ class LocalDeployment:
     `primary` is a server made elsewhere (initialised or not); by default a LocalCluster in BASE/pg.
     Certificates come from `certificates` (default: a CA of its own under BASE), or none when `insecure`.
     `places` puts members elsewhere (a network namespace: its address and command wrapper), `extra` adds
-    arguments to a member's every start, `spawn` starts each process (tests track them with it), `note`
-    is told of each start and stop.
+    arguments to a member's every start, `spawn` starts each process (tests track them with it), `log`
+    (a structlog logger) is told of each start and stop. As a context manager it stops all it started.
     """
 
     def __init__(self, base: Path, *, safekeepers: int = 3, proposer: bool = True, primary: PgServer | None = None,
@@ -324,6 +324,12 @@ class LocalDeployment:
                                 port=sk_ports[i - 1] if sk_ports is not None else pick_port()))
         if proposer and safekeepers:
             self.add(Proposer(self, "proposer"))
+
+    def __enter__(self) -> LocalDeployment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
 
     def add(self, member: Member) -> Member:
         """Make `member` part of the deployment (started by start_all after those added before it)."""

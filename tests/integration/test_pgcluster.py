@@ -205,8 +205,7 @@ def test_child_restarts_with_the_same_command_and_log(test_dir: Path) -> None:
 
 
 def test_local_deployment_knows_its_members_by_name(procs: ProcessTracker, test_dir: Path) -> None:
-    d = LocalDeployment(test_dir / "d", safekeepers=3, spawn=procs.spawn)
-    try:
+    with LocalDeployment(test_dir / "d", safekeepers=3, spawn=procs.spawn) as d:  # stop_all() at the end
         d.pg.init({"synchronous_standby_names": APP})
         d.start_all()
         assert list(d.members) == ["primary", "safekeeper1", "safekeeper2", "safekeeper3", "proposer"]
@@ -223,7 +222,5 @@ def test_local_deployment_knows_its_members_by_name(procs: ProcessTracker, test_
         d.proposer.kill()  # behind the deployment's back
         with pytest.raises(MemberExited, match="proposer exited"):
             d.check_running()
-    finally:
-        d.stop_all()
     assert not d.pg.is_running()
     assert not any(p.running for p in procs.started), "stop_all stops every process it started"
