@@ -32,7 +32,6 @@ import platform
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,7 +39,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -53,8 +52,7 @@ sys.path.insert(1, str(ROOT / "scripts"))  # bench_wal_analytics
 
 from sidecar.lsn import parse_lsn  # noqa: E402
 from sidecar.pgcluster import ClusterError, LocalCluster, find_bin_dir  # noqa: E402
-from sidecar.certs import ensure_node  # noqa: E402
-from sidecar.processes import Child, tls_args  # noqa: E402
+from sidecar.deployment import DeploymentError, LocalDeployment, MemberExited, ProcessMember, free_port  # noqa: E402
 
 CONFIGS = ("async", "receivewal-1", "native-quorum", "walsidecar", "walsidecar-auth", "walsidecar-insecure")
 # walsidecar with mutually authenticated TLS on every link (the default), and with --insecure: the difference
@@ -76,6 +74,7 @@ PRIMARY_SETTINGS = {
     "max_replication_slots": "10",
     "wal_sender_timeout": "60s",
 }
+RECEIVEWAL_NAMES = {"receivewal-1": ("r1",), "native-quorum": ("r1", "r2", "r3")}
 STANDBY_NAMES = {
     "async": "",
     "receivewal-1": "r1",
@@ -108,12 +107,6 @@ class Settings:
 
 
 # ---- processes and /proc ---------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cpu_times(pid: int) -> tuple[float, float]:
@@ -229,31 +222,37 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval
 # ---- one configuration ------------------------------------------------------------------------
 
 
-@dataclass
-class Receiver:
-    """A WAL receiver process of the configuration: pg_receivewal, a safekeeper or the proposer."""
+class ReceiveWal(ProcessMember):
+    """`pg_receivewal --synchronous` into its own directory: a synchronous standby named like the member."""
 
-    name: str
-    child: Child
+    def __init__(self, d: LocalDeployment, name: str, bin_dir: Path) -> None:
+        super().__init__(d, name)
+        self.bin_dir = bin_dir
 
     @property
-    def pid(self) -> int:
-        assert self.child.pid is not None
-        return self.child.pid
+    def standby(self) -> str:  # type: ignore[override]
+        return self.name
+
+    def argv(self) -> list[str]:
+        dsn = f"host=127.0.0.1 port={self.d.pg.port} user=postgres application_name={self.name}"
+        return [str(self.bin_dir / "pg_receivewal"), "-D", str(self.data_dir), "--synchronous", "--no-loop",
+                "--slot", self.name, "-d", dsn]
 
 
 class Setup:
-    """A primary copied from the template plus the configuration's receivers."""
+    """A primary copied from the template plus the configuration's receivers, as a LocalDeployment."""
 
     def __init__(self, config: str, base: Path, template: Path, bin_dir: Path) -> None:
         self.config = config
         self.base = base
         self.bin_dir = bin_dir
         self.port = free_port()
-        self.cluster = LocalCluster(base / "pg", self.port, log_file=base / "postgres.log")
-        self.receivers: dict[str, Receiver] = {}
-        self.sk_addrs: list[str] = []
-        self.down: set[str] = set()  # receivers stopped on purpose
+        self.d = LocalDeployment(base, safekeepers=3 if config in SIDECAR_CONFIGS else 0, pg_port=self.port,
+                                 application_name=SIDECAR_APP, insecure=config == "walsidecar-insecure",
+                                 link_security="auth-only" if config == "walsidecar-auth" else "tls")
+        self.cluster = self.d.pg
+        for name in RECEIVEWAL_NAMES.get(config, ()):
+            self.d.add(ReceiveWal(self.d, name, bin_dir))
         self._template = template
 
     # -- building
@@ -263,113 +262,54 @@ class Setup:
         os.chmod(self.base, 0o755)
         subprocess.run(["cp", "-a", str(self._template), str(self.cluster.data_dir)], check=True, timeout=300)
         self.cluster.set({"port": str(self.port), "synchronous_standby_names": STANDBY_NAMES[self.config]})
-        self.cluster.start()
-        if self.config == "receivewal-1":
-            self._start_receivewal(["r1"])
-        elif self.config == "native-quorum":
-            self._start_receivewal(["r1", "r2", "r3"])
-        elif self.config in SIDECAR_CONFIGS:
-            self._start_walsidecar()
+        self.d.start("primary")
+        receivewal = RECEIVEWAL_NAMES.get(self.config, ())
+        with self.sql() as c:
+            for name in receivewal:
+                c.execute("SELECT pg_create_physical_replication_slot(%s, true)", (name,))
+        for name in receivewal:
+            (self.base / name).mkdir()
+        # The certificates are made as each process starts: before anything is measured.
+        self.d.start_all(wait=False)
         self.wait_synchronous()
 
-    def _start_receivewal(self, names: list[str]) -> None:
-        with self.sql() as c:
-            for name in names:
-                c.execute("SELECT pg_create_physical_replication_slot(%s, true)", (name,))
-        for name in names:
-            (self.base / name).mkdir()
-            self.start_receiver(name)
-
-    def _start_walsidecar(self) -> None:
-        self.sk_addrs = [f"127.0.0.1:{free_port()}" for _ in range(3)]
-        for i in range(1, 4):
-            self.start_receiver(f"safekeeper{i}")
-        args = ["start", "--pg-dsn", self.cluster.dsn(), "--safekeepers", ",".join(self.sk_addrs),
-                "--application-name", SIDECAR_APP, *self.link_args("proposer")]
-        child = Child.sidecar("proposer", args, self.base / "proposer.log")
-        self.receivers["proposer"] = Receiver("proposer", child.start())
-
     def start_receiver(self, name: str) -> None:
-        """Start (or restart) one receiver by name: r1..r3 or safekeeper1..3."""
-        if name.startswith("safekeeper"):
-            i = int(name.removeprefix("safekeeper"))
-            args = ["safekeeper", "--id", str(i), "--listen", self.sk_addrs[i - 1], "--data-dir", str(self.base / name),
-                    *self.link_args(name, "safekeeper", i)]
-            child = Child.sidecar(name, args, self.base / f"{name}.log")
-        else:
-            dsn = f"host=127.0.0.1 port={self.port} user=postgres application_name={name}"
-            argv = [str(self.bin_dir / "pg_receivewal"), "-D", str(self.base / name), "--synchronous", "--no-loop",
-                    "--slot", name, "-d", dsn]
-            child = Child(name, argv, self.base / f"{name}.log")
-        old = self.receivers.get(name)
-        if old is not None and old.child.running:
-            raise BenchError(f"{name} is already running")
-        self.receivers[name] = Receiver(name, child.start())
-
-    def link_args(self, name: str, role: str = "proposer", node_id: int | None = None) -> list[str]:
-        """How a walsidecar process of this configuration secures its safekeeper links."""
-        auth_only = ["--link-security", "auth-only"] if self.config == "walsidecar-auth" else []
-        return tls_args(self.certs(name, role, node_id)) + auth_only
-
-    def certs(self, name: str, role: str = "proposer", node_id: int | None = None) -> Path | None:
-        """A walsidecar process's certificates (made before anything is measured); None without TLS."""
-        if self.config == "walsidecar-insecure":
-            return None
-        return ensure_node(self.base / "ca", self.base / "certs" / name, role, node_id)
+        """Start (or restart) one receiver by name: r1..r3, safekeeper1..3 or the proposer."""
+        self.d.start(name)
 
     def stop_receiver(self, name: str) -> None:
-        self.receivers[name].child.stop(timeout=15)
-
-    def standby_names(self) -> list[str]:
-        """application_name of each synchronous standby the configuration has."""
-        if self.config in SIDECAR_CONFIGS:
-            return [SIDECAR_APP]
-        return [n for n in self.receivers if n.startswith("r")]
+        self.d.stop(name)
 
     def wait_synchronous(self, timeout: float = 120) -> None:
-        wanted = set(self.standby_names())
-
-        def ready() -> bool:
-            self.check_alive()
-            with self.sql() as c:
-                rows = c.execute("SELECT application_name FROM pg_stat_replication "
-                                 "WHERE state = 'streaming' AND sync_state IN ('sync', 'quorum')").fetchall()
-            return wanted <= {r[0] for r in rows}
-
-        wait_until(ready, timeout, f"{', '.join(sorted(wanted)) or 'nothing'} to be synchronous", interval=0.2)
+        try:
+            self.d.wait_streaming(timeout)
+        except MemberExited:
+            self.check_alive()  # says which one, with its log
+            raise
+        except DeploymentError as e:
+            raise BenchError(str(e)) from e
 
     def check_alive(self) -> None:
-        for r in self.receivers.values():
-            if r.child.returncode is not None and r.name not in self.down:
-                raise BenchError(f"{r.name} exited with {r.child.returncode}:\n{r.child.log_tail(20)}")
+        try:
+            self.d.check_running()
+        except MemberExited as e:
+            child = self.d.process(e.name)
+            raise BenchError(f"{e.name} exited with {e.returncode}:\n{child.log_tail(20) if child else ''}") from e
 
     def sql(self) -> psycopg.Connection:
         """An autocommit connection to the primary."""
-        return psycopg.connect(self.cluster.dsn(), autocommit=True, connect_timeout=10)
+        return self.d.sql()
 
     def measured_pids(self) -> dict[str, int]:
         """The processes whose CPU and memory the report shows."""
-        return {name: r.pid for name, r in self.receivers.items() if r.child.running}
+        return {name: c.pid for name in self.d.members
+                if (c := self.d.process(name)) is not None and c.running and c.pid is not None}
 
     # -- teardown
 
     def teardown(self, keep: bool) -> None:
-        # The primary's shutdown checkpoint waits for its synchronous standbys: stop it first.
-        for mode in ("fast", "immediate"):
-            try:
-                self.cluster.stop(mode=mode, timeout=30)
-                break
-            except (ClusterError, OSError, subprocess.SubprocessError):
-                continue
-        else:
-            pid = self.cluster.postmaster_pid()
-            if pid is not None:
-                with suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        for name in ["proposer"] + [n for n in self.receivers if n != "proposer"]:
-            r = self.receivers.get(name)
-            if r is not None:
-                r.child.stop(timeout=15)
+        # The primary's shutdown checkpoint waits for its synchronous standbys: it stops first.
+        self.d.stop_all()
         if not keep:
             shutil.rmtree(self.base, ignore_errors=True)
 
@@ -504,7 +444,6 @@ def catchup(setup: Setup, nbytes: int, timeout: float = 600) -> dict[str, Any]:
         victim, name, column = "r3", "r3", "flush_lsn"
     with setup.sql() as c:
         c.execute("CHECKPOINT")
-    setup.down.add(victim)
     setup.stop_receiver(victim)
     behind = standby_lsn(setup, SIDECAR_APP, column) if setup.config in SIDECAR_CONFIGS else None
     meter = Meter(setup.measured_pids())
@@ -517,7 +456,6 @@ def catchup(setup: Setup, nbytes: int, timeout: float = 600) -> dict[str, Any]:
     target = written["end_lsn"]
     t0 = time.monotonic()
     setup.start_receiver(victim)
-    setup.down.discard(victim)
 
     def level() -> bool:
         setup.check_alive()

@@ -39,11 +39,10 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get
 import click  # noqa: E402
 from support import netns  # noqa: E402
 import psycopg  # noqa: E402
+from tenacity import Retrying, retry_if_exception_type, wait_exponential  # noqa: E402
 
-from sidecar.certs import ensure_node  # noqa: E402
+from sidecar.deployment import LocalDeployment, MemberExited  # noqa: E402
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE, format_lsn, parse_lsn, segment_file_name  # noqa: E402
-from sidecar.pgcluster import ClusterError, LocalCluster  # noqa: E402
-from sidecar.processes import Child, sidecar_argv  # noqa: E402
 from sidecar.safekeeper.control import load_control  # noqa: E402
 
 APP = "walsidecar"
@@ -154,7 +153,7 @@ def first_difference(ours: Path, theirs: Path, start: int, end: int) -> int | No
 # ---- the deployment --------------------------------------------------------------------------
 
 
-class Deployment:
+class Deployment(LocalDeployment):
     """A primary, three safekeepers and the proposer, each started and stopped by this script.
 
     With `hosts` (network namespaces, one per safekeeper) each safekeeper runs inside its own and
@@ -162,53 +161,21 @@ class Deployment:
     """
 
     def __init__(self, base: Path, hosts: netns.Hosts | None = None) -> None:
-        self.base = base
-        self.hosts = hosts
         taken: set[int] = set()
-        self.cluster = LocalCluster(base / "pg", pick_port(taken), log_file=base / "postgres.log")
-        self.sk_ports = [pick_port(taken) for _ in range(SAFEKEEPERS)]
-        self.safekeepers = {i: self._safekeeper(i) for i in range(1, SAFEKEEPERS + 1)}
-        addresses = ",".join(self.sk_address(i) for i in range(1, SAFEKEEPERS + 1))
-        self.proposer = Child.sidecar("proposer", ["start", "--pg-dsn", self.cluster.dsn(), "--safekeepers",
-                                                   addresses, "--application-name", APP, "--certs-dir",
-                                                   str(ensure_node(base / "ca", base / "certs" / "proposer",
-                                                                   "proposer"))], base / "proposer.log")
-        self.down: set[str] = set()  # children killed on purpose and not restarted yet
+        places = {f"safekeeper{h.index}": h for h in hosts} if hosts is not None else None
+        super().__init__(base, safekeepers=SAFEKEEPERS, places=places, pick_port=lambda: pick_port(taken))
+        self.hosts = hosts
         self._conn: psycopg.Connection | None = None
 
-    def sk_host(self, i: int) -> str:
-        """The one address safekeeper i listens on and is reached at (its namespace's, if it has one)."""
-        return self.hosts[i].address if self.hosts is not None else "127.0.0.1"
-
-    def sk_address(self, i: int) -> str:
-        return f"{self.sk_host(i)}:{self.sk_ports[i - 1]}"
-
-    def _safekeeper(self, i: int) -> Child:
-        certs = ensure_node(self.base / "ca", self.base / "certs" / f"safekeeper{i}", "safekeeper", i,
-                            hosts=("localhost", self.sk_host(i)))
-        argv = sidecar_argv("safekeeper", "--id", str(i), "--listen", self.sk_address(i),
-                            "--data-dir", str(self.sk_dir(i)), "--certs-dir", str(certs))
-        if self.hosts is not None:
-            argv = self.hosts[i].argv(argv)
-        return Child(f"safekeeper{i}", argv, self.base / f"safekeeper{i}.log")
-
-    def sk_dir(self, i: int) -> Path:
-        return self.base / f"sk{i}"
-
-    @property
-    def children(self) -> list[Child]:
-        return [*self.safekeepers.values(), self.proposer]
-
-    def start(self) -> None:
+    def bring_up(self) -> None:
         """initdb, start the primary and the children (commits wait for the sidecar from now on)."""
-        self.cluster.init({"synchronous_standby_names": APP})
-        self.cluster.start()
-        with psycopg.connect(self.cluster.dsn(), autocommit=True) as c:
+        self.pg.init({"synchronous_standby_names": APP})
+        self.start("primary")
+        with psycopg.connect(self.dsn(), autocommit=True) as c:
             # Keeps every WAL segment from before the sidecar's first term, so the final check can
             # compare all of it. (No transaction id: this does not wait for the sidecar.)
             c.execute("SELECT pg_create_physical_replication_slot('chaos_keep', true)")
-        for child in self.children:
-            child.start()
+        self.start_all(wait=False)
 
     # ---- observing ----
 
@@ -216,7 +183,7 @@ class Deployment:
         """Run one query on the primary; None while it cannot be reached."""
         try:
             if self._conn is None or self._conn.closed:
-                self._conn = psycopg.connect(self.cluster.dsn(), autocommit=True, connect_timeout=3)
+                self._conn = psycopg.connect(self.dsn(), autocommit=True, connect_timeout=3)
             cur = self._conn.execute(sql)
             return cur.fetchall() if cur.description else []
         except psycopg.Error:
@@ -253,26 +220,30 @@ class Deployment:
                 bad.append(f"safekeeper {i} has no term history")
                 continue
             start = control.state.term_history[0].start_lsn
-            diff = first_difference(self.sk_dir(i) / "wal", self.cluster.pg_wal_dir, start, end)
+            diff = first_difference(self.sk_dir(i) / "wal", self.pg.pg_wal_dir, start, end)
             if diff is not None:
                 bad.append(f"safekeeper {i} differs from the primary at {format_lsn(diff)} "
                            f"(compared {format_lsn(start)}..{format_lsn(end)})")
         return bad
 
+    def sk_dir(self, i: int) -> Path:
+        return self.data_dir(f"safekeeper{i}")
+
     def check_children(self) -> None:
         """Fail if a child that should run has exited."""
-        for child in self.children:
-            if child.name not in self.down and not child.running:
-                raise ChaosFailure(f"{child.name} exited unexpectedly with code {child.returncode}")
+        try:
+            self.check_running()
+        except MemberExited as e:
+            raise ChaosFailure(f"{e.name} exited unexpectedly with code {e.returncode}") from e
 
-    def mark(self, child: Child, text: str) -> None:
-        """Append a marker line to a child's log, to find chaos events in it."""
-        with child.log_path.open("a") as f:
+    def mark(self, name: str, text: str) -> None:
+        """Append a marker line to a member's log, to find chaos events in it."""
+        with self.log_path(name).open("a") as f:  # type: ignore[union-attr]
             f.write(f"==== chaos {time.strftime('%H:%M:%S')}: {text} ====\n")
 
     def log_tails(self, lines: int = 25) -> str:
-        parts = [f"--- {c.log_path} ---\n{c.log_tail(lines)}" for c in self.children]
-        parts.append(f"--- {self.cluster.log_file} ---\n{self.cluster.log_tail(lines)}")
+        parts = [f"--- {c.log_path} ---\n{c.log_tail(lines)}" for c in [*self.safekeepers.values(), self.proposer] if c]
+        parts.append(f"--- {self.pg.log_file} ---\n{self.pg.log_tail(lines)}")
         return "\n".join(parts)
 
     # ---- stopping ----
@@ -281,15 +252,7 @@ class Deployment:
         """Stop everything this deployment started: the primary via pg_ctl, children by PID."""
         if self._conn is not None:
             self._conn.close()
-        try:
-            self.cluster.stop("fast", timeout=20)
-        except ClusterError:
-            try:
-                self.cluster.stop("immediate", timeout=20)
-            except ClusterError as e:
-                print(f"chaos: could not stop the primary: {e}", file=sys.stderr)
-        for child in [self.proposer, *self.safekeepers.values()]:
-            child.stop(timeout=10)
+        self.stop_all()
         if self.hosts is not None:
             self.hosts.close()
 
@@ -315,19 +278,24 @@ class Writer(threading.Thread):
         if "synchronous replication" in (diag.message_primary or ""):
             self._syncrep_warning = True
 
+    def _connect(self) -> psycopg.Connection | None:
+        """Connect, backing off from 50 ms to 1 s between attempts; None once the writer is stopped."""
+        retrying = Retrying(retry=retry_if_exception_type(psycopg.Error), wait=wait_exponential(0.05, max=1.0),
+                            stop=lambda _: self.stop_event.is_set(), sleep=self.stop_event.wait, reraise=True)
+        try:
+            conn = retrying(psycopg.connect, self.dsn, autocommit=True, connect_timeout=5)
+        except psycopg.Error:
+            return None
+        conn.add_notice_handler(self._on_notice)
+        return conn
+
     def run(self) -> None:
         conn: psycopg.Connection | None = None
-        backoff = 0.05
         while not self.stop_event.is_set():
             if conn is None:
-                try:
-                    conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=5)
-                    conn.add_notice_handler(self._on_notice)
-                    backoff = 0.05
-                except psycopg.Error:
-                    self.stop_event.wait(backoff)
-                    backoff = min(backoff * 2, 1.0)
-                    continue
+                conn = self._connect()
+                if conn is None:
+                    break
             self.next_key += 1
             self._syncrep_warning = False
             sent = time.monotonic()
@@ -361,7 +329,7 @@ class Chaos:
         self.kinds = kinds
         self.rng = random.Random(summary.seed)
         self.round_timeout = round_timeout
-        self.writers = [Writer(i, deployment.cluster.dsn()) for i in range(writers)]
+        self.writers = [Writer(i, deployment.dsn()) for i in range(writers)]
 
     def acked(self) -> int:
         return sum(len(w.acked) for w in self.writers)
@@ -398,7 +366,7 @@ class Chaos:
 
     def run(self) -> None:
         d = self.d
-        d.start()
+        d.bring_up()
         self.wait(lambda: (r := d.replication()) is not None and r[0] == "sync", self.round_timeout,
                   "the sidecar to become the synchronous standby")
         if d.query("CREATE TABLE chaos (k bigint PRIMARY KEY)") is None:
@@ -418,20 +386,17 @@ class Chaos:
         before = self.acked()
         if action == "safekeeper":
             i = rng.randint(1, SAFEKEEPERS)
-            child = d.safekeepers[i]
+            name = f"safekeeper{i}"
             what = f"kill -9 safekeeper {i}"
-            d.down.add(child.name)
-            child.kill()
+            d.kill(name)
             s.safekeeper_kills += 1
             self.wait(lambda: self.acked() >= before + PROGRESS_WRITES, self.round_timeout,
                       f"{PROGRESS_WRITES} writes with safekeeper {i} down (2 of 3 remain)")
-            d.mark(child, f"round {n}: restarting after kill -9")
-            child.start()
-            d.down.discard(child.name)
+            d.mark(name, f"round {n}: restarting after kill -9")
+            d.start(name)
         elif action == "sidecar":
             what = "kill -9 sidecar"
-            d.down.add(d.proposer.name)
-            d.proposer.kill()
+            d.kill("proposer")
             s.sidecar_kills += 1
             self.wait(d.walsender_gone, self.round_timeout, "the primary to drop the killed sidecar's walsender")
             gone = time.monotonic()
@@ -441,17 +406,16 @@ class Chaos:
             if unsafe:
                 s.unsafe_acks += unsafe
                 raise ChaosFailure(f"{unsafe} commits were acknowledged while no sidecar was attached")
-            d.mark(d.proposer, f"round {n}: restarting after kill -9")
-            d.proposer.start()
-            d.down.discard(d.proposer.name)
+            d.mark("proposer", f"round {n}: restarting after kill -9")
+            d.start("proposer")
         elif action == "partition":
             what = self.partition(n)
         else:
             what = "immediate stop of the primary"
-            d.cluster.crash()
+            d.kill("primary")
             s.primary_crashes += 1
             time.sleep(rng.uniform(0.2, 1.0))
-            d.cluster.start()
+            d.start("primary")
         t1 = time.monotonic()
         restarted = self.acked()
         target = self.wait(d.wal_flush, self.round_timeout, "the primary to answer")
@@ -480,8 +444,8 @@ class Chaos:
         assert d.hosts is not None, "partitions need the safekeepers in network namespaces"
         cut = sorted(rng.sample(range(1, SAFEKEEPERS + 1), rng.choice((1, 2))))
         names = " and ".join(f"safekeeper {i}" for i in cut)
-        for child in [d.proposer, *(d.safekeepers[i] for i in cut)]:
-            d.mark(child, f"round {n}: cutting the links of {names}")
+        for name in ["proposer", *(f"safekeeper{i}" for i in cut)]:
+            d.mark(name, f"round {n}: cutting the links of {names}")
         before = self.acked()
         s.partitions += 1
         try:
@@ -502,8 +466,8 @@ class Chaos:
         finally:
             for i in cut:
                 d.hosts[i].heal()
-        for child in [d.proposer, *(d.safekeepers[i] for i in cut)]:
-            d.mark(child, f"round {n}: links of {names} healed")
+        for name in ["proposer", *(f"safekeeper{i}" for i in cut)]:
+            d.mark(name, f"round {n}: links of {names} healed")
         return f"partition of {names}"
 
     def finish(self) -> None:

@@ -8,18 +8,10 @@ import socket
 import time
 from pathlib import Path
 
-import psycopg
-
+from sidecar.deployment import APP, DeploymentError, LocalDeployment
 from sidecar.logs import get_logger
-from sidecar.pgcluster import LocalCluster
-from sidecar.processes import Child, tls_args
 
-APP = "walsidecar"
 SAFEKEEPERS = 3
-
-
-class ChildDied(RuntimeError):
-    pass
 
 
 class Embedded:
@@ -30,13 +22,14 @@ class Embedded:
         self.base = base_dir.absolute()
         self.insecure = insecure
         self.link_security = link_security
-        self.cluster = LocalCluster(self.base / "pg", pg_port, log_file=self.base / "postgres.log")
-        self.sk_addrs = [f"127.0.0.1:{sk_port + i}" for i in range(SAFEKEEPERS)]
         # Proposer first, then one per safekeeper.
         self.metrics = [f"127.0.0.1:{p}" for p in metrics_ports(metrics_port, SAFEKEEPERS + 1)]
-        self.log_format = log_format
-        self.children: dict[str, Child] = {}
         self.log = get_logger(role="up")
+        self.d = LocalDeployment(
+            self.base, safekeepers=SAFEKEEPERS, pg_port=pg_port, sk_ports=[sk_port + i for i in range(SAFEKEEPERS)],
+            insecure=insecure, link_security=link_security, log_format=log_format, log=self.log,
+            extra={"proposer": ["--metrics", self.metrics[0]],
+                   **{f"safekeeper{i}": ["--metrics", self.metrics[i]] for i in range(1, SAFEKEEPERS + 1)}})
 
     def run(self) -> None:
         self.base.mkdir(parents=True, exist_ok=True)
@@ -45,7 +38,7 @@ class Embedded:
         stop = _stop_on_signals()
         try:
             self._start()
-            dsn = self.cluster.dsn()
+            dsn = self.d.dsn()
             config = self._write_config(dsn)
             (self.base / "ready").write_text(dsn + "\n")
             print(f"\nwalsidecar is up: commits on this primary wait for {SAFEKEEPERS // 2 + 1} of "
@@ -59,72 +52,20 @@ class Embedded:
                      f"{self.base}/ca, a certificate per process in {self.base}/certs\n")
                   + "Press Ctrl-C to stop.\n", flush=True)
             while not stop():
-                self._check_children()
+                self.d.check_running()
                 time.sleep(0.2)
-        except ChildDied as e:
+        except DeploymentError as e:
             self.log.error(str(e))
             raise SystemExit(1) from e
         finally:
-            self._stop()
+            self.d.stop_all()
 
     def _start(self) -> None:
-        if not (self.cluster.data_dir / "PG_VERSION").exists():
-            self.log.info("initdb", data_dir=str(self.cluster.data_dir))
-            self.cluster.init({"synchronous_standby_names": APP, "max_slot_wal_keep_size": "10GB"})
-        self.cluster.start()
-        for i, addr in enumerate(self.sk_addrs, start=1):
-            self._spawn(f"safekeeper{i}", "safekeeper", "--id", str(i), "--listen", addr,
-                        "--data-dir", str(self.base / f"safekeeper{i}"), "--metrics", self.metrics[i],
-                        *self._link_args(f"safekeeper{i}", "safekeeper", i))
-        self._spawn("proposer", "start", "--pg-dsn", self.cluster.dsn(), "--safekeepers", ",".join(self.sk_addrs),
-                    "--application-name", APP, "--metrics", self.metrics[0], *self._link_args("proposer"))
-        self._wait_sync()
-
-    def _link_args(self, name: str, role: str = "proposer", node_id: int | None = None) -> list[str]:
-        auth_only = [] if self.link_security == "tls" else ["--link-security", self.link_security]
-        return tls_args(self._certs(name, role, node_id)) + auth_only
-
-    def _certs(self, name: str, role: str = "proposer", node_id: int | None = None) -> Path | None:
-        """This process's certificates under DIR/certs, signed by DIR/ca (made once, reused); None if insecure."""
-        if self.insecure:
-            return None
-        from sidecar.certs import ensure_node
-        return ensure_node(self.base / "ca", self.base / "certs" / name, role, node_id)
-
-    def _spawn(self, name: str, *args: str) -> None:
-        # A session of its own: Ctrl-C reaches only `up`, which stops children in the right order.
-        child = Child.sidecar(name, args, self.base / f"{name}.log", self.log_format).start()
-        self.children[name] = child
-        self.log.info("started", process=name, pid=child.pid)
-
-    def _wait_sync(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        with psycopg.connect(self.cluster.dsn(), autocommit=True) as conn:
-            while time.monotonic() < deadline:
-                self._check_children()
-                row = conn.execute("SELECT sync_state FROM pg_stat_replication WHERE application_name = %s",
-                                   (APP,)).fetchone()
-                if row and row[0] == "sync":
-                    return
-                time.sleep(0.2)
-        raise ChildDied(f"the proposer did not become the synchronous standby within {timeout:.0f}s; "
-                        f"see {self.base}/proposer.log")
-
-    def _check_children(self) -> None:
-        for name, child in self.children.items():
-            if child.returncode is not None:
-                raise ChildDied(f"{name} exited with code {child.returncode}; see {self.base}/{name}.log")
-
-    def _stop(self) -> None:
-        # The primary's shutdown checkpoint waits for the sidecar, so stop it while the quorum is up.
-        if self.cluster.is_running():
-            self.cluster.stop()
-        for name in ["proposer"] + [n for n in self.children if n != "proposer"]:
-            child = self.children.get(name)
-            if child is None or not child.running:
-                continue
-            child.stop(timeout=15)
-            self.log.info("stopped", process=name, pid=child.pid)
+        pg = self.d.pg
+        if not (pg.data_dir / "PG_VERSION").exists():
+            self.log.info("initdb", data_dir=str(pg.data_dir))
+            pg.init({"synchronous_standby_names": APP, "max_slot_wal_keep_size": "10GB"})
+        self.d.start_all(timeout=120)
 
     def _write_config(self, dsn: str) -> Path:
         """A --config file for `walsidecar status` and `walsidecar check` against this cluster."""
@@ -132,10 +73,11 @@ class Embedded:
         path.write_text(
             "# Written by `walsidecar up`: walsidecar status --config THIS_FILE\n"
             f"pg_dsn = {_toml_str(dsn)}\n"
-            f"safekeepers = {_toml_str(','.join(self.sk_addrs))}\n"
+            f"safekeepers = {_toml_str(','.join(self.d.addresses))}\n"
             f"application_name = {_toml_str(APP)}\n"
             f"proposer_metrics = {_toml_str(self.metrics[0])}\n"
-            + ("insecure = true\n" if self.insecure else f"certs_dir = {_toml_str(str(self._certs('client', 'client')))}\n")
+            + ("insecure = true\n" if self.insecure else
+               f"certs_dir = {_toml_str(str(self.d.certs_dir('client', 'client')))}\n")
             + ("" if self.link_security == "tls" else f"link_security = {_toml_str(self.link_security)}\n"))
         return path
 

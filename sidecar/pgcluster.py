@@ -6,6 +6,7 @@ import grp
 import os
 import pwd
 import shutil
+import signal
 import stat
 import subprocess
 from pathlib import Path
@@ -52,6 +53,11 @@ def find_bin_dir() -> Path:
         + ", ".join(str(c) for c in candidates)
         + "); run scripts/install.sh"
     )
+
+
+def initdb_args(data_dir: Path) -> list[str]:
+    """initdb's arguments for a cluster walsidecar manages (trust auth, UTF8, C locale), wherever it runs."""
+    return ["-D", str(data_dir), "-U", "postgres", "-A", "trust", "-E", "UTF8", "--locale=C", "--no-instructions"]
 
 
 def quote_setting(value: str) -> str:
@@ -219,13 +225,16 @@ class LocalCluster:
         self.log_file.touch(exist_ok=True)
         self._chown(self.log_file)
 
-    def log_tail(self, lines: int = 40) -> str:
-        """Last lines of the server log (empty string when there is none)."""
+    def log_text(self) -> str:
+        """The server log so far (empty string when there is none)."""
         try:
-            text = self.log_file.read_text(errors="replace")
+            return self.log_file.read_text(errors="replace")
         except OSError:
             return ""
-        return _tail(text, lines)
+
+    def log_tail(self, lines: int = 40) -> str:
+        """Last lines of the server log."""
+        return _tail(self.log_text(), lines)
 
     # ----- configuration -----
 
@@ -234,24 +243,17 @@ class LocalCluster:
         if (self.data_dir / "PG_VERSION").exists():
             raise ClusterError(f"{self.data_dir} is already initialised")
         self._prepare_dirs()
-        proc = self.run_bin(
-            "initdb",
-            "-D", str(self.data_dir),
-            "-U", "postgres",
-            "-A", "trust",
-            "-E", "UTF8",
-            "--locale=C",
-            "--no-instructions",
-            check=False,
-            timeout=300,
-        )
+        proc = self.run_bin("initdb", *initdb_args(self.data_dir), check=False, timeout=300)
         if proc.returncode != 0:
             raise ClusterError(
                 f"initdb failed for {self.data_dir} (exit {proc.returncode}):\n"
                 f"{_tail(proc.stdout or '')}\n{_tail(proc.stderr or '')}"
             )
-        conf = self.data_dir / "postgresql.conf"
-        with conf.open("a") as f:
+        self.configure(settings)
+
+    def configure(self, settings: Mapping[str, str] | None = None) -> None:
+        """After initdb: include walsidecar.conf from postgresql.conf and write the defaults plus settings to it."""
+        with (self.data_dir / "postgresql.conf").open("a") as f:
             f.write(f"\n# Settings managed by walsidecar; later lines win.\n{_INCLUDE_LINE}\n")
         base: dict[str, str] = {
             "listen_addresses": self.host,
@@ -351,6 +353,21 @@ class LocalCluster:
         except (OSError, IndexError):
             return None
         return int(first) if self.is_running() else None
+
+    def teardown(self) -> None:
+        """Stop by any means that targets only this server: pg_ctl fast, immediate, then its postmaster's PID."""
+        for mode in ("fast", "immediate"):
+            try:
+                self.stop(mode=mode, timeout=30)
+                return
+            except (ClusterError, OSError, subprocess.SubprocessError):
+                continue
+        pid = self.postmaster_pid()
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def dsn(self, dbname: str = "postgres", user: str = "postgres", **params: str) -> str:
         """libpq keyword/value connection string for this cluster over TCP."""

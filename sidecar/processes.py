@@ -1,12 +1,14 @@
-"""walsidecar child processes (safekeepers, the proposer): own session, log file, stopped by PID."""
+"""Child processes (safekeepers, the proposer, tools): own session, log file, stopped by PID."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 
 def sidecar_argv(*args: str, log_format: str = "plain") -> list[str]:
@@ -23,13 +25,17 @@ class Child:
     """One child process whose stdout and stderr are appended to `log_path`.
 
     It runs in a session of its own, so a Ctrl-C aimed at the parent does not reach it:
-    the parent decides the order in which things stop.
+    the parent decides the order in which things stop. Every signal goes to the PID it started.
     """
 
-    def __init__(self, name: str, argv: Sequence[str], log_path: Path) -> None:
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path, *, env: Mapping[str, str] | None = None,
+                 cwd: Path | str | None = None, **popen_kwargs: Any) -> None:
         self.name = name
         self.argv = [str(a) for a in argv]
         self.log_path = Path(log_path)
+        self.env = dict(env or {})  # on top of this process's environment
+        self.cwd = cwd
+        self.popen_kwargs = popen_kwargs
         self._popen: subprocess.Popen[bytes] | None = None
 
     @classmethod
@@ -38,7 +44,7 @@ class Child:
         return cls(name, sidecar_argv(*args, log_format=log_format), log_path)
 
     def __repr__(self) -> str:
-        return f"Child({self.name!r}, pid={self.pid}, returncode={self.returncode})"
+        return f"{type(self).__name__}({self.name!r}, pid={self.pid}, returncode={self.returncode})"
 
     def start(self) -> Child:
         """Spawn the process (again, if it ran before and has exited)."""
@@ -46,8 +52,10 @@ class Child:
             raise RuntimeError(f"{self.name} is already running (pid {self.pid})")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
-            self._popen = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
-                                           stderr=subprocess.STDOUT, start_new_session=True)
+            self._popen = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                           env={**os.environ, **self.env} if self.env else None,
+                                           cwd=None if self.cwd is None else str(self.cwd),
+                                           start_new_session=True, **self.popen_kwargs)
         return self
 
     @property
@@ -65,30 +73,55 @@ class Child:
         """True while the last process started has not exited."""
         return self._popen is not None and self._popen.poll() is None
 
+    def send_signal(self, sig: int) -> None:
+        """Send `sig` to this PID if it still runs."""
+        if self.running:
+            assert self._popen is not None
+            self._popen.send_signal(sig)
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the exit and return the exit status; raises subprocess.TimeoutExpired."""
+        assert self._popen is not None, f"{self.name} was never started"
+        return self._popen.wait(timeout)
+
     def kill(self) -> int | None:
         """SIGKILL this PID (if it still runs) and reap it; returns the exit status."""
         if self._popen is None:
             return None
-        if self._popen.poll() is None:
-            self._popen.send_signal(signal.SIGKILL)
+        self.send_signal(signal.SIGKILL)
         return self._popen.wait()
 
-    def stop(self, timeout: float = 15.0) -> int | None:
-        """SIGTERM (a clean shutdown), SIGKILL after `timeout` seconds; returns the exit status."""
+    def stop(self, timeout: float = 15.0, sig: int = signal.SIGTERM) -> int | None:
+        """`sig` (SIGTERM: a clean shutdown), SIGKILL after `timeout` seconds; returns the exit status."""
         if self._popen is None:
             return None
-        if self._popen.poll() is None:
-            self._popen.send_signal(signal.SIGTERM)
-            try:
-                self._popen.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self._popen.kill()
-        return self._popen.wait()
-
-    def log_tail(self, lines: int = 40) -> str:
-        """The last lines of the log file (empty when there is none)."""
+        self.send_signal(sig)
         try:
-            text = self.log_path.read_text(errors="replace")
+            return self._popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return self.kill()
+
+    def restart(self, timeout: float = 15.0) -> Child:
+        """stop() then start(): the same command line, appending to the same log."""
+        self.stop(timeout)
+        return self.start()
+
+    def kill_group(self) -> None:
+        """SIGKILL what is left of the session this process leads (its own descendants)."""
+        if self.pid is None:
+            return
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def log_text(self) -> str:
+        """Everything the process has written to its log so far (empty when there is none)."""
+        try:
+            return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
-        return "\n".join(text.splitlines()[-lines:])
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last lines of the log file."""
+        return "\n".join(self.log_text().splitlines()[-lines:])

@@ -135,14 +135,13 @@ def procs(request: pytest.FixtureRequest, test_dir: Path) -> Iterator[ProcessTra
     finally:
         tracker.kill_all()
         if _failed(request):
-            for proc in tracker.started:
-                tail = "\n".join(proc.log_text().splitlines()[-60:])
-                print(f"--- {proc!r} log tail ({proc.log_path}) ---\n{tail}")
+            print(tracker.log_tails(60))
 
 
 @pytest.fixture
 def deployment(pg_factory: Callable[..., PgServer], procs: ProcessTracker, test_dir: Path) -> Deployment:
-    """A primary naming the sidecar in synchronous_standby_names, 3 safekeepers and the sidecar, streaming."""
+    """A primary naming the sidecar in synchronous_standby_names, 3 safekeepers and the sidecar, streaming
+    (a LocalDeployment whose processes `procs` tracks)."""
     pg = pg_factory(settings={"synchronous_standby_names": APP})
     d = Deployment(pg, procs, test_dir)
     d.start_all()

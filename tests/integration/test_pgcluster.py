@@ -1,4 +1,4 @@
-"""Tests of the PostgreSQL cluster manager and the test infrastructure itself."""
+"""Tests of the PostgreSQL cluster manager, the process wrapper, the local deployment and the test infrastructure."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ import pytest
 from support.backends import PgServer
 from support.helpers import free_port, wait_for
 from support.procs import ManagedProcess, ProcessTracker
+from sidecar.deployment import APP, LocalDeployment, MemberExited
 from sidecar.pgcluster import ClusterError, LocalCluster, quote_setting
+from sidecar.processes import Child
 
 
 def _show(server: PgServer, name: str) -> str:
@@ -186,3 +188,39 @@ def test_wait_for_returns_value_and_ignores() -> None:
     assert wait_for(probe, 5, 0.001, "probe", ignore=(ConnectionError,)) == "ok"
     with pytest.raises(ConnectionError):
         wait_for(lambda: (_ for _ in ()).throw(ConnectionError("x")), 1, 0.01, "raise")
+
+
+def test_child_restarts_with_the_same_command_and_log(test_dir: Path) -> None:
+    child = Child("echo", [sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(600)"],
+                  test_dir / "echo.log")
+    try:
+        first = child.start().pid
+        wait_for(lambda: str(first) in child.log_text(), 10, what="the first output")
+        assert child.restart(timeout=5).pid != first and child.running
+        wait_for(lambda: len(child.log_text().split()) == 2, 10, what="the second output")
+        assert child.log_text().split() == [str(first), str(child.pid)]
+    finally:
+        child.kill()
+    assert not child.running and child.returncode == -signal.SIGKILL
+
+
+def test_local_deployment_knows_its_members_by_name(procs: ProcessTracker, test_dir: Path) -> None:
+    with LocalDeployment(test_dir / "d", safekeepers=3, spawn=procs.spawn) as d:  # stop_all() at the end
+        d.pg.init({"synchronous_standby_names": APP})
+        d.start_all()
+        assert list(d.members) == ["primary", "safekeeper1", "safekeeper2", "safekeeper3", "proposer"]
+        assert (test_dir / "d" / "certs" / "safekeeper2" / "node.key").exists(), "a CA and certificates of its own"
+        assert d.data_dir("safekeeper1") == test_dir / "d" / "safekeeper1"
+        d.kill("safekeeper2")
+        assert not d["safekeeper2"].running
+        d.check_running()  # killed on purpose: not a failure
+        d.start("safekeeper2")
+        first = d.proposer
+        d.restart("proposer")
+        assert first is not None and not first.running and d.proposer is not first
+        d.wait_streaming()
+        d.proposer.kill()  # behind the deployment's back
+        with pytest.raises(MemberExited, match="proposer exited"):
+            d.check_running()
+    assert not d.pg.is_running()
+    assert not any(p.running for p in procs.started), "stop_all stops every process it started"

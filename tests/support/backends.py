@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import pwd
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,38 +12,25 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 import psycopg
 
 from support.helpers import free_port, wait_for
-from sidecar.pgcluster import DEFAULT_SETTINGS, MANAGED_CONF, ClusterError, LocalCluster
+from sidecar.deployment import PgServer as DeployedServer
+from sidecar.pgcluster import ClusterError, LocalCluster, initdb_args
 
 
 @runtime_checkable
-class PgServer(Protocol):
-    """What tests may do with a PostgreSQL server, whatever runs it."""
+class PgServer(DeployedServer, Protocol):
+    """What tests may do with a PostgreSQL server, whatever runs it: what a deployment does, and more."""
 
     name: str
     host: str
-    port: int
-
-    @property
-    def data_dir(self) -> Path: ...
 
     @property
     def pg_wal_dir(self) -> Path: ...
-
-    def start(self, timeout: float = 60) -> None: ...
-
-    def stop(self, mode: str = "fast", timeout: float = 60) -> None: ...
-
-    def crash(self) -> None: ...
 
     def restart(self) -> None: ...
 
     def reload(self) -> None: ...
 
-    def is_running(self) -> bool: ...
-
     def set(self, settings: Mapping[str, str | None]) -> None: ...
-
-    def dsn(self, dbname: str = "postgres", user: str = "postgres", **params: str) -> str: ...
 
     def run_bin(
         self, name: str, *args: str, check: bool = True, capture: bool = True
@@ -53,101 +39,16 @@ class PgServer(Protocol):
     def log_text(self) -> str: ...
 
 
-class _ClusterPaths:
-    """Paths and repr of a server whose data directory a LocalCluster describes (the same on host and in a container)."""
-
-    name: str
-    port: int
-    cluster: LocalCluster
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name!r}, port={self.port}, data_dir={str(self.data_dir)!r})"
-
-    @property
-    def data_dir(self) -> Path:
-        """The server's data directory."""
-        return self.cluster.data_dir
-
-    @property
-    def pg_wal_dir(self) -> Path:
-        """The server's pg_wal directory."""
-        return self.cluster.pg_wal_dir
-
-
-class LocalPgServer(_ClusterPaths):
-    """A PgServer backed by sidecar.pgcluster.LocalCluster on 127.0.0.1."""
+class LocalPgServer(LocalCluster):
+    """A PgServer that is a sidecar.pgcluster.LocalCluster on 127.0.0.1 under BASE_DIR/NAME."""
 
     def __init__(self, name: str, base_dir: Path, port: int | None = None) -> None:
         self.name = name
-        self.host = "127.0.0.1"
-        self.port = port if port is not None else free_port(self.host)
-        self.cluster = LocalCluster(
-            base_dir / name / "data", self.port, host=self.host, log_file=base_dir / name / "server.log"
-        )
+        super().__init__(base_dir / name / "data", port if port is not None else free_port("127.0.0.1"),
+                         log_file=base_dir / name / "server.log")
 
-    def init(self, settings: Mapping[str, str] | None = None) -> None:
-        """initdb with the cluster defaults plus settings."""
-        self.cluster.init(dict(settings or {}))
-
-    def start(self, timeout: float = 60) -> None:
-        """Start and wait until connections are accepted."""
-        self.cluster.start(timeout=timeout)
-
-    def stop(self, mode: str = "fast", timeout: float = 60) -> None:
-        """Stop if running."""
-        self.cluster.stop(mode=mode, timeout=timeout)
-
-    def crash(self) -> None:
-        """Immediate stop: the next start runs crash recovery."""
-        self.cluster.crash()
-
-    def restart(self) -> None:
-        """Fast stop then start."""
-        self.cluster.restart()
-
-    def reload(self) -> None:
-        """SIGHUP the postmaster; poll SHOW to see the effect."""
-        self.cluster.reload()
-
-    def is_running(self) -> bool:
-        """True while the postmaster is alive."""
-        return self.cluster.is_running()
-
-    def set(self, settings: Mapping[str, str | None]) -> None:
-        """Merge managed settings (None removes one); then reload() or restart()."""
-        self.cluster.set(settings)
-
-    def dsn(self, dbname: str = "postgres", user: str = "postgres", **params: str) -> str:
-        """libpq connection string over TCP."""
-        return self.cluster.dsn(dbname=dbname, user=user, **params)
-
-    def run_bin(
-        self, name: str, *args: str, check: bool = True, capture: bool = True
-    ) -> subprocess.CompletedProcess[str]:
-        """Run pgbench, psql, pg_waldump, ... as the server's OS user, pointed at this server."""
-        return self.cluster.run_bin(name, *args, check=check, capture=capture)
-
-    def log_text(self) -> str:
-        """The server log so far."""
-        try:
-            return self.cluster.log_file.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def teardown(self) -> None:
-        """Stop by any means that targets only this server: pg_ctl fast, immediate, then its PID."""
-        for mode in ("fast", "immediate"):
-            try:
-                self.cluster.stop(mode=mode, timeout=30)
-                return
-            except (ClusterError, OSError, subprocess.SubprocessError):
-                continue
-        pid = self.cluster.postmaster_pid()
-        if pid is not None:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, port={self.port}, data_dir={str(self.data_dir)!r})"
 
 
 class LocalBackend:
@@ -163,7 +64,7 @@ class LocalBackend:
         return server
 
 
-class ContainerPgServer(_ClusterPaths):
+class ContainerPgServer:
     """A PgServer in a walsidecar/postgres container on the host network, bound to 127.0.0.1.
 
     Its directory is bind-mounted at the same path inside the container, so data_dir, pg_wal_dir
@@ -187,6 +88,19 @@ class ContainerPgServer(_ClusterPaths):
         self.server: Any = None
         self._init_output = ""
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, port={self.port}, data_dir={str(self.data_dir)!r})"
+
+    @property
+    def data_dir(self) -> Path:
+        """The server's data directory (the same path in the container)."""
+        return self.cluster.data_dir
+
+    @property
+    def pg_wal_dir(self) -> Path:
+        """The server's pg_wal directory."""
+        return self.cluster.pg_wal_dir
+
     def _mounts(self) -> dict[str, str]:
         return {str(self.dir): str(self.dir)}
 
@@ -196,16 +110,12 @@ class ContainerPgServer(_ClusterPaths):
         os.chmod(self.dir, 0o755)
         self.data_dir.mkdir(mode=0o700)
         os.chown(self.data_dir, self._h.PG_UID, self._h.PG_UID)
-        proc = self._h.run_once(self._h.PG_IMAGE, [f"{self._h.PG_BIN}/initdb", "-D", str(self.data_dir),
-                                                  "-U", "postgres", "-A", "trust", "-E", "UTF8", "--locale=C",
-                                                  "--no-instructions"], volumes=self._mounts())
+        proc = self._h.run_once(self._h.PG_IMAGE, [f"{self._h.PG_BIN}/initdb", *initdb_args(self.data_dir)],
+                                volumes=self._mounts())
         self._init_output = proc.stdout + proc.stderr
         if proc.returncode != 0:
             raise ClusterError(f"initdb failed in a container for {self.data_dir}:\n{self._init_output}")
-        with (self.data_dir / "postgresql.conf").open("a") as f:
-            f.write(f"\n# Settings managed by walsidecar; later lines win.\ninclude_if_exists = '{MANAGED_CONF}'\n")
-        self.cluster.set({"listen_addresses": self.host, "port": str(self.port), "unix_socket_directories": "",
-                          **DEFAULT_SETTINGS, **(settings or {})})
+        self.cluster.configure(settings)
 
     def start(self, timeout: float = 60) -> None:
         """Start the container (created on the first start) and wait until connections are accepted."""

@@ -1,85 +1,68 @@
-"""A primary, three safekeeper processes and the proposer, as the integration tests run them."""
+"""sidecar.deployment.LocalDeployment as the integration tests use it, and what tests do with one."""
 
 from __future__ import annotations
 
-import sys
 import threading
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import psycopg
 
 from support.backends import PgServer
-from support.helpers import free_port, wait_for
 from support.pki import TestPKI, session_pki
 from support.procs import ManagedProcess, ProcessTracker
+from sidecar.deployment import APP, LocalDeployment
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE, parse_lsn, segment_file_name
 from sidecar.safekeeper.control import load_control
 
-APP = "walsidecar"
+__all__ = ["APP", "Deployment", "Writer", "commit_lsn_of", "read_wal", "start_commit", "wal_matches_primary"]
 
 
-@dataclass
-class Deployment:
-    pg: PgServer
-    procs: ProcessTracker
-    base: Path
-    n: int = 3
-    ports: list[int] = field(default_factory=list)
-    safekeepers: dict[int, ManagedProcess] = field(default_factory=dict)
-    proposer: ManagedProcess | None = None
-    pki: TestPKI = field(default_factory=session_pki)
-    insecure: bool = False  # True: every process runs with --insecure instead of certificates
-    link_security: str = "tls"  # or "auth-only": the certificates authenticate, nothing is encrypted
+class SessionCertificates:
+    """The session PKI's certificates directory for a process's role and id (tests/support/pki.py)."""
 
-    def __post_init__(self) -> None:
-        self.ports = [free_port() for _ in range(self.n)]
+    def __init__(self, pki: TestPKI) -> None:
+        self.pki = pki
+
+    def certs(self, name: str, role: str, node_id: int | None, hosts: tuple[str, ...]) -> Path:
+        return self.pki.certs(role, node_id)
+
+
+class Deployment(LocalDeployment):
+    """A LocalDeployment on the test's server, its processes started through `procs` (a log per start,
+    SIGKILLed by PID at teardown, logs printed for a failed test), certificates from the session PKI."""
+
+    def __init__(self, pg: PgServer, procs: ProcessTracker, base: Path, n: int = 3, *, insecure: bool = False,
+                 link_security: str = "tls", pki: TestPKI | None = None) -> None:
+        self.procs = procs
+        self.pki = pki or session_pki()
+        super().__init__(base, safekeepers=n, primary=pg, insecure=insecure, link_security=link_security,
+                         certificates=SessionCertificates(self.pki), spawn=procs.spawn)
 
     @property
-    def addresses(self) -> list[str]:
-        return [f"127.0.0.1:{p}" for p in self.ports]
+    def ports(self) -> list[int]:
+        return [int(a.rpartition(":")[2]) for a in self.addresses]
 
     def sk_dir(self, i: int) -> Path:
-        return self.base / f"sk{i}"
+        return self.data_dir(f"safekeeper{i}")
 
     def tls(self, role: str, node_id: int | None = None) -> list[str]:
         """`--certs-dir DIR` of a process with this role (`--insecure` for an insecure deployment)."""
-        if self.insecure:
-            return ["--insecure"]
-        return self.pki.args(role, node_id) + ([] if self.link_security == "tls" else
-                                               ["--link-security", self.link_security])
+        return self.link_args(role, role, node_id)
 
     def start_safekeeper(self, i: int, *extra: str) -> ManagedProcess:
-        proc = self.procs.start(
-            [sys.executable, "-m", "sidecar", "safekeeper", "--id", str(i), "--listen", self.addresses[i - 1],
-             "--data-dir", str(self.sk_dir(i)), *self.tls("safekeeper", i), *extra], name=f"safekeeper{i}")
-        self.safekeepers[i] = proc
-        return proc
+        return self.start(f"safekeeper{i}", *extra)
 
     def start_proposer(self, *extra: str) -> ManagedProcess:
-        self.proposer = self.procs.start(
-            [sys.executable, "-m", "sidecar", "start", "--pg-dsn", self.pg.dsn(), "--safekeepers",
-             ",".join(self.addresses), *self.tls("proposer"), *extra], name="proposer")
-        return self.proposer
+        return self.start("proposer", *extra)
 
-    def start_all(self) -> None:
-        for i in range(1, self.n + 1):
-            self.start_safekeeper(i)
-        self.start_proposer()
-        self.wait_sync()
-
-    def sql(self) -> psycopg.Connection:
-        return psycopg.connect(self.pg.dsn(), autocommit=True)
+    def wait_sync(self, timeout: float = 60) -> None:
+        self.wait_streaming(timeout, check=False)
 
     def replication_row(self) -> tuple | None:
         with self.sql() as c:
             return c.execute(
                 "SELECT application_name, state, sync_state, flush_lsn::text, replay_lsn::text "
                 "FROM pg_stat_replication WHERE application_name = %s", (APP,)).fetchone()
-
-    def wait_sync(self, timeout: float = 60) -> None:
-        wait_for(lambda: (r := self.replication_row()) is not None and r[2] == "sync",
-                 timeout=timeout, what="the sidecar to be the synchronous standby")
 
     def flush_lsn(self) -> int:
         row = self.replication_row()

@@ -1,0 +1,475 @@
+"""A local deployment: a PostgreSQL primary, N safekeepers and the proposer, each a member known by name.
+
+`walsidecar up`, the integration tests, scripts/chaos.py and scripts/bench.py build on it. Members are
+`primary`, `safekeeper1`..`safekeeperN` and `proposer`; each can be started, stopped, killed (kill -9; an
+immediate stop for the primary) and restarted on its own, and has a log file and a data directory.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import psycopg
+
+from sidecar.certs import ensure_node
+from sidecar.pgcluster import LocalCluster
+from sidecar.processes import Child, sidecar_argv, tls_args
+
+APP = "walsidecar"
+LOOPBACK_HOST = "127.0.0.1"
+
+
+class DeploymentError(RuntimeError):
+    """The deployment did not come up as asked; the message says what and which log to read."""
+
+
+class MemberExited(DeploymentError):
+    """A member that should run has exited."""
+
+    def __init__(self, member: ProcessMember) -> None:
+        self.name, self.returncode, self.log_path = member.name, member.returncode, member.log_path
+        super().__init__(f"{self.name} exited with code {self.returncode}; see {self.log_path}")
+
+
+def free_port(host: str = LOOPBACK_HOST) -> int:
+    """A TCP port on `host` that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class Place(Protocol):
+    """Where a member runs: the address it listens on, and how its command line is run there."""
+
+    address: str
+
+    def argv(self, argv: Sequence[str]) -> list[str]: ...
+
+
+class Loopback:
+    """This host's 127.0.0.1: the command line runs as it is."""
+
+    address = LOOPBACK_HOST
+
+    def argv(self, argv: Sequence[str]) -> list[str]:
+        return list(argv)
+
+
+class Certificates(Protocol):
+    """Where a walsidecar process's certificates directory comes from."""
+
+    def certs(self, name: str, role: str, node_id: int | None, hosts: tuple[str, ...]) -> Path: ...
+
+
+class OwnCA:
+    """A CA under BASE/ca (made once, reused) and a certificates directory per process under BASE/certs/NAME."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+
+    def certs(self, name: str, role: str, node_id: int | None = None, hosts: tuple[str, ...] = ()) -> Path:
+        return ensure_node(self.base / "ca", self.base / "certs" / name, role, node_id, hosts=hosts)
+
+
+@runtime_checkable
+class PgServer(Protocol):
+    """The primary's server as the deployment drives it (a LocalCluster, or a test backend's server)."""
+
+    port: int
+
+    @property
+    def data_dir(self) -> Path: ...
+
+    def start(self, timeout: float = 60) -> None: ...
+
+    def stop(self, mode: str = "fast", timeout: float = 60) -> None: ...
+
+    def crash(self) -> None: ...
+
+    def is_running(self) -> bool: ...
+
+    def teardown(self) -> None: ...
+
+    def dsn(self, dbname: str = "postgres", user: str = "postgres", **params: str) -> str: ...
+
+
+Spawn = Callable[[str, Sequence[str], Path], Child]
+
+
+def start_child(name: str, argv: Sequence[str], log_path: Path) -> Child:
+    """The default way to start a member's process: a Child appending to the member's log."""
+    return Child(name, argv, log_path).start()
+
+
+class Member:
+    """One named part of a deployment.
+
+    To add a kind of member (a standby, a reader, etcd, an S3 server): subclass ProcessMember (or
+    SidecarMember for a `walsidecar` subcommand) with its `argv()` (and `standby` if it streams from the
+    primary as a synchronous standby), then `LocalDeployment.add()` an instance, or make one in
+    LocalDeployment.__init__ if every deployment has it. Start, stop, kill, restart, the liveness check,
+    the log, the data directory and the order of stopping come with it.
+    """
+
+    name: str
+    standby: str | None = None  # application_name it streams from the primary as, if it does
+
+    def start(self, *extra: str) -> Any: ...
+
+    def stop(self, timeout: float = 15) -> None: ...
+
+    def kill(self) -> None: ...
+
+    def close(self) -> None:
+        """Stop by any means, for cleanup."""
+        self.stop()
+
+    def restart(self) -> Any:
+        self.stop()
+        return self.start()
+
+    @property
+    def running(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def data_dir(self) -> Path:
+        raise NotImplementedError
+
+    @property
+    def log_path(self) -> Path | None:
+        raise NotImplementedError
+
+
+class Primary(Member):
+    """The PostgreSQL primary: kill is an immediate stop (no shutdown checkpoint, crash recovery next)."""
+
+    def __init__(self, server: PgServer) -> None:
+        self.name = "primary"
+        self.server = server
+
+    def start(self, *extra: str) -> None:
+        if not self.server.is_running():
+            self.server.start()
+
+    def stop(self, timeout: float = 60) -> None:
+        self.server.stop("fast", timeout=timeout)
+
+    def kill(self) -> None:
+        self.server.crash()
+
+    def close(self) -> None:
+        self.server.teardown()
+
+    @property
+    def running(self) -> bool:
+        return self.server.is_running()
+
+    @property
+    def data_dir(self) -> Path:
+        return self.server.data_dir
+
+    @property
+    def log_path(self) -> Path | None:
+        return getattr(self.server, "log_file", None)
+
+
+class ProcessMember(Member):
+    """A member that is one process at a time, started through the deployment's `spawn`."""
+
+    role = "client"  # the certificate it gets, if it is a walsidecar process
+
+    def __init__(self, d: LocalDeployment, name: str, *, node_id: int | None = None, port: int | None = None,
+                 place: Place | None = None) -> None:
+        self.d = d
+        self.name = name
+        self.node_id = node_id
+        self.port = port
+        self.place: Place = place or Loopback()
+        self.children: list[Child] = []  # every process started, so that cleanup stops them all
+        self.wanted = False  # started and not stopped on purpose since
+        self._extra: tuple[str, ...] = ()
+
+    def argv(self) -> list[str]:
+        """The command line (before the place's wrapper and the extra arguments)."""
+        raise NotImplementedError
+
+    @property
+    def address(self) -> str:
+        return f"{self.place.address}:{self.port}"
+
+    @property
+    def child(self) -> Child | None:
+        """The process started last."""
+        return self.children[-1] if self.children else None
+
+    @property
+    def running(self) -> bool:
+        return self.child is not None and self.child.running
+
+    @property
+    def returncode(self) -> int | None:
+        return self.child.returncode if self.child is not None else None
+
+    @property
+    def data_dir(self) -> Path:
+        return self.d.base / self.name
+
+    @property
+    def log_path(self) -> Path:
+        return self.child.log_path if self.child is not None else self.d.base / f"{self.name}.log"
+
+    def start(self, *extra: str) -> Child:
+        """Start a new process for this member (with `extra` arguments this time) and return it."""
+        self._extra = extra
+        argv = self.place.argv([*self.argv(), *self.d.extra.get(self.name, ()), *extra])
+        child = self.d.spawn(self.name, argv, self.d.base / f"{self.name}.log")
+        self.children.append(child)
+        self.wanted = True
+        self.d.note("started", process=self.name, pid=child.pid)
+        return child
+
+    def restart(self) -> Child:
+        self.stop()
+        return self.start(*self._extra)
+
+    def stop(self, timeout: float = 15) -> None:
+        """SIGTERM each process of this member still running, SIGKILL after `timeout` seconds."""
+        self.wanted = False
+        for child in self.children:
+            if child.running:
+                child.stop(timeout=timeout)
+                self.d.note("stopped", process=self.name, pid=child.pid)
+
+    def kill(self) -> None:
+        """kill -9 (and reap) each process of this member still running."""
+        self.wanted = False
+        for child in self.children:
+            child.kill()
+
+    def check(self) -> None:
+        """Raise MemberExited if this member should run and does not."""
+        if self.wanted and not self.running:
+            raise MemberExited(self)
+
+
+class SidecarMember(ProcessMember):
+    """A `walsidecar` subcommand, with this deployment's certificates and link security."""
+
+    def args(self) -> list[str]:
+        raise NotImplementedError
+
+    def argv(self) -> list[str]:
+        hosts = () if self.place.address == LOOPBACK_HOST else ("localhost", self.place.address)
+        return sidecar_argv(*self.args(), *self.d.link_args(self.name, self.role, self.node_id, hosts),
+                            log_format=self.d.log_format)
+
+
+class Safekeeper(SidecarMember):
+    role = "safekeeper"
+
+    def args(self) -> list[str]:
+        return ["safekeeper", "--id", str(self.node_id), "--listen", self.address, "--data-dir", str(self.data_dir)]
+
+
+class Proposer(SidecarMember):
+    role = "proposer"
+
+    @property
+    def standby(self) -> str:  # type: ignore[override]
+        return self.d.application_name
+
+    def args(self) -> list[str]:
+        return ["start", "--pg-dsn", self.d.pg.dsn(), "--safekeepers", ",".join(self.d.addresses),
+                "--application-name", self.d.application_name]
+
+
+class LocalDeployment:
+    """A primary, `safekeepers` safekeepers and the proposer on this machine, under `base`.
+
+    `primary` is a server made elsewhere (initialised or not); by default a LocalCluster in BASE/pg.
+    Certificates come from `certificates` (default: a CA of its own under BASE), or none when `insecure`.
+    `places` puts members elsewhere (a network namespace: its address and command wrapper), `extra` adds
+    arguments to a member's every start, `spawn` starts each process (tests track them with it), `log`
+    (a structlog logger) is told of each start and stop. As a context manager it stops all it started.
+    """
+
+    def __init__(self, base: Path, *, safekeepers: int = 3, proposer: bool = True, primary: PgServer | None = None,
+                 pg_port: int | None = None, sk_ports: Sequence[int] | None = None, insecure: bool = False,
+                 link_security: str = "tls", certificates: Certificates | None = None,
+                 application_name: str = APP, log_format: str = "plain", places: Mapping[str, Place] | None = None,
+                 extra: Mapping[str, Sequence[str]] | None = None, spawn: Spawn = start_child,
+                 pick_port: Callable[[], int] = free_port, log: Any = None) -> None:
+        self.base = Path(base).absolute()
+        self.insecure = insecure
+        self.link_security = link_security
+        self.certificates = certificates or OwnCA(self.base)
+        self.application_name = application_name
+        self.log_format = log_format
+        self.extra = {k: list(v) for k, v in (extra or {}).items()}
+        self.spawn = spawn
+        self._log = log
+        places = places or {}
+        server = primary if primary is not None else LocalCluster(
+            self.base / "pg", pg_port if pg_port is not None else pick_port(), log_file=self.base / "postgres.log")
+        self.members: dict[str, Member] = {}
+        self.add(Primary(server))
+        for i in range(1, safekeepers + 1):
+            name = f"safekeeper{i}"
+            self.add(Safekeeper(self, name, node_id=i, place=places.get(name),
+                                port=sk_ports[i - 1] if sk_ports is not None else pick_port()))
+        if proposer and safekeepers:
+            self.add(Proposer(self, "proposer"))
+
+    def __enter__(self) -> LocalDeployment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
+    def add(self, member: Member) -> Member:
+        """Make `member` part of the deployment (started by start_all after those added before it)."""
+        self.members[member.name] = member
+        return member
+
+    def __getitem__(self, name: str) -> Member:
+        return self.members[name]
+
+    def note(self, event: str, **fields: Any) -> None:
+        if self._log is not None:
+            self._log.info(event, **fields)
+
+    # ---- what is where
+
+    @property
+    def pg(self) -> Any:
+        """The primary's server (its dsn(), data_dir, pg_wal_dir, ...)."""
+        return self._primary.server
+
+    @property
+    def _primary(self) -> Primary:
+        member = self.members["primary"]
+        assert isinstance(member, Primary)
+        return member
+
+    def _processes(self) -> list[ProcessMember]:
+        return [m for m in self.members.values() if isinstance(m, ProcessMember)]
+
+    def _safekeepers(self) -> list[Safekeeper]:
+        return [m for m in self.members.values() if isinstance(m, Safekeeper)]
+
+    @property
+    def addresses(self) -> list[str]:
+        """HOST:PORT of each safekeeper, in order."""
+        return [m.address for m in self._safekeepers()]
+
+    @property
+    def safekeepers(self) -> dict[int, Child]:
+        """The process started last of each safekeeper that has been started, by node id."""
+        return {m.node_id: m.child for m in self._safekeepers() if m.child is not None}  # type: ignore[misc]
+
+    @property
+    def proposer(self) -> Child | None:
+        """The proposer's process started last."""
+        member = self.members.get("proposer")
+        return member.child if isinstance(member, ProcessMember) else None
+
+    def process(self, name: str) -> Child | None:
+        """Member `name`'s process started last (None for the primary or before its first start)."""
+        member = self.members[name]
+        return member.child if isinstance(member, ProcessMember) else None
+
+    def data_dir(self, name: str) -> Path:
+        return self.members[name].data_dir
+
+    def log_path(self, name: str) -> Path | None:
+        return self.members[name].log_path
+
+    def dsn(self) -> str:
+        return str(self.pg.dsn())
+
+    def sql(self, connect_timeout: int = 10) -> psycopg.Connection:
+        """An autocommit connection to the primary."""
+        return psycopg.connect(self.dsn(), autocommit=True, connect_timeout=connect_timeout)
+
+    def certs_dir(self, name: str, role: str, node_id: int | None = None, hosts: tuple[str, ...] = ()) -> Path | None:
+        """The certificates directory of process `name` (None when insecure)."""
+        return None if self.insecure else self.certificates.certs(name, role, node_id, hosts)
+
+    def link_args(self, name: str, role: str, node_id: int | None = None, hosts: tuple[str, ...] = ()) -> list[str]:
+        """How a walsidecar process of this deployment secures its links: certificates and link security."""
+        auth_only = [] if self.link_security == "tls" else ["--link-security", self.link_security]
+        return tls_args(self.certs_dir(name, role, node_id, hosts)) + auth_only
+
+    # ---- one member
+
+    def start(self, name: str, *extra: str) -> Any:
+        """Start member `name` (with `extra` arguments this time); returns its new process, if it is one."""
+        return self.members[name].start(*extra)
+
+    def stop(self, name: str, timeout: float = 15) -> None:
+        self.members[name].stop(timeout)
+
+    def kill(self, name: str) -> None:
+        """kill -9 of member `name` (for the primary: an immediate stop)."""
+        self.members[name].kill()
+
+    def restart(self, name: str) -> Any:
+        return self.members[name].restart()
+
+    # ---- all of them
+
+    def start_all(self, wait: bool = True, timeout: float = 60) -> None:
+        """Start every member not running yet, in the order added, then wait until streaming."""
+        for member in self.members.values():
+            if not member.running:
+                member.start()
+        if wait:
+            self.wait_streaming(timeout)
+
+    def stop_all(self) -> None:
+        """Stop everything this deployment started, by PID: the primary first, as its shutdown checkpoint
+        waits for the sidecar while the quorum is up, then the processes, last started first."""
+        self._primary.close()
+        for member in reversed(self._processes()):
+            member.stop()
+
+    def check_running(self) -> None:
+        """Raise MemberExited for the first process member that should run and has exited."""
+        for member in self._processes():
+            member.check()
+
+    def replication_rows(self) -> dict[str, tuple[Any, ...]]:
+        """application_name -> (state, sync_state, flush_lsn, replay_lsn) of pg_stat_replication."""
+        with self.sql() as c:
+            rows = c.execute("SELECT application_name, state, sync_state, flush_lsn::text, replay_lsn::text "
+                             "FROM pg_stat_replication").fetchall()
+        return {r[0]: tuple(r[1:]) for r in rows}
+
+    def streaming(self) -> bool:
+        """True when every standby member streams as a synchronous standby of the primary."""
+        names = {m.standby for m in self.members.values() if m.standby}
+        try:
+            rows = self.replication_rows() if names else {}
+        except psycopg.OperationalError:
+            return False
+        return all(n in rows and rows[n][0] == "streaming" and rows[n][1] in ("sync", "quorum") for n in names)
+
+    def wait_streaming(self, timeout: float = 60, check: bool = True) -> None:
+        """Wait until streaming(); with `check`, fail at once when a member that should run exits."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if check:
+                self.check_running()
+            if self.streaming():
+                return
+            if time.monotonic() > deadline:
+                waiting = [m for m in self.members.values() if m.standby]
+                raise DeploymentError(
+                    f"the {', '.join(m.name for m in waiting)} did not become the synchronous standby within "
+                    f"{timeout:.0f}s; see " + ", ".join(str(m.log_path) for m in waiting))
+            time.sleep(0.05)
