@@ -84,8 +84,7 @@ def safekeeper(id: int, listen: str, data_dir: Path, metrics: str | None, certs_
     host, port = _listen(listen)
     try:
         ctx = server_security(certs_dir, link_security)
-        sk = Safekeeper(id, data_dir, host, port, ctx)
-        sk.open()
+        sk = Safekeeper.open(id, data_dir, host, port, ctx)
         monitor = SafekeeperMonitor(sk)
         endpoint = _endpoint(monitor, metrics, certs_dir)
     except (ControlFileError, StartupError, TlsError) as e:

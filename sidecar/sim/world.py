@@ -24,7 +24,6 @@ from sidecar.consensus.messages import (
     Elected,
     ElectedReply,
     Greeting,
-    InfoReply,
     InfoRequest,
     Message,
     Refusal,
@@ -50,7 +49,8 @@ from sidecar.consensus.proposer import (
     TermsExhausted,
     VerifyPrimary,
 )
-from sidecar.consensus.session import AcceptorSession, AnswerInfo, Role, SessionAction
+from sidecar.consensus.acceptor import AcceptorAction
+from sidecar.consensus.session import AcceptorSession, Role
 from sidecar.consensus.state import AcceptorState
 from sidecar.sim.checker import Checker
 from sidecar.sim.trace import Delivery, Event, Trace, pos
@@ -334,7 +334,7 @@ class World:
         self._execute(sk, c, actions)
         return True
 
-    def _execute(self, sk: Safekeeper, c: Connection | None, actions: list[SessionAction]) -> None:
+    def _execute(self, sk: Safekeeper, c: Connection | None, actions: list[AcceptorAction]) -> None:
         for a in actions:
             if self.profile.mid_crash and not self.scripted and self.rng.random() < self.profile.mid_crash:
                 self.event(sk.name, "dies before", type(a).__name__)
@@ -356,9 +356,8 @@ class World:
                     self.checker.replied(sk, a.message)
                     if c is not None and c.carries_replies:
                         c.to_prop.append(a.message)
-                case AnswerInfo():
-                    if c is not None and c.carries_replies:
-                        c.to_prop.append(self._info(sk))
+                case _:
+                    raise AssertionError(f"the simulator does not know the action {a!r}")
             self._changed(sk)
 
     def _fsync(self) -> bool:
@@ -530,15 +529,6 @@ class World:
         return True
 
     # ---- hostile peers ---------------------------------------------------------------------------
-
-    def _info(self, sk: Safekeeper) -> InfoReply:
-        """What the server's `info_reply` answers: identity and positions."""
-        acc = sk.acceptor
-        assert acc is not None
-        s = acc.state
-        return InfoReply(sk.node_id, s.system_id, s.wal_seg_size, s.pg_version, s.timeline, s.term,
-                         s.term_history[-1].term if s.term_history else 0, acc.flush_lsn, s.commit_lsn,
-                         sk.stream is not None)
 
     def _rogue(self) -> bool:
         """A connection that belongs to no proposer tries to take the current term or cut committed WAL.
