@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import fcntl
 import ssl
 import struct
@@ -21,15 +20,15 @@ from sidecar.consensus.acceptor import (
 )
 from sidecar.consensus.messages import Append, Elected, Greeting, Message, Refusal, VoteReply, VoteRequest
 from sidecar.consensus.session import AcceptorSession, Role
-from sidecar.consensus.state import AcceptorState
 from sidecar.logs import get_logger, set_context_provider
 from sidecar.lsn import format_lsn
 from sidecar.metrics import SafekeeperMetrics
-from sidecar.safekeeper.control import ControlData, control_path, load_control, remove_leftovers, save_control
+from sidecar.safekeeper.control import ControlData, save_control
 from sidecar.safekeeper.positions import Positions, PositionWatch
-from sidecar.safekeeper.storage import DiskFull, NoWal, StorageError, WalInDoubt, WalStorage, is_disk_full
+from sidecar.safekeeper.startup import open_data_dir
+from sidecar.safekeeper.storage import DiskFull, NoWal, WalInDoubt, WalStorage, is_disk_full
 from sidecar.safekeeper.view import SafekeeperView
-from sidecar.safekeeper.walcheck import StartupError, check_stored_wal, record_end
+from sidecar.safekeeper.walcheck import StartupError, record_end
 
 # Unsynced WAL up to this much is fdatasync'ed on the event loop once the proposer's socket is
 # drained (group commit, as pg_receivewal does it): the hop to a thread and back costs more CPU
@@ -43,6 +42,8 @@ MAX_CONNECTIONS = 64
 # elected proposer sends a heartbeat every second and is exempt.
 IDLE_TIMEOUT = 60.0
 _STATEFUL = (Persist, Truncate)
+
+__all__ = ["INLINE_FLUSH_MAX", "Safekeeper", "StartupError"]
 
 
 class Safekeeper:
@@ -84,10 +85,7 @@ class Safekeeper:
         """
         stats = SafekeeperMetrics(node_id)
         log = get_logger(node=node_id)
-        try:
-            acceptor, storage = _load(node_id, data_dir, _disk_full_reporter(stats, log), log)
-        except (OSError, StorageError) as e:  # permissions, a vanished file, an unusable marker
-            raise StartupError(f"safekeeper {node_id} cannot start from {data_dir}: {e}") from e
+        acceptor, storage = open_data_dir(node_id, data_dir, _disk_full_reporter(stats, log), log)
         return cls(node_id, data_dir, host, port, security, acceptor, storage, stats)
 
     @property
@@ -110,8 +108,8 @@ class Safekeeper:
         """What observers (the monitor) see of this safekeeper now."""
         acc = self.acceptor
         return SafekeeperView(
-            node_id=self.node_id, listen=f"{self.host}:{self.port}",
-            link_security=self.link_security, state=acc.state, positions=self.positions.value, elected_term=acc.elected_term,
+            node_id=self.node_id, listen=f"{self.host}:{self.port}", link_security=self.link_security,
+            state=acc.state, positions=self.positions.value, elected_term=acc.elected_term,
             write_lsn=acc.write_lsn, proposer_connected=self._stream is not None, disk_full=self.disk_full,
             fatal=type(self.fatal).__name__ if self.fatal is not None else None, stopped=self.stopped is not None)
 
@@ -364,79 +362,6 @@ class Safekeeper:
             self._server.close()
         if self._serving is not None:
             self._serving.cancel()  # uvloop's close() does not end serve_forever()
-
-
-def _load(node_id: int, data_dir: Path, on_disk_full: Callable[[str], None],
-          log: Any) -> tuple[Acceptor, WalStorage | NoWal]:
-    """The acceptor and WAL store of `data_dir`, the WAL checked and cut at the end of its last record."""
-    began = time.perf_counter()
-    data_dir.mkdir(parents=True, exist_ok=True)
-    remove_leftovers(data_dir)
-    control = load_control(data_dir)
-    if control is not None and control.node_id != node_id:
-        raise StartupError(f"{data_dir} belongs to safekeeper {control.node_id}, not {node_id}")
-    state = control.state if control else AcceptorState()
-    storage: WalStorage | NoWal = NoWal()  # never greeted: no segment size, so no WAL store yet
-    end = 0
-    if state.wal_seg_size:
-        try:
-            storage = WalStorage(data_dir / "wal", state.wal_seg_size, state.timeline, on_disk_full)
-        except ValueError as e:
-            raise StartupError(f"{control_path(data_dir)} holds an invalid value: {e}; "
-                               f"restore it or re-create this safekeeper from its peers") from None
-        try:
-            checked_to, end = _check_wal(storage, state, log)
-            state = _commit_within(node_id, data_dir, state, end, log)
-        except BaseException:
-            storage.close()
-            raise
-        log.info("stored WAL checked", durable_end=format_lsn(checked_to), flush_lsn=format_lsn(end),
-                 seconds=round(time.perf_counter() - began, 3))
-    log.info("safekeeper opened", term=state.term, flush_lsn=format_lsn(end),
-             commit_lsn=format_lsn(state.commit_lsn), data_dir=str(data_dir))
-    return Acceptor(node_id, state, end), storage
-
-
-def _check_wal(st: WalStorage, state: AcceptorState, log: Any) -> tuple[int, int]:
-    """Cut WAL in doubt, check what is stored, open the store at the end of its last record.
-
-    Returns (the durable end checked, the end of the last record).
-    """
-    _cut_in_doubt(st, log)
-    checked_to = check_stored_wal(st, state.system_id or None)
-    end = record_end(st, state).flush_lsn
-    if end:
-        st.open_at(end)
-        # The next start walks the record chain from here (see walcheck.py).
-        st.set_verified(end - end % state.wal_seg_size)
-    return checked_to, end
-
-
-def _cut_in_doubt(st: WalStorage, log: Any) -> None:
-    """After a failed fdatasync, cut the WAL back to what was durable before it (never trust the page cache)."""
-    marker = st.in_doubt()
-    if marker is None:
-        return
-    log.warning("an fsync failed before the last stop: cutting the WAL back to what was durable before "
-                "it; the proposer sends the rest again", durable_lsn=format_lsn(marker.durable_lsn),
-                in_doubt_to=format_lsn(marker.written_lsn), failure=marker.reason)
-    try:
-        st.resolve_in_doubt(marker)
-    except StorageError as e:
-        raise StartupError(f"cannot cut the WAL in doubt back to {format_lsn(marker.durable_lsn)} as "
-                           f"{st.in_doubt_path} asks: {e}") from e
-
-
-def _commit_within(node_id: int, data_dir: Path, state: AcceptorState, end: int, log: Any) -> AcceptorState:
-    """commit_lsn means "quorum-acknowledged and present here": WAL lost in a crash (never
-    acknowledged by this node) or cut as in doubt takes it down with it, loudly."""
-    if state.commit_lsn <= end:
-        return state
-    log.warning("the stored WAL ends below the commit position this safekeeper had learned; lowering it",
-                commit_lsn=format_lsn(state.commit_lsn), flush_lsn=format_lsn(end))
-    state = dataclasses.replace(state, commit_lsn=end, peer_horizon_lsn=min(state.peer_horizon_lsn, end))
-    save_control(data_dir, ControlData(node_id, state))
-    return state
 
 
 def _disk_full_reporter(stats: SafekeeperMetrics, log: Any) -> Callable[[str], None]:
