@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class Positions:
-    """What a safekeeper has promised and holds: term, fsynced end, commit position."""
+class Positions(NamedTuple):
+    """What a safekeeper has promised and holds: term, fsynced end, commit position.
+
+    A named tuple, not a dataclass: one is built per Append that moves commit_lsn.
+    """
 
     term: int = 0
     flush_lsn: int = 0
@@ -45,7 +47,7 @@ class PositionWatch:
         if new == old:
             return
         cut = new.generation > old.generation
-        if new.generation < old.generation or new.term < old.term or new.commit_lsn < old.commit_lsn or \
+        if new.term < old.term or new.commit_lsn < old.commit_lsn or new.generation < old.generation or \
                 (new.flush_lsn < old.flush_lsn and not cut):
             raise ValueError(f"positions move back from {old} to {new}")
         self._value = new

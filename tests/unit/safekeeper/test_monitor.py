@@ -84,7 +84,7 @@ def test_gauges_follow_the_published_view() -> None:
     assert g["walsidecar_safekeeper_commit_lsn_bytes"] == 0x2000100
     assert g["walsidecar_safekeeper_peer_horizon_lsn_bytes"] == 0x2000080
     assert g["walsidecar_safekeeper_proposer_connected"] == 1 and g["walsidecar_safekeeper_disk_full"] == 0
-    sk.current = replace(VIEW, positions=replace(VIEW.positions, commit_lsn=0x2000200), proposer_connected=False,
+    sk.current = replace(VIEW, positions=VIEW.positions._replace(commit_lsn=0x2000200), proposer_connected=False,
                          stopped=True, disk_full=True)
     g = gauges(mon)
     assert g["walsidecar_safekeeper_commit_lsn_bytes"] == 0x2000200
