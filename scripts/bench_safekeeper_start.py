@@ -62,10 +62,9 @@ def main() -> None:
         print(f"{(end - SEG) >> 20} MiB of WAL, {args.record_size}-byte records, {SEG >> 20} MiB segments")
         for what in ("first start (whole record chain)", "second start (from the checkpoint)"):
             began = time.perf_counter()
-            sk = Safekeeper(1, data_dir, "127.0.0.1", 0)
-            sk.open()
+            sk = Safekeeper.open(1, data_dir, "127.0.0.1", 0)
             print(f"{what}: {time.perf_counter() - began:.2f} s")
-            sk.storage.close()  # type: ignore[union-attr]
+            sk.storage.close()
     finally:
         shutil.rmtree(data_dir)
 

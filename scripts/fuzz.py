@@ -69,7 +69,7 @@ from sidecar.consensus.messages import (  # noqa: E402
     PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply, InfoReply,
     InfoRequest, Message, Refusal, TermEntry, TimelineEntry, VoteReply, VoteRequest,
 )
-from sidecar.consensus.session import AcceptorSession, AnswerInfo, Role  # noqa: E402
+from sidecar.consensus.session import AcceptorSession, Role  # noqa: E402
 from sidecar.consensus.state import AcceptorState  # noqa: E402
 
 REGRESSIONS = REPO / "tests" / "fuzz_regressions"
@@ -412,7 +412,7 @@ def deliver(node: Node, conn: int, msg: Message, end: RecordEnd) -> list[Accepto
     if session is None:
         session = node.sessions[conn] = AcceptorSession(node.acceptor, Role.PROPOSER, conn)
     actions = session.receive(msg, end if session.needs_record_end(msg) else None)
-    return [a for a in actions if not isinstance(a, AnswerInfo)]  # type: ignore[misc]
+    return [a for a in actions if not (isinstance(a, Reply) and isinstance(a.message, InfoReply))]
 
 
 def disconnect(node: Node, conn: int) -> None:

@@ -56,8 +56,7 @@ def safekeeper(s: SafekeeperSettings) -> None:
     host, port = parse_address(s.listen)
     try:
         ctx = server_security(s.certs_dir, s.link_security)
-        sk = Safekeeper(s.id, s.data_dir, host, port, ctx)
-        sk.open()
+        sk = Safekeeper.open(s.id, s.data_dir, host, port, ctx)
         monitor = SafekeeperMonitor(sk)
         endpoint = _endpoint(monitor, s.metrics, s.certs_dir)
     except (ControlFileError, StartupError, TlsError) as e:

@@ -14,7 +14,7 @@ from sidecar.consensus import history as hist
 from sidecar.consensus import limits
 from sidecar.consensus.messages import (
     PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply,
-    Message, VoteReply, VoteRequest,
+    InfoReply, Message, VoteReply, VoteRequest,
 )
 from sidecar.consensus.state import AcceptorState
 from sidecar.lsn import format_lsn
@@ -80,6 +80,7 @@ class Acceptor:
         self._persisted_commit = state.commit_lsn
         # Stored WAL changes (writes, truncations) bump the epoch; a scan is reused until then.
         self.wal_epoch = 0
+        self.cut_generation = 0  # applied Elected messages: each may cut the stored WAL, moving flush_lsn back
         self._end: RecordEnd | None = None
         self._end_epoch = -1
 
@@ -90,6 +91,13 @@ class Acceptor:
     def remember_end(self, epoch: int, end: RecordEnd) -> None:
         """Keep a scan that began at `epoch` (a later write makes it stale at once)."""
         self._end, self._end_epoch = end, epoch
+
+    def info(self) -> InfoReply:
+        """The answer to an InfoRequest: identity and positions, read-only."""
+        s = self.state
+        last_log_term = s.term_history[-1].term if s.term_history else 0
+        return InfoReply(self.node_id, s.system_id, s.wal_seg_size, s.pg_version, s.timeline, s.term, last_log_term,
+                         self.flush_lsn, s.commit_lsn, proposer_connected=self.owner is not None)
 
     def on_greeting(self, msg: Greeting) -> list[AcceptorAction]:
         if msg.protocol_version != PROTOCOL_VERSION:
@@ -159,6 +167,7 @@ class Acceptor:
         self.elected_term = msg.term
         self.owner = owner
         self.wal_epoch += 1
+        self.cut_generation += 1
         self._persisted_commit = commit
         return [Truncate(point), Persist(new), Reply(ElectedReply(msg.term, point))]
 

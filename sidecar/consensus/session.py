@@ -12,10 +12,9 @@ connection ends.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 
 from sidecar.consensus import codec, limits
-from sidecar.consensus.acceptor import Acceptor, AcceptorAction, AcceptorError, RecordEnd
+from sidecar.consensus.acceptor import Acceptor, AcceptorAction, AcceptorError, RecordEnd, Reply
 from sidecar.consensus.messages import Append, Elected, Greeting, InfoRequest, Message, VoteRequest
 
 
@@ -25,15 +24,6 @@ class Role(enum.Enum):
     PROPOSER = "proposer"
     SAFEKEEPER = "safekeeper"
     CLIENT = "client"
-
-
-@dataclass(frozen=True)
-class AnswerInfo:
-    """Answer an InfoRequest with what this safekeeper is; changes nothing."""
-
-
-ANSWER_INFO = AnswerInfo()
-SessionAction = AcceptorAction | AnswerInfo
 
 
 class AcceptorSession:
@@ -70,13 +60,13 @@ class AcceptorSession:
         self._scan_epoch = self.acceptor.wal_epoch
         return True
 
-    def receive(self, msg: Message, end: RecordEnd | None = None) -> list[SessionAction]:
+    def receive(self, msg: Message, end: RecordEnd | None = None) -> list[AcceptorAction]:
         """The actions for `msg`, in the order they must be carried out; AcceptorError refuses it."""
         acc = self.acceptor
         if type(msg) is Append and self.greeted:  # the hot path: one call, nothing else
-            return acc.on_append(msg, self)  # type: ignore[return-value]
-        if type(msg) is InfoRequest:
-            return [ANSWER_INFO]
+            return acc.on_append(msg, self)
+        if type(msg) is InfoRequest:  # anyone may ask, at any time; nothing changes
+            return [Reply(acc.info())]
         if self.role is not Role.PROPOSER:
             raise AcceptorError(
                 f"a {self.role.value} connection may only ask for information, not send {type(msg).__name__}")
@@ -86,17 +76,17 @@ class AcceptorSession:
             case Greeting():
                 actions = acc.on_greeting(msg)
                 self.greeted = True
-                return actions  # type: ignore[return-value]
+                return actions
             case VoteRequest():
                 actions = acc.on_vote(msg, self._record_end(end))
                 if msg.term and acc.state.term == msg.term:
                     self.asked_term = msg.term
-                return actions  # type: ignore[return-value]
+                return actions
             case Elected():
                 if msg.term >= acc.state.term and not self._asked_for(msg.term):
                     raise AcceptorError(f"Elected for term {msg.term} on a connection that did not ask "
                                         "for a vote in it: the term belongs to the connection elected in it")
-                return acc.on_elected(msg, self._record_end(end), self)  # type: ignore[return-value]
+                return acc.on_elected(msg, self._record_end(end), self)
         raise AcceptorError(f"unexpected {type(msg).__name__} from a proposer")
 
     def closed(self) -> None:

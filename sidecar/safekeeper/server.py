@@ -4,32 +4,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import fcntl
 import ssl
 import struct
 import termios
 import time
+from collections.abc import Callable
 from pathlib import Path
-
-import google_crc32c
+from typing import Any, cast
 
 from sidecar import framing, linkauth, tls
 from sidecar.consensus import codec
-from sidecar.consensus.acceptor import Acceptor, AcceptorError, Persist, RecordEnd, Reply, Truncate, Write
-from sidecar.consensus.messages import Append, Elected, Greeting, Message, Refusal, VoteRequest
-from sidecar.consensus.session import AcceptorSession, Role, SessionAction
-from sidecar.consensus.state import AcceptorState
+from sidecar.consensus.acceptor import (
+    Acceptor, AcceptorAction, AcceptorError, Persist, RecordEnd, Reply, Truncate, Write,
+)
+from sidecar.consensus.messages import Append, Elected, Greeting, Message, Refusal, VoteReply, VoteRequest
+from sidecar.consensus.session import AcceptorSession, Role
+from sidecar.logs import get_logger, set_context_provider
 from sidecar.lsn import format_lsn
-from sidecar.logs import get_logger
 from sidecar.metrics import SafekeeperMetrics
-from sidecar.safekeeper.control import ControlData, control_path, load_control, remove_leftovers, save_control
-from sidecar.safekeeper.monitor import info_reply
-from sidecar.safekeeper.storage import DiskFull, StorageError, WalInDoubt, WalStorage, is_disk_full
-from sidecar.safekeeper.walcheck import StartupError, check_stored_wal
-from sidecar.wal.reader import find_end_of_wal
+from sidecar.safekeeper.control import ControlData, save_control
+from sidecar.safekeeper.positions import Positions, PositionWatch
+from sidecar.safekeeper.startup import open_data_dir
+from sidecar.safekeeper.storage import DiskFull, NoWal, WalInDoubt, WalStorage, is_disk_full
+from sidecar.safekeeper.view import SafekeeperView
+from sidecar.safekeeper.walcheck import StartupError, record_end
 
-TAIL_FINGERPRINT = 1024 * 1024  # bytes before flush_lsn whose CRC a vote reports
 # Unsynced WAL up to this much is fdatasync'ed on the event loop once the proposer's socket is
 # drained (group commit, as pg_receivewal does it): the hop to a thread and back costs more CPU
 # and latency than the sync itself. More than this is synced in a thread while reading goes on.
@@ -43,11 +43,17 @@ MAX_CONNECTIONS = 64
 IDLE_TIMEOUT = 60.0
 _STATEFUL = (Persist, Truncate)
 
+__all__ = ["INLINE_FLUSH_MAX", "Safekeeper", "StartupError"]
+
 
 class Safekeeper:
-    """One acceptor process: owns the data directory, serves proposers on one port."""
+    """One acceptor process: owns the data directory, serves proposers on one port.
 
-    def __init__(self, node_id: int, data_dir: Path, host: str, port: int, security: linkauth.Security = None) -> None:
+    Built ready to serve by `Safekeeper.open()`. Observers read `view()` and wait on `positions`.
+    """
+
+    def __init__(self, node_id: int, data_dir: Path, host: str, port: int, security: linkauth.Security,
+                 acceptor: Acceptor, storage: WalStorage | NoWal, stats: SafekeeperMetrics) -> None:
         self.node_id = node_id
         # Neither: --insecure, every connection may act as a proposer.
         self.ssl_context = security if isinstance(security, ssl.SSLContext) else None
@@ -55,139 +61,73 @@ class Safekeeper:
         self.data_dir = data_dir
         self.host, self.port = host, port
         self.log = get_logger(node=node_id)
-        self.storage: WalStorage | None = None
-        self.acceptor: Acceptor | None = None
-        self._server: asyncio.Server | None = None
+        self.acceptor = acceptor
+        self.storage = storage  # a NoWal until the first proposer's greeting gives the segment size
+        self.stats = stats
+        self.positions = PositionWatch(self._positions())
+        self._server: asyncio.Server | None = None  # while serve() runs
+        self._serving: asyncio.Task[None] | None = None
         self._flush_lock = asyncio.Lock()
         self._persist_lock = asyncio.Lock()  # see _execute_stateful
         self._flush_wanted = asyncio.Event()
         self._sessions: set[AcceptorSession] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._serving: asyncio.Task | None = None
         self.fatal: BaseException | None = None  # the error that stops the process
         self.stopped: str | None = None  # why nothing is accepted any more (a full disk, or fatal)
-        self.stats = SafekeeperMetrics(node_id)
+        # Lines logged by this safekeeper (bound with node=) also carry its term and flush LSN.
+        set_context_provider("node", self._log_context)
 
-    @property
-    def _stream(self) -> asyncio.StreamWriter | None:
-        """The connection of the elected proposer: where flush acknowledgements go."""
-        owner = self.acceptor.owner if self.acceptor is not None else None
-        return owner.conn if isinstance(owner, AcceptorSession) else None  # type: ignore[return-value]
-
-    def proposer_address(self) -> str | None:
-        """HOST:PORT of the elected proposer streaming to this safekeeper, if any."""
-        if self._stream is None:
-            return None
-        peer = self._stream.get_extra_info("peername")
-        return "%s:%s" % peer[:2] if peer else "unknown"
-
-    # ---- start-up ---------------------------------------------------------------------------
-
-    def open(self) -> None:
-        """Load the control file, check the stored WAL and find its end.
+    @classmethod
+    def open(cls, node_id: int, data_dir: Path, host: str, port: int,
+             security: linkauth.Security = None) -> Safekeeper:
+        """Load the control file, check the stored WAL and find its end: a safekeeper ready to serve.
 
         Raises ControlFileError or StartupError, with a message for the operator, when it must not start.
         """
-        try:
-            self._open()
-        except (OSError, StorageError) as e:  # permissions, a vanished file, an unusable marker
-            raise StartupError(f"safekeeper {self.node_id} cannot start from {self.data_dir}: {e}") from e
+        stats = SafekeeperMetrics(node_id)
+        log = get_logger(node=node_id)
+        acceptor, storage = open_data_dir(node_id, data_dir, _disk_full_reporter(stats, log), log)
+        return cls(node_id, data_dir, host, port, security, acceptor, storage, stats)
 
-    def _open(self) -> None:
-        began = time.perf_counter()
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        remove_leftovers(self.data_dir)
-        control = load_control(self.data_dir)
-        if control is not None and control.node_id != self.node_id:
-            raise SystemExit(
-                f"{self.data_dir} belongs to safekeeper {control.node_id}, not {self.node_id}")
-        state = control.state if control else AcceptorState()
-        write_lsn = 0
-        if state.wal_seg_size:
-            try:
-                self.storage = self._new_storage(state)
-            except ValueError as e:
-                raise StartupError(f"{control_path(self.data_dir)} holds an invalid value: {e}; "
-                                   f"restore it or re-create this safekeeper from its peers") from None
-            self._cut_in_doubt(self.storage)
-            checked_to = check_stored_wal(self.storage, state.system_id or None)
-            end = self._scan(state).flush_lsn
-            if end:
-                self.storage.open_at(end)
-                # The next start walks the record chain from here (see walcheck.py).
-                self.storage.set_verified(end - end % state.wal_seg_size)
-            write_lsn = end
-            state = self._commit_within(state, end)
-            self.log.info("stored WAL checked", durable_end=format_lsn(checked_to), flush_lsn=format_lsn(end),
-                          seconds=round(time.perf_counter() - began, 3))
-        self.acceptor = Acceptor(self.node_id, state, write_lsn)
-        self.log.info("safekeeper opened", term=state.term, flush_lsn=format_lsn(write_lsn),
-                      commit_lsn=format_lsn(state.commit_lsn), data_dir=str(self.data_dir))
+    @property
+    def _stream(self) -> framing.Writer | None:
+        """The connection of the elected proposer: where flush acknowledgements go."""
+        owner = self.acceptor.owner
+        return cast(framing.Writer, owner.conn) if isinstance(owner, AcceptorSession) else None
 
-    def _cut_in_doubt(self, st: WalStorage) -> None:
-        """After a failed fdatasync, cut the WAL back to what was durable before it (never trust the page cache)."""
-        marker = st.in_doubt()
-        if marker is None:
-            return
-        self.log.warning("an fsync failed before the last stop: cutting the WAL back to what was durable before "
-                         "it; the proposer sends the rest again", durable_lsn=format_lsn(marker.durable_lsn),
-                         in_doubt_to=format_lsn(marker.written_lsn), failure=marker.reason)
-        try:
-            st.resolve_in_doubt(marker)
-        except StorageError as e:
-            raise StartupError(f"cannot cut the WAL in doubt back to {format_lsn(marker.durable_lsn)} as "
-                               f"{st.in_doubt_path} asks: {e}") from e
-
-    def _commit_within(self, state: AcceptorState, end: int) -> AcceptorState:
-        """commit_lsn means "quorum-acknowledged and present here": WAL lost in a crash (never
-        acknowledged by this node) or cut as in doubt takes it down with it, loudly."""
-        if state.commit_lsn <= end:
-            return state
-        self.log.warning("the stored WAL ends below the commit position this safekeeper had learned; lowering it",
-                         commit_lsn=format_lsn(state.commit_lsn), flush_lsn=format_lsn(end))
-        state = dataclasses.replace(state, commit_lsn=end, peer_horizon_lsn=min(state.peer_horizon_lsn, end))
-        save_control(self.data_dir, ControlData(self.node_id, state))
-        return state
-
-    def _new_storage(self, state: AcceptorState) -> WalStorage:
-        return WalStorage(self.data_dir / "wal", state.wal_seg_size, state.timeline, self._no_space)
+    @property
+    def link_security(self) -> str | None:
+        """How connections are secured: "tls", "auth-only", or None under --insecure."""
+        return "tls" if self.ssl_context else "auth-only" if self.link_auth else None
 
     @property
     def disk_full(self) -> bool:
         """True once a full disk fenced this safekeeper (it stays up, refusing everything)."""
         return self.stopped is not None and self.fatal is None
 
-    def _no_space(self, what: str) -> None:
-        """A write found the disk full (the WAL, the spare segment), or the spare failed: count, warn."""
-        if what.startswith("disk full"):
-            self.stats.disk_full.inc()
-        if "spare" in what:  # not fatal by itself: the WAL's own write says whether it is
-            self.log.warning(what + "; the next segment may fail too")
+    def view(self) -> SafekeeperView:
+        """What observers (the monitor) see of this safekeeper now."""
+        acc = self.acceptor
+        return SafekeeperView(
+            node_id=self.node_id, listen=f"{self.host}:{self.port}", link_security=self.link_security,
+            state=acc.state, positions=self.positions.value, elected_term=acc.elected_term,
+            write_lsn=acc.write_lsn, proposer_connected=self._stream is not None, disk_full=self.disk_full,
+            fatal=type(self.fatal).__name__ if self.fatal is not None else None, stopped=self.stopped is not None)
 
-    def _scan(self, state: AcceptorState) -> RecordEnd:
-        """End of the last complete record with a valid CRC, and a fingerprint of its bytes."""
-        st = self.storage
-        if st is None or not st.segments():
-            return RecordEnd(0)
-        seg = state.wal_seg_size
-        segments = st.segments()
-        first = segments[0][1] * seg
-        # Only a completed segment is known durable (fsynced before its rename), so the walk
-        # starts in the last one. A term start is no such anchor: a safekeeper that crashed
-        # while catching up below it may hold torn bytes on both sides of it.
-        durable = [segno for _, segno, partial in segments if not partial]
-        start = durable[-1] * seg if durable else first
-        while True:
-            end, last = find_end_of_wal(st, start, seg_size=seg, system_id=state.system_id or None)
-            if last is not None or start <= first:
-                break
-            start = max(start - seg, first)  # no record begins here: one spans the whole segment
-        if last is None:
-            return RecordEnd(first)
-        # Fingerprint the last record wherever it lies, even before the last term's start:
-        # after a term that wrote nothing it is still what a stale primary must match.
-        tail = max(last, end - TAIL_FINGERPRINT)
-        return RecordEnd(end, tail, google_crc32c.value(st.read(tail, end - tail)))
+    def _positions(self) -> Positions:
+        acc = self.acceptor
+        return Positions(acc.state.term, acc.flush_lsn, acc.state.commit_lsn, acc.cut_generation)
+
+    def _publish(self) -> None:
+        """Publish the acceptor's positions once its actions are carried out, if they moved."""
+        acc, p = self.acceptor, self.positions.value
+        if acc.flush_lsn != p.flush_lsn or acc.state.commit_lsn != p.commit_lsn or acc.state.term != p.term \
+                or acc.cut_generation != p.generation:
+            self.positions.publish(self._positions())
+
+    def _log_context(self, node: object) -> dict[str, object]:
+        if node != self.node_id:
+            return {}
+        return {"term": self.acceptor.state.term, "flush_lsn": format_lsn(self.acceptor.flush_lsn)}
 
     # ---- serving ----------------------------------------------------------------------------
 
@@ -197,7 +137,7 @@ class Safekeeper:
             {"ssl": self.ssl_context, "ssl_handshake_timeout": tls.HANDSHAKE_TIMEOUT}
         self._server = await framing.start_server(self._connection, self.host, self.port, **tls_args)
         self.log.info("listening", address=f"{self.host}:{self.port}", tls=self.ssl_context is not None,
-                      link_security="tls" if self.ssl_context else "auth-only" if self.link_auth else "insecure")
+                      link_security=self.link_security or "insecure")
         self._serving = asyncio.current_task()
         flusher = asyncio.create_task(self._flusher())
         try:
@@ -207,8 +147,7 @@ class Safekeeper:
             flusher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await flusher
-            if self.storage is not None:
-                self.storage.close()
+            self.storage.close()
 
     def _role_of(self, ident: tls.Identity | None) -> Role:
         """What a connection may do: a proposer under --insecure; otherwise what its certificate says."""
@@ -216,7 +155,7 @@ class Safekeeper:
             return Role.PROPOSER
         return Role(ident.role) if ident is not None else Role.CLIENT
 
-    async def _connection(self, reader: framing.FrameReader, writer: asyncio.StreamWriter) -> None:
+    async def _connection(self, reader: framing.FrameReader, writer: framing.Writer) -> None:
         # A TLS handshake without a certificate from the deployment's CA never gets here.
         ident = tls.peer_role(writer) if self.ssl_context is not None else None
         log = self.log.bind(peer=_peer_name(writer), **({"peer_cert": str(ident)} if ident else {}))
@@ -227,7 +166,7 @@ class Safekeeper:
         if self.link_auth is not None:
             try:
                 # auth-only: nothing else is read or answered before the peer proves its certificate
-                ident = await asyncio.wait_for(self.link_auth.accept(reader, writer), tls.HANDSHAKE_TIMEOUT)  # type: ignore[arg-type]
+                ident = await asyncio.wait_for(self.link_auth.accept(reader, writer), tls.HANDSHAKE_TIMEOUT)
             except Exception as e:
                 reason = f"no answer within {tls.HANDSHAKE_TIMEOUT:g}s" if isinstance(e, asyncio.TimeoutError) \
                     else str(e) or type(e).__name__
@@ -236,7 +175,6 @@ class Safekeeper:
                 return
             log = log.bind(peer_cert=str(ident))
         acc = self.acceptor
-        assert acc is not None
         try:
             session = AcceptorSession(acc, self._role_of(ident), conn=writer)
         except Exception as e:  # a certificate the hook cannot map: this connection only
@@ -264,6 +202,7 @@ class Safekeeper:
                     await self._execute_stateful(actions, writer)
                 else:
                     self._apply(actions, writer)
+                self._publish()
                 self._sync_when_drained(reader, writer)
                 if writer.transport.get_write_buffer_size() > 1 << 20:
                     await writer.drain()  # a proposer that stops reading stops being read
@@ -287,7 +226,7 @@ class Safekeeper:
             self._sessions.discard(session)
             writer.close()
 
-    async def _dispatch(self, session: AcceptorSession, msg: Message, log) -> list[SessionAction]:  # type: ignore[no-untyped-def]
+    async def _dispatch(self, session: AcceptorSession, msg: Message, log: Any) -> list[AcceptorAction]:
         """Everything but a plain Append: fetch the record end a vote or Elected needs, log, count."""
         acc = session.acceptor
         end = await self._flushed_record_end() if session.needs_record_end(msg) else None
@@ -297,7 +236,8 @@ class Safekeeper:
                 log.info("greeting", proposer=msg.proposer_id, term=acc.state.term)
             case VoteRequest():
                 granted = any(type(a) is Persist for a in actions)
-                flush = next((a.message.flush_lsn for a in actions if type(a) is Reply), 0)  # type: ignore[union-attr]
+                flush = next((a.message.flush_lsn for a in actions
+                              if isinstance(a, Reply) and isinstance(a.message, VoteReply)), 0)
                 log.info("vote", term=msg.term, granted=granted, flush_lsn=format_lsn(flush))
                 if msg.term:  # term 0 is the proposer's pre-vote probe, not a vote
                     (self.stats.votes_granted if granted else self.stats.votes_refused).inc()
@@ -307,7 +247,7 @@ class Safekeeper:
                          truncate_lsn=format_lsn(acc.write_lsn))
         return actions
 
-    async def _execute_stateful(self, actions: list[SessionAction], writer: asyncio.StreamWriter) -> None:
+    async def _execute_stateful(self, actions: list[AcceptorAction], writer: framing.Writer) -> None:
         # A batch that saves state or cuts WAL runs whole under the persist lock, queued in the
         # order the acceptor produced the batches (nothing yields in between). So when two
         # proposers' connections interleave, an older state is never saved over a newer one, saves
@@ -324,8 +264,8 @@ class Safekeeper:
                     case _:
                         self._apply((a,), writer)
 
-    def _apply(self, actions: list[SessionAction] | tuple[SessionAction, ...], writer: asyncio.StreamWriter) -> None:
-        """Carry out Write, Reply and AnswerInfo actions, which need no lock and never wait."""
+    def _apply(self, actions: list[AcceptorAction] | tuple[AcceptorAction, ...], writer: framing.Writer) -> None:
+        """Carry out Write and Reply actions, which need no lock and never wait."""
         for a in actions:
             if type(a) is Write:
                 self._storage_for_write().write(a.lsn, a.data)
@@ -333,24 +273,27 @@ class Safekeeper:
             elif type(a) is Reply:
                 framing.write(writer, _encode_own(a.message))
             else:
-                framing.write(writer, _encode_own(info_reply(self)))
+                raise AssertionError(f"{type(a).__name__} needs the persist lock (see _execute_stateful)")
 
     def _storage_for_write(self) -> WalStorage:
-        if self.storage is None:
-            self.storage = self._new_storage(self.acceptor.state)  # type: ignore[union-attr]
-        return self.storage
+        st = self.storage
+        if isinstance(st, NoWal):  # the first Write or Truncate: the greeting gave the segment size
+            st = self.storage = WalStorage(self.data_dir / "wal", self.acceptor.state.wal_seg_size,
+                                           self.acceptor.state.timeline, _disk_full_reporter(self.stats, self.log))
+        return st
 
     async def _flushed_record_end(self) -> RecordEnd:
         async with self._flush_lock:
-            if self.storage is None:
+            st = self.storage
+            if isinstance(st, NoWal):
                 return RecordEnd(0)
-            await asyncio.to_thread(self.storage.flush)
-            return await asyncio.to_thread(self._scan, self.acceptor.state)  # type: ignore[union-attr]
+            await asyncio.to_thread(st.flush)
+            return await asyncio.to_thread(record_end, st, self.acceptor.state)
 
-    def _sync_when_drained(self, reader: framing.FrameReader, writer: asyncio.StreamWriter) -> None:
+    def _sync_when_drained(self, reader: framing.FrameReader, writer: framing.Writer) -> None:
         """Group commit: sync once the socket is drained, so one fdatasync covers all WAL received."""
         st, acc = self.storage, self.acceptor
-        if st is None or acc is None or st.flush_lsn >= acc.write_lsn:
+        if st.flush_lsn >= acc.write_lsn:
             return
         unsynced = acc.write_lsn - st.flush_lsn
         if unsynced > INLINE_FLUSH_MAX or self._flush_lock.locked():
@@ -367,9 +310,10 @@ class Safekeeper:
         self.stats.fsync.observe(time.perf_counter() - began)
         stream = self._stream
         if stream is not None:
-            for a in self.acceptor.on_flushed(flushed):  # type: ignore[union-attr]
+            for a in self.acceptor.on_flushed(flushed):
                 if isinstance(a, Reply):
                     framing.write(stream, codec.encode(a.message))
+            self._publish()
 
     async def _flusher(self) -> None:
         """Syncs batches too large to sync on the loop in a thread, while reading goes on."""
@@ -378,7 +322,7 @@ class Safekeeper:
             self._flush_wanted.clear()
             async with self._flush_lock:
                 st, acc = self.storage, self.acceptor
-                if st is None or acc is None or st.flush_lsn >= acc.write_lsn or self.stopped is not None:
+                if st.flush_lsn >= acc.write_lsn or self.stopped is not None:
                     continue
                 began = time.perf_counter()
                 try:
@@ -388,7 +332,7 @@ class Safekeeper:
                     return
             self._synced(flushed, began)
 
-    def _stop(self, e: BaseException, log) -> None:
+    def _stop(self, e: BaseException, log: Any) -> None:
         """Stop for good after a storage or control-file failure, saying why once.
 
         A full disk leaves the process up but refusing everything, so `check`, /health and the
@@ -403,12 +347,12 @@ class Safekeeper:
                 self.stats.disk_full.inc()
             self.stopped = str(e) if str(e).startswith("disk full") else f"disk full: {e}"
             log.critical("disk full: no longer acknowledging WAL; free space, then restart the safekeeper",
-                         error=self.stopped, flush_lsn=format_lsn(st.flush_lsn) if st else None)
+                         error=self.stopped, flush_lsn=format_lsn(st.flush_lsn) if isinstance(st, WalStorage) else None)
             return
         self.stopped = f"stopped after a fatal error: {e}"
         self.fatal = e
         doubt = {}
-        if st is not None:
+        if isinstance(st, WalStorage):
             # Whatever failed (a control-file fsync as much as the WAL's), this process's view of
             # the WAL above its last good flush is not to be trusted at the next start either.
             st.mark_in_doubt(str(e))
@@ -418,6 +362,16 @@ class Safekeeper:
             self._server.close()
         if self._serving is not None:
             self._serving.cancel()  # uvloop's close() does not end serve_forever()
+
+
+def _disk_full_reporter(stats: SafekeeperMetrics, log: Any) -> Callable[[str], None]:
+    """What storage calls when a write found the disk full (the WAL, the spare segment), or the spare failed."""
+    def report(what: str) -> None:
+        if what.startswith("disk full"):
+            stats.disk_full.inc()
+        if "spare" in what:  # not fatal by itself: the WAL's own write says whether it is
+            log.warning(what + "; the next segment may fail too")
+    return report
 
 
 def _encode_own(msg: Message) -> bytes:

@@ -186,6 +186,21 @@ class SpareSegment:
             self._ready = True
 
 
+class NoWal:
+    """The WAL store of a safekeeper never greeted: no segment size yet, so nothing stored or to sync."""
+
+    flush_lsn = write_lsn = 0
+
+    def segments(self) -> list[tuple[int, int, bool]]:
+        return []
+
+    def flush(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
 class WalStorage:
     """PostgreSQL-format WAL segments in one directory, written contiguously.
 

@@ -17,8 +17,8 @@ end of the last final-named segment (the durable end, D) must be valid WAL. Chec
    the WAL written since the previous one; bit rot in older segments is caught only where it
    breaks a page header.
 
-Above D lies the tail that a crash may have torn; the end-of-WAL scan (Safekeeper._scan)
-finds where valid WAL ends there. Nothing is renamed or deleted to repair damage: the
+Above D lies the tail that a crash may have torn; `record_end` finds where valid WAL ends
+there (at start-up, and for every vote and Elected). Nothing is renamed or deleted to repair damage: the
 operator decides (README, "A safekeeper refuses to start").
 """
 
@@ -27,10 +27,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import google_crc32c
+
+from sidecar.consensus.acceptor import RecordEnd
+from sidecar.consensus.state import AcceptorState
 from sidecar.lsn import WAL_PAGE_SIZE, format_lsn, segment_file_name
-from sidecar.safekeeper.storage import WalStorage
+from sidecar.safekeeper.storage import NoWal, WalStorage
 from sidecar.wal.format import SizeOfXLogLongPHD, WalFormatError, parse_page_header, validate_page_header
-from sidecar.wal.reader import WalReader
+from sidecar.wal.reader import WalReader, find_end_of_wal
+
+TAIL_FINGERPRINT = 1024 * 1024  # bytes before flush_lsn whose CRC a vote reports
 
 _HINT = ("the safekeeper does not start on damaged WAL and changed nothing; stop it, move its data directory "
          "aside and re-create it from a healthy peer (README: \"A safekeeper refuses to start\")")
@@ -38,6 +44,32 @@ _HINT = ("the safekeeper does not start on damaged WAL and changed nothing; stop
 
 class StartupError(Exception):
     """The safekeeper must not start; the message says why and what to do."""
+
+
+def record_end(st: WalStorage | NoWal, state: AcceptorState) -> RecordEnd:
+    """End of the last complete record with a valid CRC, and a fingerprint of its bytes."""
+    segments = st.segments()
+    if not segments:
+        return RecordEnd(0)
+    assert isinstance(st, WalStorage)
+    seg = state.wal_seg_size
+    first = segments[0][1] * seg
+    # Only a completed segment is known durable (fsynced before its rename), so the walk
+    # starts in the last one. A term start is no such anchor: a safekeeper that crashed
+    # while catching up below it may hold torn bytes on both sides of it.
+    durable = [segno for _, segno, partial in segments if not partial]
+    start = durable[-1] * seg if durable else first
+    while True:
+        end, last = find_end_of_wal(st, start, seg_size=seg, system_id=state.system_id or None)
+        if last is not None or start <= first:
+            break
+        start = max(start - seg, first)  # no record begins here: one spans the whole segment
+    if last is None:
+        return RecordEnd(first)
+    # Fingerprint the last record wherever it lies, even before the last term's start:
+    # after a term that wrote nothing it is still what a stale primary must match.
+    tail = max(last, end - TAIL_FINGERPRINT)
+    return RecordEnd(end, tail, google_crc32c.value(st.read(tail, end - tail)))
 
 
 def check_stored_wal(st: WalStorage, system_id: int | None) -> int:

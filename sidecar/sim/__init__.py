@@ -4,9 +4,10 @@ The real `Proposer`, `Acceptor` and `AcceptorSession` state machines run unchang
 is simulated, pure and seeded (no sockets, files or clocks), so a seed replays exactly:
 `python3 scripts/simulate.py --seeds 1 --first-seed S --trace`.
 
-The model, and why it is what it is:
+The model, and why it is what it is (one module per actor; `world` puts them together and
+schedules them, `checker` reads their state, `nodes`, after every step):
 
-* Network. A connection is TCP: FIFO in each direction, never reordering, duplicating or
+* Network (`network`). A connection is TCP: FIFO in each direction, never reordering, duplicating or
   losing a message by itself. Its two ends close independently. The proposer end's
   close discards unread replies; what it already sent may still arrive (or a random
   suffix of it may be lost when the cause is a network failure); the safekeeper reads
@@ -20,18 +21,18 @@ The model, and why it is what it is:
   service's race between `link.drop()` and the next `_one_term`). Connections can be
   slow (a per-connection delay), partitions stop chosen proposer/safekeeper pairs in
   both directions until they heal.
-* Safekeeper disks (`wal.Disk`). WAL is written at arbitrary offsets and is durable only
-  once fsynced (group commit: one fsync covers everything written). A crash keeps the
+* Safekeepers (`safekeepers`, their disks `wal.Disk`). WAL is written at arbitrary offsets
+  and is durable only once fsynced (group commit: one fsync covers everything written). A crash keeps the
   fsynced bytes plus any prefix of the unsynced ones (all of them for a process kill,
   none to some for a power loss), sometimes followed by torn junk. The control file is
-  atomic. A restart scans for the end of the last complete record and cuts there; a vote
-  and an Elected first fsync and scan the same way, and a vote fingerprints that last
-  record for the primary check, wherever it lies, as server.py's `_scan` does. A crash can strike
+  atomic. A restart finds the end of the last complete record (`wal.record_end`) and cuts
+  there; a vote and an Elected first fsync and find it the same way, and a vote fingerprints that last
+  record for the primary check, wherever it lies, as walcheck's `record_end` does. A crash can strike
   between any two actions of one message (after a Truncate, before its Persist).
 * WAL is records (`wal.encode_record`: length, back-pointer, CRC), so "the end of the
   last complete record" is found by walking headers, as PostgreSQL does.
-* Primaries (`wal.Primary`). Each writes records and flushes to any position, often in
-  the middle of a record (a WAL page written out before the record is complete).
+* Primaries (`primaries`, their pg_wal `wal.Primary`). Each writes records and flushes to
+  any position, often in the middle of a record (a WAL page written out before the record is complete).
   Walsenders send only flushed WAL, as the real walsender does: that alone produces the
   overwrite case, because a partially flushed record is sent, and a crash that loses
   its unflushed tail makes recovery stop at the previous record and write new WAL over
@@ -39,7 +40,7 @@ The model, and why it is what it is:
   replaced by a standby promoted at a record end it had replayed (a new timeline, with
   the old primary stopped or, sometimes, still running), be replaced by a copy restored
   from an older point, or come back stale after being replaced.
-* Proposer services (`world.Service`). Each is one `walsidecar start` process attached
+* Proposer services (`services`). Each is one `walsidecar start` process attached
   to one primary: a new `Proposer` per replication stream (min_term = the last term it
   saw), the primary check of `_check_primary` (flush, timeline switches below E, CRC of
   the donor's tail record), catch-up from the primary's WAL, heartbeats, election
@@ -48,7 +49,7 @@ The model, and why it is what it is:
   advisory lock that prevents this in production is not modeled, because the protocol
   must be safe without it.
 
-* Hostile peers. A connection that belongs to no proposer, greets, and claims the current
+* Hostile peers (`hostile`). A connection that belongs to no proposer, greets, and claims the current
   term without its vote (an Append after the WAL, or an Elected); one that asks for a vote in
   the current term and sends an Elected cutting below the commit position; a read-only
   connection trying to vote; and, where the proposer checks reported positions, a safekeeper
@@ -59,7 +60,8 @@ The model, and why it is what it is:
 """
 
 from sidecar.sim.checker import Violation
+from sidecar.sim.profile import SimConfig
 from sidecar.sim.runner import Outcome, run_seed, run_seeds
-from sidecar.sim.world import SimConfig, World
+from sidecar.sim.world import World
 
 __all__ = ["Outcome", "SimConfig", "Violation", "World", "run_seed", "run_seeds"]

@@ -38,17 +38,14 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from typing import TYPE_CHECKING
 
 from sidecar.consensus import history as hist
 from sidecar.consensus.messages import ElectedReply, GreetingReply, Message, VoteReply
 from sidecar.consensus.proposer import Proposer, ReportStatus
 from sidecar.consensus.quorum import majority
+from sidecar.sim.nodes import Service, SimSafekeeper
 from sidecar.sim.trace import pos
-from sidecar.sim.wal import BOOT, Disk, Primary
-
-if TYPE_CHECKING:
-    from sidecar.sim.world import Safekeeper, Service, World
+from sidecar.sim.wal import BOOT, Disk, Primary, record_end
 
 
 class Violation(Exception):
@@ -66,12 +63,12 @@ _COMMITTED = "committed"
 class Checker:
     """Ground truth recorded as the world runs, and the invariants checked against it."""
 
-    def __init__(self, world: World, disabled: frozenset[str] = frozenset()) -> None:
-        self.world = world
+    def __init__(self, safekeepers: list[SimSafekeeper], disabled: frozenset[str] = frozenset()) -> None:
+        self.safekeepers = safekeepers
         self.disabled = disabled
-        self.q = majority(len(world.safekeepers))
-        self.quorums = list(itertools.combinations(range(len(world.safekeepers)), self.q))
-        self.pairs = list(itertools.combinations(range(len(world.safekeepers)), 2))
+        self.q = majority(len(safekeepers))
+        self.quorums = list(itertools.combinations(range(len(safekeepers)), self.q))
+        self.pairs = list(itertools.combinations(range(len(safekeepers)), 2))
         self.committed = bytearray()  # acknowledged WAL from BOOT, whole records only
         self.in_term: dict[int, dict[str, int]] = {}  # term -> safekeeper -> fsynced end in that term
         self.term_owner: dict[int, str] = {}
@@ -88,9 +85,9 @@ class Checker:
         if invariant not in self.disabled:
             raise Violation(invariant, detail)
 
-    # ---- ground truth fed by the world ------------------------------------------------------
+    # ---- ground truth fed by the actors -----------------------------------------------------
 
-    def durable(self, sk: Safekeeper) -> None:
+    def durable(self, sk: SimSafekeeper) -> None:
         """The safekeeper's fsynced WAL changed: credit it to the term its history ends in."""
         th = sk.persisted.term_history
         if th:
@@ -98,19 +95,19 @@ class Checker:
             if sk.disk.durable > per.get(sk.name, 0):
                 per[sk.name] = sk.disk.durable
 
-    def accepted(self, sk: Safekeeper, term: int, sender: str, what: str) -> None:
+    def accepted(self, sk: SimSafekeeper, term: int, sender: str, what: str) -> None:
         owner = self.term_owner.setdefault(term, sender)
         if owner != sender:
             self._fail("3 one proposer per term",
                        f"{sk.name} accepted {what} for term {term} from {sender}, but {owner} also led term {term}")
 
-    def wrote(self, sk: Safekeeper, term: int) -> None:
+    def wrote(self, sk: SimSafekeeper, term: int) -> None:
         promise = max(self.promised.get(sk.name, 0), sk.persisted.term)
         if term < promise:
             self._fail("3 no WAL below the promise",
                        f"{sk.name} wrote WAL of term {term} after promising term {promise}")
 
-    def replied(self, sk: Safekeeper, msg: Message) -> None:
+    def replied(self, sk: SimSafekeeper, msg: Message) -> None:
         if isinstance(msg, VoteReply) and msg.granted:
             self.promised[sk.name] = max(self.promised.get(sk.name, 0), msg.term)
             if sk.persisted.term < msg.term:
@@ -143,7 +140,7 @@ class Checker:
                        f"{svc.label} reported flush {pos(st.flush_lsn)}, received only {pos(stream.pos)}")
         per = self.in_term.get(core.term, {})
         truth = sorted((v if v >= core.term_start else 0 for v in per.values()), reverse=True)
-        truth += [0] * (len(self.world.safekeepers) - len(truth))
+        truth += [0] * (len(self.safekeepers) - len(truth))
         if st.flush_lsn > truth[self.q - 1]:
             self._fail("4 acknowledged position was flushed by a quorum in the term",
                        f"{svc.label} (term {core.term}, start {pos(core.term_start)}) reported flush "
@@ -175,7 +172,7 @@ class Checker:
     # ---- checks after every step -------------------------------------------------------------
 
     def after_step(self) -> None:
-        sks = self.world.safekeepers
+        sks = self.safekeepers
         seen = (self.committed_end,) + tuple(sk.version for sk in sks)
         if seen == self._seen:
             return
@@ -184,7 +181,7 @@ class Checker:
         self._check_recovery(sks, views)
         self._check_agreement(sks)
 
-    def _views(self, sk: Safekeeper) -> list[tuple[tuple[int, int], int]]:
+    def _views(self, sk: SimSafekeeper) -> list[tuple[tuple[int, int], int]]:
         """(donor key, flush) for every crash sk could suffer now, least WAL surviving first."""
         if sk.view_version == sk.version:
             return sk.views
@@ -196,12 +193,12 @@ class Checker:
             ups += [e for e in ends[k:] if e <= disk.end] + [disk.end]
         views = []
         for u in ups:
-            flush = self.world.scan(disk, th, u, fingerprint=False).flush_lsn
+            flush = record_end(disk, u, fingerprint=False).flush_lsn
             views.append((hist.donor_key(th, flush), flush))
         sk.views, sk.view_version = views, sk.version
         return views
 
-    def _check_recovery(self, sks: list[Safekeeper], views: list[list[tuple[tuple[int, int], int]]]) -> None:
+    def _check_recovery(self, sks: list[SimSafekeeper], views: list[list[tuple[tuple[int, int], int]]]) -> None:
         end = self.committed_end
         if end == BOOT:
             return
@@ -232,7 +229,7 @@ class Checker:
         disk.marks[_COMMITTED] = end
         return True
 
-    def _check_agreement(self, sks: list[Safekeeper]) -> None:
+    def _check_agreement(self, sks: list[SimSafekeeper]) -> None:
         versions = self._pair_versions
         for i, j in self.pairs:
             a, b = sks[i], sks[j]

@@ -9,7 +9,7 @@ import time
 import click
 
 from sidecar.sim.runner import Outcome, run_seed, run_seeds
-from sidecar.sim.world import SimConfig
+from sidecar.sim.profile import SimConfig
 
 TRACE_TAIL = 60  # events printed for a failing seed
 SHOWN = 5  # failing seeds printed in full; the rest are listed

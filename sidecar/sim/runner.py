@@ -8,7 +8,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 
 from sidecar.sim.checker import Violation
-from sidecar.sim.world import SimConfig, World
+from sidecar.sim.profile import SimConfig
+from sidecar.sim.world import World
 
 
 @dataclass(frozen=True)

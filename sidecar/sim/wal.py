@@ -15,6 +15,7 @@ import random
 import struct
 import zlib
 
+from sidecar.consensus.acceptor import RecordEnd
 from sidecar.consensus.messages import TimelineHistory
 
 BOOT = 0x1000000  # where the first term starts: the segment of the slot's restart position
@@ -145,6 +146,22 @@ class Disk:
     def read(self, lo: int, hi: int) -> bytes:
         assert self.start is not None and self.start <= lo <= hi <= self.end, (lo, hi, self.start, self.end)
         return bytes(self.data[lo - self.start:hi - self.start])
+
+
+def record_end(disk: Disk, upto: int, fingerprint: bool = True) -> RecordEnd:
+    """The end of valid WAL if the stored bytes ended at `upto`: the last complete record.
+
+    server.py (walcheck.record_end) walks from its last durable segment; this walks the chain from
+    the store's start. Both find the same record end; a vote fingerprints that record wherever it lies.
+    """
+    if disk.start is None:
+        return RecordEnd(0)
+    last = disk.last_record(upto)
+    if last is None:
+        return RecordEnd(disk.start)
+    if not fingerprint:
+        return RecordEnd(last[1])
+    return RecordEnd(last[1], last[0], zlib.crc32(disk.read(last[0], last[1])))
 
 
 class Primary:

@@ -413,8 +413,7 @@ def test_a_failed_fdatasync_stops_the_safekeeper(tmp_path: Path, monkeypatch, re
     wal = b.bytes()
 
     async def main() -> None:
-        sk = Safekeeper(1, tmp_path, "127.0.0.1", 0)
-        sk.open()
+        sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
         mon = SafekeeperMonitor(sk)
         server = asyncio.ensure_future(sk.serve())
         await until(lambda: sk._server is not None and sk._server.sockets, "the safekeeper to listen")
@@ -451,8 +450,7 @@ def test_a_failed_fdatasync_stops_the_safekeeper(tmp_path: Path, monkeypatch, re
     run(main())
     monkeypatch.undo()
     # The next start cuts the WAL back to what was durable, whatever the page cache holds.
-    sk = Safekeeper(1, tmp_path, "127.0.0.1", 0)
-    sk.open()
+    sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
     try:
         assert sk.storage.in_doubt() is None and not (tmp_path / "wal.in-doubt").read_bytes().strip(b"\0")
         assert sk.acceptor.write_lsn == durable
@@ -478,8 +476,7 @@ def test_a_full_disk_is_what_check_health_and_metrics_say(tmp_path: Path) -> Non
     wal = b.bytes()
 
     async def main() -> None:
-        sk = Safekeeper(1, small, "127.0.0.1", 0)
-        sk.open()
+        sk = Safekeeper.open(1, small, "127.0.0.1", 0)
         mon = SafekeeperMonitor(sk)
         server = asyncio.ensure_future(sk.serve())
         await until(lambda: sk._server is not None and sk._server.sockets, "the safekeeper to listen")
@@ -511,8 +508,7 @@ def test_a_full_disk_is_what_check_health_and_metrics_say(tmp_path: Path) -> Non
         with contextlib.suppress(asyncio.CancelledError):
             await server
         # Everything acknowledged is there at the next start.
-        again = Safekeeper(1, small, "127.0.0.1", 0)
-        again.open()
+        again = Safekeeper.open(1, small, "127.0.0.1", 0)
         try:
             assert again.acceptor.write_lsn >= max(r.end_lsn for r in b.records if r.end_lsn <= acked)
         finally:

@@ -283,8 +283,7 @@ def test_a_fatal_error_is_reported_once_without_an_unretrieved_task(tmp_path: Pa
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(server_mod, "save_control", failing_save)
-    sk = server_mod.Safekeeper(1, tmp_path, "127.0.0.1", free_port())
-    sk.open()
+    sk = server_mod.Safekeeper.open(1, tmp_path, "127.0.0.1", free_port())
     unhandled: list[dict] = []
 
     async def main() -> None:

@@ -69,8 +69,7 @@ def test_taken_port_is_reported() -> None:
 
 def test_safekeeper_answers_info_without_binding_itself(tmp_path: Path) -> None:
     async def main() -> None:
-        sk = Safekeeper(4, tmp_path, "127.0.0.1", 0)
-        sk.open()
+        sk = Safekeeper.open(4, tmp_path, "127.0.0.1", 0)
         mon = SafekeeperMonitor(sk)
         server = asyncio.ensure_future(sk.serve())
         try:

@@ -12,7 +12,7 @@ from sidecar.consensus.acceptor import (
 )
 from sidecar.consensus.messages import (
     PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply,
-    Message, TermEntry, TermHistory, TimelineEntry, VoteReply, VoteRequest,
+    InfoReply, Message, TermEntry, TermHistory, TimelineEntry, VoteReply, VoteRequest,
 )
 from sidecar.consensus.state import AcceptorState
 
@@ -504,3 +504,21 @@ def test_the_record_end_is_reused_until_the_wal_changes() -> None:
     a.remember_end(a.wal_epoch, RecordEnd(1003))
     a.on_elected(Elected(3, 1000, h((3, 1000))), RecordEnd(1003))
     assert a.cached_end() is None
+
+
+# ---- InfoRequest: what this safekeeper is ----------------------------------------------------
+
+def test_info_reports_identity_positions_and_whether_a_proposer_holds_the_term() -> None:
+    owner = object()
+    a = Acceptor(1, configured(term=2), 0)
+    a.on_vote(VoteRequest(3), RecordEnd(0))
+    a.on_elected(Elected(3, 1000, h((3, 1000))), RecordEnd(0), owner)
+    a.on_append(Append(3, 1000, 0, 0, b"x" * 100), owner)
+    a.on_flushed(1100)
+    a.on_append(Append(3, 1100, 1100, 0, b""), owner)
+    before = snapshot(a)
+    assert a.info() == InfoReply(1, SYSID, SEG, PGV, 1, 3, 3, 1100, 1100, True)
+    assert snapshot(a) == before
+    a.owner = None  # the term's connection closed
+    assert a.info().proposer_connected is False
+    assert Acceptor(5, AcceptorState(), 0).info() == InfoReply(5, 0, 0, 0, 0, 0, 0, 0, 0, False)

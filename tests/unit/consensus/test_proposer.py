@@ -747,10 +747,10 @@ def test_a_peer_overtaken_mid_send_fetches_until_it_reaches_the_buffer() -> None
 # ---- teeth: without the caps, the simulator's lying safekeepers break durability ----------------
 
 def test_trusting_a_lying_safekeeper_is_caught_by_the_simulator(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sidecar.sim import world as world_mod
+    from sidecar.sim import hostile
     from sidecar.sim.runner import first_violation
 
-    if not hasattr(world_mod.World, "_lie"):
+    if not hasattr(hostile.Hostile, "lie"):
         pytest.skip("this simulator has no lying safekeepers")
     monkeypatch.setattr(proposer_mod.Proposer, "_append_cap", lambda self, p: MAX_LSN)
     monkeypatch.setattr(proposer_mod.Proposer, "_elected_cap", lambda self, p, vote: MAX_LSN)

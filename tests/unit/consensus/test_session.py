@@ -7,10 +7,10 @@ import pytest
 from sidecar.consensus import codec, limits
 from sidecar.consensus.acceptor import Acceptor, AcceptorError, Persist, RecordEnd, Reply, Truncate, Write
 from sidecar.consensus.messages import (
-    PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, InfoRequest, Message,
+    PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, InfoReply, InfoRequest, Message,
     TermEntry, VoteReply, VoteRequest,
 )
-from sidecar.consensus.session import ANSWER_INFO, AcceptorSession, Role
+from sidecar.consensus.session import AcceptorSession, Role
 from sidecar.consensus.state import AcceptorState
 
 SYSID = 7_300_000_000_000_000_001
@@ -63,7 +63,7 @@ def test_the_first_message_must_be_a_greeting(msg: Message) -> None:
 def test_info_is_answered_before_a_greeting_and_changes_nothing() -> None:
     a = fresh()
     s = AcceptorSession(a)
-    assert s.receive(InfoRequest()) == [ANSWER_INFO]
+    assert s.receive(InfoRequest()) == [Reply(InfoReply(1, 0, 0, 0, 0, 0, 0, 0, 0, False))]
     assert not s.greeted and snapshot(a) == snapshot(fresh())
 
 
@@ -72,7 +72,7 @@ def test_a_read_only_role_may_only_ask_for_information(role: Role) -> None:
     a = Acceptor(1, AcceptorState(SYSID, SEG, 15, 1, term=3), 0)
     s = AcceptorSession(a, role)
     before = snapshot(a)
-    assert s.receive(InfoRequest()) == [ANSWER_INFO]
+    assert s.receive(InfoRequest()) == [Reply(InfoReply(1, SYSID, SEG, 15, 1, 3, 0, 0, 0, False))]
     for msg in (GREETING, VoteRequest(4), VoteRequest(0), Elected(3, START, (TermEntry(3, START),)),
                 Append(3, START, 0, 0, b"x")):
         with pytest.raises(AcceptorError, match=f"a {role.value} connection may only ask for information"):

@@ -1,4 +1,4 @@
-"""The safekeeper's end-of-WAL scan on real segment files (restart, vote, Elected)."""
+"""The safekeeper's end of valid WAL (`record_end`) on real segment files (restart, vote, Elected)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from sidecar.safekeeper.control import ControlData, save_control
 from sidecar.safekeeper.server import Safekeeper
 from sidecar.lsn import WAL_PAGE_SIZE, format_lsn, segment_file_name
 from sidecar.safekeeper.storage import WalStorage
-from sidecar.safekeeper.walcheck import StartupError
+from sidecar.safekeeper.walcheck import StartupError, record_end
 from support.walbuilder import DEFAULT_SYSID, WalBuilder
 
 SEG = 1 << 20
@@ -31,8 +31,7 @@ def stored(tmp_path: Path, wal: bytes, base: int, history: tuple[TermEntry, ...]
     state = AcceptorState(system_id=DEFAULT_SYSID, wal_seg_size=SEG, pg_version=15, timeline=1,
                           term=history[-1].term, term_history=history)
     save_control(tmp_path, ControlData(1, state))
-    sk = Safekeeper(1, tmp_path, "127.0.0.1", 1)
-    sk.open()
+    sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 1)
     return sk
 
 
@@ -49,7 +48,7 @@ def test_a_vote_after_a_term_without_wal_still_fingerprints_the_last_record(tmp_
     last = b.records[-1]
     e = last.end_lsn
     sk = stored(tmp_path, b.bytes(), SEG, (TermEntry(1, SEG), TermEntry(2, e)))
-    end = sk._scan(sk.acceptor.state)
+    end = record_end(sk.storage, sk.acceptor.state)
     assert end.flush_lsn == e
     assert end.tail_lsn == last.lsn
     assert end.tail_crc == google_crc32c.value(bytes(b.buf[last.lsn - SEG:e - SEG]))
@@ -64,14 +63,14 @@ def test_a_torn_tail_reaching_past_the_term_start_is_not_taken_for_wal(tmp_path:
     b.corrupt(last.data_end - 40, bytes(40))
     sk = stored(tmp_path, b.bytes(), SEG, (TermEntry(1, SEG), TermEntry(2, e)), junk=random.Random(1).randbytes(300))
     assert sk.acceptor.write_lsn == before.end_lsn < e
-    assert sk._scan(sk.acceptor.state).flush_lsn == before.end_lsn
+    assert record_end(sk.storage, sk.acceptor.state).flush_lsn == before.end_lsn
 
 
 def test_a_record_spanning_a_whole_segment_is_found_by_stepping_back(tmp_path: Path) -> None:
     b = build(400)
     big = b.add(SEG + 200_000)  # begins in one segment and covers the next one entirely
     sk = stored(tmp_path, b.bytes(), SEG, (TermEntry(1, SEG),))
-    end = sk._scan(sk.acceptor.state)
+    end = record_end(sk.storage, sk.acceptor.state)
     assert end.flush_lsn == big.end_lsn
     assert end.tail_lsn == max(big.lsn, big.end_lsn - (1 << 20))
 
@@ -101,7 +100,7 @@ def refused(tmp_path: Path, *words: str) -> str:
     """Open the safekeeper, which must refuse; the message holds every one of `words`."""
     before = {d: files_of(d) for d in (tmp_path, tmp_path / "wal")}
     with pytest.raises(StartupError) as err:
-        Safekeeper(1, tmp_path, "127.0.0.1", 1).open()
+        Safekeeper.open(1, tmp_path, "127.0.0.1", 1)
     msg = str(err.value)
     for w in words:
         assert w in msg, (w, msg)
@@ -116,8 +115,7 @@ def seg_path(wal: Path, segno: int, partial: bool = False) -> Path:
 
 def test_undamaged_wal_starts_and_records_the_checkpoint(tmp_path: Path) -> None:
     wal, b = damaged_dir(tmp_path)
-    sk = Safekeeper(1, tmp_path, "127.0.0.1", 1)
-    sk.open()
+    sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 1)
     assert sk.acceptor.write_lsn == b.records[-1].end_lsn
     assert sk.storage.verified_lsn() == 5 * SEG
 
@@ -188,10 +186,10 @@ def test_the_chain_is_walked_from_the_checkpoint_only(tmp_path: Path) -> None:
     # Below the checkpoint only page headers are read again: a record flipped there after a
     # start that verified it is not found (the price of a fast start, see walcheck.py).
     wal, b = damaged_dir(tmp_path)
-    Safekeeper(1, tmp_path, "127.0.0.1", 1).open()
+    Safekeeper.open(1, tmp_path, "127.0.0.1", 1)
     rec = next(r for r in b.records if r.lsn > 2 * SEG + SEG // 2)
     flip(seg_path(wal, 2), rec.lsn + 30 - 2 * SEG)
-    Safekeeper(1, tmp_path, "127.0.0.1", 1).open()
+    Safekeeper.open(1, tmp_path, "127.0.0.1", 1)
     (tmp_path / "wal.verified").unlink()  # no checkpoint: everything is walked
     refused(tmp_path, f"CRC mismatch at {format_lsn(rec.lsn)}")
 
@@ -200,8 +198,7 @@ def test_a_torn_partial_tail_is_not_damage(tmp_path: Path) -> None:
     wal, b = damaged_dir(tmp_path)
     last = b.records[-1]
     flip(seg_path(wal, 5, partial=True), last.lsn + 30 - 5 * SEG)  # unsynced bytes a crash tore
-    sk = Safekeeper(1, tmp_path, "127.0.0.1", 1)
-    sk.open()
+    sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 1)
     assert sk.acceptor.write_lsn == b.records[-2].end_lsn
 
 
@@ -218,8 +215,7 @@ def test_a_record_from_the_last_final_segment_torn_in_the_tail_is_not_damage(tmp
     save_control(tmp_path, ControlData(1, AcceptorState(system_id=DEFAULT_SYSID, wal_seg_size=SEG, pg_version=15,
                                                          timeline=1, term=1, term_history=(TermEntry(1, SEG),))))
     flip(tmp_path / "wal" / (segment_file_name(1, 3, SEG) + ".partial"), spanning.data_end - 3 * SEG - 10)
-    sk = Safekeeper(1, tmp_path, "127.0.0.1", 1)
-    sk.open()
+    sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 1)
     assert sk.acceptor.write_lsn == spanning.lsn
 
 

@@ -1,0 +1,72 @@
+"""The safekeeper's positions, published in one place for any number of asyncio tasks to wait on.
+
+Like Neon's `commit_lsn_watch`/`term_flush_lsn_watch`: the server publishes after it carries out
+the acceptor's actions (after the fsync for flush_lsn, when an Append moves commit_lsn); readers
+(the monitor today, a WAL sender or an archiver later) read the latest value or wait for one that
+satisfies them. Positions only move forward, except that an Elected may cut WAL: flush_lsn then
+moves back and `generation` is bumped, so a reader knows to re-read from the new end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import NamedTuple
+
+
+class Positions(NamedTuple):
+    """What a safekeeper has promised and holds: term, fsynced end, commit position.
+
+    A named tuple, not a dataclass: one is built per Append that moves commit_lsn.
+    """
+
+    term: int = 0
+    flush_lsn: int = 0
+    commit_lsn: int = 0
+    generation: int = 0  # bumped by every cut of the stored WAL (an applied Elected)
+
+
+class PositionWatch:
+    """The latest `Positions`; `wait(predicate)` and `changed()` wake every waiter on a publish.
+
+    Single event loop, no threads: nothing yields between a waiter's check and its wait, so a
+    publish is never missed.
+    """
+
+    def __init__(self, initial: Positions = Positions()) -> None:
+        self._value = initial
+        self._wake: asyncio.Event | None = None  # made by the first waiter, replaced on each publish
+
+    @property
+    def value(self) -> Positions:
+        return self._value
+
+    def publish(self, new: Positions) -> None:
+        """Make `new` the latest value and wake all waiters; ValueError if it moves back without a cut."""
+        old = self._value
+        if new == old:
+            return
+        cut = new.generation > old.generation
+        if new.term < old.term or new.commit_lsn < old.commit_lsn or new.generation < old.generation or \
+                (new.flush_lsn < old.flush_lsn and not cut):
+            raise ValueError(f"positions move back from {old} to {new}")
+        self._value = new
+        wake, self._wake = self._wake, None
+        if wake is not None:
+            wake.set()
+
+    async def wait(self, predicate: Callable[[Positions], bool]) -> Positions:
+        """The first published value (the current one included) for which `predicate` holds."""
+        while not predicate(self._value):
+            await self._next()
+        return self._value
+
+    async def changed(self) -> Positions:
+        """The value after the next publish that changes it."""
+        await self._next()
+        return self._value
+
+    async def _next(self) -> None:
+        if self._wake is None:
+            self._wake = asyncio.Event()
+        await self._wake.wait()

@@ -1,0 +1,25 @@
+"""What a safekeeper shows its observers: one snapshot, so they never walk its internals."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sidecar.consensus.state import AcceptorState
+from sidecar.safekeeper.positions import Positions
+
+
+@dataclass(frozen=True)
+class SafekeeperView:
+    """A safekeeper at one moment: identity, state, published positions, links and why it stopped."""
+
+    node_id: int
+    listen: str  # HOST:PORT proposers connect to
+    link_security: str | None  # "tls", "auth-only", or None under --insecure
+    state: AcceptorState  # identity, term history, peer horizon
+    positions: Positions  # term, flush and commit as published
+    elected_term: int
+    write_lsn: int
+    proposer_connected: bool  # an elected proposer's connection holds the term
+    disk_full: bool  # a full disk fenced it: up, refusing everything
+    fatal: str | None  # type of the error that stops the process
+    stopped: bool  # no longer acknowledging WAL (disk_full, or fatal)

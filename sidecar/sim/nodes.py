@@ -1,0 +1,108 @@
+"""The simulated processes and links, as state: a safekeeper, a connection, a proposer service.
+
+What they do lives with their actor (`safekeepers`, `network`, `services`); the checker reads
+these records and nothing else.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import cast
+
+from sidecar.consensus.acceptor import Acceptor
+from sidecar.consensus.messages import Message
+from sidecar.consensus.proposer import FetchWal, Proposer, ReportStatus, VerifyPrimary
+from sidecar.consensus.session import AcceptorSession
+from sidecar.consensus.state import AcceptorState
+from sidecar.sim.wal import Disk, Primary
+
+
+@dataclass(eq=False)
+class SimSafekeeper:
+    """One safekeeper process: its disk and control file survive a crash, its acceptor does not."""
+
+    name: str
+    node_id: int
+    disk: Disk = field(default_factory=Disk)
+    persisted: AcceptorState = field(default_factory=AcceptorState)  # the control file
+    acceptor: Acceptor | None = None  # None while the process is down
+    conns: list[Connection] = field(default_factory=list)
+    truncations: list[int] = field(default_factory=list)
+    version: int = 0  # bumped on every change the checker looks at
+    views: list = field(default_factory=list)
+    view_version: int = -1
+
+    @property
+    def commit_lsn(self) -> int:
+        return (self.acceptor.state if self.acceptor else self.persisted).commit_lsn
+
+    @property
+    def stream(self) -> Connection | None:
+        """Where on_flushed replies go: the connection holding the term (the server's `_stream`)."""
+        owner = self.acceptor.owner if self.acceptor is not None else None
+        return cast(Connection, owner.conn) if isinstance(owner, AcceptorSession) else None
+
+    def changed(self) -> None:
+        self.version += 1
+
+
+@dataclass(eq=False)
+class Connection:
+    """One TCP connection: FIFO both ways; each end closes on its own and sees EOF later."""
+
+    label: str
+    sender: str  # label of the Proposer instance this connection was opened for
+    svc: Service | None  # None for a hostile connection that belongs to no proposer
+    sk: SimSafekeeper
+    slow: bool
+    session: AcceptorSession
+    to_sk: deque[Message] = field(default_factory=deque)
+    to_prop: deque[Message] = field(default_factory=deque)
+    prop_open: bool = True
+    sk_open: bool = True
+    # The proposer closed its writer at the end of a term but its reader still holds
+    # replies already received, which the next term's core will read before the EOF.
+    lingering: bool = False
+
+    @property
+    def carries_replies(self) -> bool:
+        return self.prop_open and self.sk_open and not self.lingering
+
+
+@dataclass(eq=False)
+class Stream:
+    """The replication stream from the primary to one term's core."""
+
+    start: int
+    pos: int
+    flushed: int = 0  # highest flush reported back on it
+
+
+@dataclass(eq=False)
+class Fetch:
+    """A catch-up of one safekeeper from the primary's WAL: [pos, end) still to send."""
+
+    pos: int
+    end: int
+
+
+@dataclass(eq=False)
+class Service:
+    """One `walsidecar start` process: a new Proposer per replication stream."""
+
+    name: str
+    primary: Primary
+    alive: bool = True
+    core: Proposer | None = None
+    label: str = ""
+    attempts: int = 0
+    last_term: int = 0
+    links: dict[str, Connection | None] = field(default_factory=dict)
+    stream: Stream | None = None
+    verifies: list[tuple[Proposer, VerifyPrimary]] = field(default_factory=list)
+    fetches: dict[str, Fetch] = field(default_factory=dict)
+    # What the service did, for scripted tests.
+    reports: list[ReportStatus] = field(default_factory=list)
+    checks: list[VerifyPrimary] = field(default_factory=list)
+    fetched: list[FetchWal] = field(default_factory=list)

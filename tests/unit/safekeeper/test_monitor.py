@@ -1,0 +1,91 @@
+"""The safekeeper's monitor against a view it is handed (no server): /status, /health and the gauges
+say what the view says, and nothing a stranger should not read."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from sidecar.consensus.messages import TermEntry
+from sidecar.consensus.state import AcceptorState
+from sidecar.metrics import SafekeeperMetrics
+from sidecar.safekeeper.monitor import SafekeeperMonitor
+from sidecar.safekeeper.positions import Positions
+from sidecar.safekeeper.view import SafekeeperView
+
+SEG = 16 << 20
+STATE = AcceptorState(7301, SEG, 15, 2, term=5, term_history=(TermEntry(3, 0x1000000), TermEntry(5, 0x2000000)),
+                      commit_lsn=0x2000100, peer_horizon_lsn=0x2000080)
+VIEW = SafekeeperView(
+    node_id=2, listen="127.0.0.1:7602", link_security="tls", state=STATE,
+    positions=Positions(term=5, flush_lsn=0x2000200, commit_lsn=0x2000100, generation=1), elected_term=5,
+    write_lsn=0x2000300, proposer_connected=True, disk_full=False, fatal=None, stopped=False)
+
+
+class Published:
+    """Stands in for a Safekeeper: event metrics and a view the test changes at will."""
+
+    def __init__(self, view: SafekeeperView) -> None:
+        self.stats = SafekeeperMetrics(view.node_id)
+        self.current = view
+
+    def view(self) -> SafekeeperView:
+        return self.current
+
+
+def gauges(mon: SafekeeperMonitor) -> dict[str, float]:
+    text = generate_latest(mon.stats.registry).decode()
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_status_is_the_view() -> None:
+    doc = SafekeeperMonitor(Published(VIEW)).status()
+    uptime = doc.pop("uptime_seconds")
+    assert uptime >= 0
+    assert doc == {
+        "role": "safekeeper", "version": doc["version"], "id": 2, "listen": "127.0.0.1:7602", "insecure": False,
+        "link_security": "tls", "system_id": "7301", "timeline": 2, "wal_seg_size": SEG, "pg_version": 15,
+        "term": 5, "term_history": [[3, "0/1000000"], [5, "0/2000000"]], "elected_term": 5,
+        "flush_lsn": "0/2000200", "write_lsn": "0/2000300", "commit_lsn": "0/2000100",
+        "peer_horizon_lsn": "0/2000080", "proposer_connected": True, "fatal": None, "stopped": None,
+    }
+
+
+def test_a_fresh_safekeeper_shows_no_identity() -> None:
+    doc = SafekeeperMonitor(Published(replace(VIEW, state=AcceptorState(), positions=Positions(),
+                                              link_security=None))).status()
+    assert doc["system_id"] is None and doc["term_history"] == [] and doc["insecure"] is True
+    assert (doc["term"], doc["flush_lsn"], doc["commit_lsn"]) == (0, "0/0", "0/0")
+
+
+def test_health_says_why_it_stopped_without_error_texts() -> None:
+    sk = Published(VIEW)
+    mon = SafekeeperMonitor(sk)
+    assert (mon.health().status, mon.health().body) == (200, b"ok\n")
+    sk.current = replace(VIEW, stopped=True, disk_full=True)
+    assert mon.health().status == 503 and mon.health().body.startswith(b"disk full: no longer acknowledging")
+    assert mon.status()["stopped"].startswith("disk full") and mon.status()["fatal"] is None
+    sk.current = replace(VIEW, stopped=True, fatal="OSError")
+    health = mon.health()
+    assert health.status == 503 and health.body == b"stopped after a fatal OSError: WAL in doubt; " \
+        b"see the safekeeper's log\n"
+    assert mon.status()["fatal"] == "OSError"
+
+
+def test_gauges_follow_the_published_view() -> None:
+    sk = Published(VIEW)
+    mon = SafekeeperMonitor(sk)
+    g = gauges(mon)
+    assert g["walsidecar_safekeeper_term"] == 5 and g["walsidecar_safekeeper_last_log_term"] == 5
+    assert g["walsidecar_safekeeper_flush_lsn_bytes"] == 0x2000200
+    assert g["walsidecar_safekeeper_write_lsn_bytes"] == 0x2000300
+    assert g["walsidecar_safekeeper_commit_lsn_bytes"] == 0x2000100
+    assert g["walsidecar_safekeeper_peer_horizon_lsn_bytes"] == 0x2000080
+    assert g["walsidecar_safekeeper_proposer_connected"] == 1 and g["walsidecar_safekeeper_disk_full"] == 0
+    sk.current = replace(VIEW, positions=VIEW.positions._replace(commit_lsn=0x2000200), proposer_connected=False,
+                         stopped=True, disk_full=True)
+    g = gauges(mon)
+    assert g["walsidecar_safekeeper_commit_lsn_bytes"] == 0x2000200
+    assert g["walsidecar_safekeeper_proposer_connected"] == 0 and g["walsidecar_safekeeper_disk_full"] == 1

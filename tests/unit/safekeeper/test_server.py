@@ -1,0 +1,127 @@
+"""The safekeeper service: built complete by `Safekeeper.open()` (or refused with a StartupError),
+and publishing its positions as it serves a proposer over a real connection."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from sidecar import framing
+from sidecar.consensus import codec
+from sidecar.consensus.messages import (
+    PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply, Message, TermEntry,
+    VoteReply, VoteRequest,
+)
+from sidecar.consensus.state import AcceptorState
+from sidecar.safekeeper.control import ControlData, ControlFileError, control_path, save_control
+from sidecar.safekeeper.positions import Positions
+from sidecar.safekeeper.server import Safekeeper
+from sidecar.safekeeper.storage import NoWal, WalStorage
+from sidecar.safekeeper.walcheck import StartupError
+from support.helpers import run, until
+from support.walbuilder import WalBuilder
+
+SEG = 1 << 20
+SYSID = 7_300_000_000_000_000_012
+
+
+# ---- one constructor: ready to serve, or a StartupError --------------------------------------------
+
+def test_a_fresh_data_dir_opens_ready_to_serve_without_a_wal_store(tmp_path: Path) -> None:
+    sk = Safekeeper.open(3, tmp_path, "127.0.0.1", 0)
+    assert isinstance(sk.storage, NoWal) and not (tmp_path / "wal").exists()
+    assert sk.acceptor.state == AcceptorState() and sk.positions.value == Positions()
+    v = sk.view()
+    assert (v.node_id, v.listen, v.link_security, v.stopped, v.proposer_connected) == \
+        (3, "127.0.0.1:0", None, False, False)
+
+
+def test_another_nodes_data_dir_is_a_startup_error_not_an_exit(tmp_path: Path) -> None:
+    save_control(tmp_path, ControlData(2, AcceptorState()))
+    with pytest.raises(StartupError, match="belongs to safekeeper 2, not 1"):
+        Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
+
+
+def test_a_corrupt_control_file_is_refused(tmp_path: Path) -> None:
+    save_control(tmp_path, ControlData(1, AcceptorState()))
+    path = control_path(tmp_path)
+    path.write_bytes(path.read_bytes()[:-3])
+    with pytest.raises(ControlFileError):
+        Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
+
+
+def test_an_invalid_segment_size_is_a_startup_error(tmp_path: Path) -> None:
+    save_control(tmp_path, ControlData(1, AcceptorState(SYSID, 12345, 15, 1)))
+    with pytest.raises(StartupError, match="holds an invalid value"):
+        Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
+
+
+def test_an_unusable_data_dir_is_a_startup_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(StartupError, match="safekeeper 1 cannot start from"):
+        Safekeeper.open(1, tmp_path / "file" / "sk", "127.0.0.1", 0)
+
+
+def test_stored_wal_opens_at_the_end_of_its_last_record(tmp_path: Path) -> None:
+    b = WalBuilder(SEG, seg_size=SEG, sysid=SYSID)
+    b.fill_to(SEG + 50_000, 300)
+    with WalStorage(tmp_path / "wal", SEG, 1) as st:
+        st.open_at(SEG)
+        st.write(SEG, b.bytes())
+        st.flush()
+    end = b.records[-1].end_lsn
+    save_control(tmp_path, ControlData(1, AcceptorState(SYSID, SEG, 15, 1, term=2, term_history=(TermEntry(2, SEG),),
+                                                        commit_lsn=end + 1000)))
+    sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
+    try:
+        assert isinstance(sk.storage, WalStorage) and sk.acceptor.write_lsn == end
+        # commit_lsn is "acknowledged and present here": lowered to the WAL that survived
+        assert sk.positions.value == Positions(term=2, flush_lsn=end, commit_lsn=end)
+    finally:
+        sk.storage.close()
+
+
+# ---- positions published as the server carries out the acceptor's actions -------------------------
+
+def test_positions_are_published_after_fsync_commit_and_cut(tmp_path: Path) -> None:
+    b = WalBuilder(SEG, seg_size=SEG, sysid=SYSID)
+    b.fill_to(SEG + 20_000, 200)
+    wal, ends = b.bytes(), [r.end_lsn for r in b.records]
+
+    async def main() -> None:
+        sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
+        server = asyncio.ensure_future(sk.serve())
+        await until(lambda: sk._server is not None and sk._server.sockets, "the safekeeper to listen")
+        port = sk._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        reader, writer = await framing.open_connection("127.0.0.1", port)
+
+        async def send(msg: Message) -> Message:
+            framing.write(writer, codec.encode(msg))
+            return await asyncio.wait_for(reader.read_message(), 10)
+
+        flushed = asyncio.ensure_future(sk.positions.wait(lambda p: p.flush_lsn >= ends[-1]))
+        committed = asyncio.ensure_future(sk.positions.wait(lambda p: p.commit_lsn >= ends[5]))
+        try:
+            assert isinstance(await send(Greeting(PROTOCOL_VERSION, "p", SYSID, 1, SEG, 15)), GreetingReply)
+            assert isinstance(await send(VoteRequest(1)), VoteReply)
+            assert sk.positions.value == Positions(term=1)
+            assert isinstance(await send(Elected(1, SEG, (TermEntry(1, SEG),))), ElectedReply)
+            assert sk.positions.value == Positions(term=1, flush_lsn=SEG, generation=1)
+            reply = await send(Append(1, SEG, 0, 0, wal))
+            assert isinstance(reply, AppendReply) and reply.flush_lsn == ends[-1]
+            assert (await flushed).flush_lsn == ends[-1] and not committed.done()
+            await send(Append(1, ends[-1], ends[5], 0, b""))  # a heartbeat carrying the commit position
+            assert await committed == Positions(1, ends[-1], ends[5], generation=1)
+            # A new term cuts above the commit position: flush moves back, the generation says so.
+            assert isinstance(await send(VoteRequest(2)), VoteReply)
+            assert isinstance(await send(Elected(2, ends[7], (TermEntry(1, SEG), TermEntry(2, ends[7])))),
+                              ElectedReply)
+            assert sk.positions.value == Positions(2, ends[7], ends[5], generation=2)
+        finally:
+            writer.close()
+            server.cancel()
+            await asyncio.gather(server, return_exceptions=True)
+
+    run(main())
