@@ -7,7 +7,7 @@ runs writer threads that record every acknowledged commit, and each round does o
 kinds asked for: kill -9 of one safekeeper, kill -9 of the sidecar, an immediate-mode stop of the
 primary, or a partition (one or two safekeepers' links taken down, then brought back up); then it
 waits for commits to flow again. With partitions, each safekeeper runs as a separate host in a
-network namespace of its own (tests/netns.py), reached over a veth link that is really cut.
+network namespace of its own (tests/support/netns.py), reached over a veth link that is really cut.
 At the end every acknowledged key must be in the table and every safekeeper's WAL must equal the
 primary's byte for byte.
 """
