@@ -297,17 +297,18 @@ class Services:
         core, a = svc.verifies.pop(0)
         if core is not svc.core:
             return True
-        problem = check_primary(svc.primary, a)
-        if problem is None:
+        refused = check_primary(svc.primary, a)
+        if refused is None:
             self.ctx.event(svc.label, "primary verified", svc.primary.name, f"E={pos(a.start_lsn)}")
             self.run(svc, core.primary_verified())
             return True
+        kind, problem = refused
         self.ctx.count("primaries refused")
         donor = self.by_name[a.donor].disk
         if donor.start == BOOT and donor.end >= a.start_lsn and svc.primary.end >= a.start_lsn and \
                 donor.read(BOOT, a.start_lsn) == svc.primary.read(BOOT, a.start_lsn):
             # Liveness, not safety: the primary does hold the donor's WAL up to E.
-            self.ctx.count(f"primaries refused that hold the donor's WAL ({problem.split(' ')[0]})")
+            self.ctx.count(f"primaries refused that hold the donor's WAL ({kind})")
         self.ctx.event(svc.label, "primary refused", svc.primary.name, problem)
         self.run(svc, core.primary_refused(problem))
         self.stop(svc, "exits: refuses to stream")  # PrimaryMismatch is fatal
@@ -349,9 +350,13 @@ class Services:
         return True
 
 
-def check_primary(primary: Primary, a: VerifyPrimary) -> str | None:
-    """The service's primary check (consensus.primary_check) on the simulated primary's flush, history and bytes."""
+def check_primary(primary: Primary, a: VerifyPrimary) -> tuple[str, str] | None:
+    """The service's primary check (consensus.primary_check) on the simulated primary: (which check, why) or None."""
     problem = primary_check.lineage_mismatch(a, primary.flush, primary.history)
-    if problem is None and a.tail_lsn:
+    if problem is not None:
+        return ("flush" if primary.flush < a.start_lsn else "history"), problem
+    if a.tail_lsn:
         problem = primary_check.tail_mismatch(a, zlib.crc32(primary.read(a.tail_lsn, a.start_lsn)))
-    return problem
+        if problem is not None:
+            return "tail", problem
+    return None
