@@ -112,7 +112,9 @@ class Member:
     SidecarMember for a `walsidecar` subcommand) with its `argv()` (and `standby` if it streams from the
     primary as a synchronous standby), then `LocalDeployment.add()` an instance, or make one in
     LocalDeployment.__init__ if every deployment has it. Start, stop, kill, restart, the liveness check,
-    the log, the data directory and the order of stopping come with it.
+    the log, the data directory and the order of stopping come with it. To run the same members
+    elsewhere (in containers), subclass them overriding start, stop, kill, close, running and the paths,
+    and give LocalDeployment those kinds (`safekeeper_kind`, `proposer_kind`).
     """
 
     name: str
@@ -295,7 +297,8 @@ class LocalDeployment:
     Certificates come from `certificates` (default: a CA of its own under BASE), or none when `insecure`.
     `places` puts members elsewhere (a network namespace: its address and command wrapper), `extra` adds
     arguments to a member's every start, `spawn` starts each process (tests track them with it), `log`
-    (a structlog logger) is told of each start and stop. As a context manager it stops all it started.
+    (a structlog logger) is told of each start and stop. `safekeeper_kind` and `proposer_kind` make those
+    members (called as the default Safekeeper and Proposer are). As a context manager it stops all it started.
     """
 
     def __init__(self, base: Path, *, safekeepers: int = 3, proposer: bool = True, primary: PgServer | None = None,
@@ -303,7 +306,9 @@ class LocalDeployment:
                  link_security: str = "tls", certificates: Certificates | None = None,
                  application_name: str = APP, log_format: str = "plain", places: Mapping[str, Place] | None = None,
                  extra: Mapping[str, Sequence[str]] | None = None, spawn: Spawn = start_child,
-                 pick_port: Callable[[], int] = free_port, log: Any = None) -> None:
+                 pick_port: Callable[[], int] = free_port, log: Any = None,
+                 safekeeper_kind: Callable[..., Member] = Safekeeper,
+                 proposer_kind: Callable[..., Member] = Proposer) -> None:
         self.base = Path(base).absolute()
         self.insecure = insecure
         self.link_security = link_security
@@ -320,10 +325,10 @@ class LocalDeployment:
         self.add(Primary(server))
         for i in range(1, safekeepers + 1):
             name = f"safekeeper{i}"
-            self.add(Safekeeper(self, name, node_id=i, place=places.get(name),
-                                port=sk_ports[i - 1] if sk_ports is not None else pick_port()))
+            self.add(safekeeper_kind(self, name, node_id=i, place=places.get(name),
+                                     port=sk_ports[i - 1] if sk_ports is not None else pick_port()))
         if proposer and safekeepers:
-            self.add(Proposer(self, "proposer"))
+            self.add(proposer_kind(self, "proposer"))
 
     def __enter__(self) -> LocalDeployment:
         return self
@@ -436,7 +441,7 @@ class LocalDeployment:
         waits for the sidecar while the quorum is up, then the processes, last started first."""
         self._primary.close()
         for member in reversed(self._processes()):
-            member.stop()
+            member.close()
 
     def check_running(self) -> None:
         """Raise MemberExited for the first process member that should run and has exited."""
@@ -449,6 +454,13 @@ class LocalDeployment:
             rows = c.execute("SELECT application_name, state, sync_state, flush_lsn::text, replay_lsn::text "
                              "FROM pg_stat_replication").fetchall()
         return {r[0]: tuple(r[1:]) for r in rows}
+
+    def replication_row(self, name: str | None = None) -> tuple[Any, ...] | None:
+        """(application_name, state, sync_state, flush_lsn, replay_lsn) of standby `name` (default: the
+        proposer's application name), or None when it does not stream."""
+        name = name or self.application_name
+        row = self.replication_rows().get(name)
+        return (name, *row) if row is not None else None
 
     def streaming(self) -> bool:
         """True when every standby member streams as a synchronous standby of the primary."""

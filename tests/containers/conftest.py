@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -20,13 +21,13 @@ def container_engine() -> None:
 
 
 @pytest.fixture
-def container_deployment(container_engine: None) -> Iterator[ContainerDeployment]:
+def container_deployment(container_engine: None, test_dir: Path) -> Iterator[ContainerDeployment]:
     """Primary, three safekeepers and the proposer as containers, the sidecar already synchronous.
 
     The containers are removed at teardown; their logs go to the captured output, which pytest
     shows for a failed test.
     """
-    d = ContainerDeployment()
+    d = ContainerDeployment(test_dir)
     try:
         d.start_all()
         with d.sql() as c:
@@ -34,4 +35,4 @@ def container_deployment(container_engine: None) -> Iterator[ContainerDeployment
         yield d
     finally:
         print(d.logs())
-        d.remove_all()
+        d.stop_all()

@@ -20,11 +20,13 @@ os.environ.setdefault("TESTCONTAINERS_CONNECTION_MODE", "docker_host")
 
 import socket
 import subprocess
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import psycopg
 
 from support.helpers import free_port, wait_for
+from sidecar.deployment import APP, LocalDeployment, Primary, Proposer, Safekeeper, SidecarMember
 
 PG_IMAGE = os.environ.get("WALSIDECAR_PG_IMAGE", "walsidecar/postgres:local")
 APP_IMAGE = os.environ.get("WALSIDECAR_IMAGE", "walsidecar/walsidecar:local")
@@ -133,9 +135,11 @@ class HostNetContainer:
 
     def __init__(self, image: str, command: Sequence[str] | None = None, *, env: dict[str, str] | None = None,
                  volumes: dict[str, str] | None = None, tmpfs: dict[str, str] | None = None,
-                 **create_kwargs: Any) -> None:
+                 role: str | None = None, probe: Callable[[], bool] | None = None, **create_kwargs: Any) -> None:
         from testcontainers.core.container import DockerContainer
 
+        self.role = role or self.role
+        self.probe = probe
         self.tc = DockerContainer(image)
         if command is not None:
             self.tc.with_command(list(command))
@@ -156,11 +160,16 @@ class HostNetContainer:
         return self.tc.get_wrapped_container()
 
     def ready(self) -> bool:
-        return True
+        return self.probe() if self.probe is not None else True
 
     def status(self) -> str:
+        """docker's state of the container ("running", "exited", ...), or "removed"."""
+        import docker.errors
         c = self.container
-        c.reload()
+        try:
+            c.reload()
+        except docker.errors.NotFound:
+            return "removed"
         return c.status
 
     def is_running(self) -> bool:
@@ -177,7 +186,7 @@ class HostNetContainer:
 
     def wait_ready(self, timeout: float = 60) -> None:
         def check() -> bool:
-            if self.status() in ("exited", "dead"):
+            if self.status() in ("exited", "dead", "removed"):
                 raise RuntimeError(f"{self!r} exited ({self.container.attrs['State'].get('ExitCode')}):\n"
                                    + self.logs()[-4000:])
             return self.ready()
@@ -211,6 +220,9 @@ class HostNetContainer:
                 pass
 
 
+PG_STOP_SIGNALS = {"smart": "SIGTERM", "fast": "SIGINT", "immediate": "SIGQUIT"}
+
+
 class PgContainer(HostNetContainer):
     """walsidecar/postgres through its entrypoint: initdb into a tmpfs, then postgres on 127.0.0.1."""
 
@@ -228,8 +240,26 @@ class PgContainer(HostNetContainer):
     def __repr__(self) -> str:
         return f"PgContainer(port={self.port})"
 
-    def dsn(self, dbname: str = "postgres", **params: str) -> str:
-        parts = {"host": "127.0.0.1", "port": str(self.port), "user": "postgres", "password": PASSWORD,
+    @property
+    def data_dir(self) -> Path:
+        """The data directory, inside the container."""
+        return Path("/pgtmp/data")
+
+    def stop(self, mode: str = "fast", timeout: float = 60) -> None:  # type: ignore[override]
+        """Stop if running: the postmaster's signal for `mode`, then wait for the container to exit."""
+        if self.is_running():
+            self.kill(PG_STOP_SIGNALS[mode])
+            self.container.wait(timeout=timeout)
+
+    def crash(self) -> None:
+        """Immediate stop: the next start runs crash recovery."""
+        self.stop("immediate")
+
+    def teardown(self) -> None:
+        self.remove()
+
+    def dsn(self, dbname: str = "postgres", user: str = "postgres", **params: str) -> str:
+        parts = {"host": "127.0.0.1", "port": str(self.port), "user": user, "password": PASSWORD,
                  "dbname": dbname, **params}
         return " ".join(f"{k}={v}" for k, v in parts.items())
 
@@ -257,46 +287,6 @@ def container_certs(role: str, node_id: int | None = None) -> str:
     return str(dst)
 
 
-class SafekeeperContainer(HostNetContainer):
-    """`walsidecar safekeeper` with its data in the container's own filesystem (kept across restarts)."""
-
-    role = "safekeeper"
-
-    def __init__(self, node_id: int, port: int | None = None, image: str = APP_IMAGE) -> None:
-        self.node_id = node_id
-        self.port = port or free_port()
-        super().__init__(image, ["safekeeper", "--id", str(node_id), "--listen", self.address,
-                                 "--data-dir", f"/var/lib/walsidecar/sk{node_id}", "--certs-dir", "/certs"],
-                         volumes={container_certs("safekeeper", node_id): "/certs"})
-
-    def __repr__(self) -> str:
-        return f"SafekeeperContainer({self.node_id}, port={self.port})"
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def ready(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                return True
-        except OSError:
-            return False
-
-
-class ProposerContainer(HostNetContainer):
-    """`walsidecar start` attached to the primary; readiness is the primary's view (pg_stat_replication)."""
-
-    role = "proposer"
-
-    def __init__(self, pg_dsn: str, safekeepers: Sequence[str], *extra: str, image: str = APP_IMAGE) -> None:
-        super().__init__(image, ["start", "--pg-dsn", pg_dsn, "--safekeepers", ",".join(safekeepers),
-                                 "--certs-dir", "/certs", *extra], volumes={container_certs("proposer"): "/certs"})
-
-    def __repr__(self) -> str:
-        return "ProposerContainer()"
-
-
 def run_once(image: str, argv: Sequence[str], *, user: str | None = "postgres", volumes: dict[str, str] | None = None,
              environment: dict[str, str] | None = None, network_mode: str = "none",
              timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -322,68 +312,116 @@ def run_once(image: str, argv: Sequence[str], *, user: str | None = "postgres", 
     return subprocess.CompletedProcess(list(argv), rc, out, err)
 
 
-APP = "walsidecar"
+class ContainerCertificates:
+    """The session's certificates for a role, copied for the image's user (container_certs)."""
+
+    def certs(self, name: str, role: str, node_id: int | None, hosts: tuple[str, ...]) -> Path:
+        return Path(container_certs(role, node_id))
 
 
-class ContainerDeployment:
-    """A primary, N safekeepers and the proposer, every one of them a container on 127.0.0.1."""
+class ContainerMember(SidecarMember):
+    """A walsidecar member run in a container of the walsidecar image: the command its process kind runs,
+    with the certificates mounted at /certs.
 
-    def __init__(self, n: int = 3, pg_args: Sequence[str] = ("-c", f"synchronous_standby_names={APP}")) -> None:
-        self.pg = PgContainer(*pg_args)
-        self.safekeepers = {i: SafekeeperContainer(i) for i in range(1, n + 1)}
-        self.proposer: ProposerContainer | None = None
+    The container is made on the first start and started again after a stop, so its data stays; kill is
+    SIGKILL; its output goes to the member's log file when it is closed.
+    """
 
-    @property
-    def addresses(self) -> list[str]:
-        return [sk.address for sk in self.safekeepers.values()]
+    container: HostNetContainer | None = None
 
-    def all(self) -> list[HostNetContainer]:
-        return [self.pg, *self.safekeepers.values(), *([self.proposer] if self.proposer else [])]
+    def start(self, *extra: str) -> HostNetContainer:
+        """Start the container (made on the first start, with `extra` arguments); the caller polls readiness."""
+        if self.container is None:
+            certs = self.d.certs_dir(self.name, self.role, self.node_id)
+            self.container = HostNetContainer(
+                APP_IMAGE, [*self.args(), "--certs-dir", "/certs", *self.d.extra.get(self.name, ()), *extra],
+                volumes={str(certs): "/certs"}, role=self.role, probe=self.ready)
+        self.container.start(wait=False)
+        self.wanted = True
+        self.d.note("started", process=self.name, container=self.container.container.short_id)
+        return self.container
 
-    def start_all(self) -> None:
-        for c in (self.pg, *self.safekeepers.values()):   # started together, then polled
-            c.start(wait=False)
-        for c in (self.pg, *self.safekeepers.values()):
-            c.wait_ready()
-        self.start_proposer()
-        self.wait_sync()
+    def ready(self) -> bool:
+        """Whether the started container serves (polled by wait_ready)."""
+        return True
 
-    def start_proposer(self, *extra: str) -> ProposerContainer:
-        self.proposer = ProposerContainer(self.pg.dsn(), self.addresses, *extra)
-        self.proposer.start(wait=False)
-        return self.proposer
+    def wait_ready(self, timeout: float = 60) -> None:
+        assert self.container is not None
+        self.container.wait_ready(timeout)
 
-    def sql(self) -> psycopg.Connection:
-        return psycopg.connect(self.pg.dsn(), autocommit=True)
+    def stop(self, timeout: float = 15) -> None:
+        """docker stop: SIGTERM, SIGKILL after `timeout` seconds; the container is kept."""
+        self.wanted = False
+        if self.running:
+            self.container.stop(timeout=int(timeout))  # type: ignore[union-attr]
 
-    def replication_row(self) -> tuple | None:
-        """(application_name, state, sync_state, flush_lsn, client_addr) of the sidecar's walsender."""
-        with self.sql() as c:
-            return c.execute(
-                "SELECT application_name, state, sync_state, flush_lsn::text, host(client_addr) "
-                "FROM pg_stat_replication WHERE application_name = %s", (APP,)).fetchone()
+    def kill(self) -> None:
+        self.wanted = False
+        if self.running:
+            self.container.kill()  # type: ignore[union-attr]
 
-    def wait_sync(self, timeout: float = 60) -> None:
-        def check() -> bool:
-            if self.proposer is not None and self.proposer.status() in ("exited", "dead"):
-                raise RuntimeError("the proposer container exited:\n" + self.proposer.logs()[-4000:])
-            row = self.replication_row()
-            return row is not None and row[2] == "sync"
-
-        wait_for(check, timeout=timeout, what="the sidecar to be the synchronous standby")
-
-    def syncrep_waiters(self) -> int:
-        with self.sql() as c:
-            return c.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'").fetchone()[0]
-
-    def walsidecar(self, *args: str) -> subprocess.CompletedProcess[str]:
-        """`walsidecar ARGS` in a throwaway container of the walsidecar image, on the host network."""
-        return run_once(APP_IMAGE, ["walsidecar", *args], user=None, network_mode="host", timeout=120,
-                        volumes={container_certs("client"): "/certs"}, environment={"WALSIDECAR_CERTS_DIR": "/certs"})
+    def close(self) -> None:
+        """Save the output and remove the container."""
+        self.wanted = False
+        if self.container is not None:
+            self.log_path.write_text(self.logs())
+            self.container.remove()
 
     def logs(self) -> str:
-        return "\n".join(f"--- {c!r} logs ---\n" + "\n".join(c.logs().splitlines()[-80:]) for c in self.all())
+        return self.container.logs() if self.container is not None else ""
 
-    def remove_all(self) -> None:
-        for c in reversed(self.all()):
-            c.remove()
+    @property
+    def running(self) -> bool:
+        return self.container is not None and self.container.is_running()
+
+    @property
+    def returncode(self) -> int | None:
+        if self.container is None or self.running:
+            return None
+        return int(self.container.container.attrs["State"]["ExitCode"])
+
+    @property
+    def data_dir(self) -> Path:
+        """Inside the container, kept across its restarts."""
+        return Path("/var/lib/walsidecar") / self.name
+
+    @property
+    def log_path(self) -> Path:
+        return self.d.base / f"{self.name}.log"
+
+
+class SafekeeperContainer(ContainerMember, Safekeeper):
+    """`walsidecar safekeeper` in a container; ready once it accepts connections."""
+
+    def ready(self) -> bool:
+        try:
+            with socket.create_connection((self.place.address, self.port), timeout=1):
+                return True
+        except OSError:
+            return False
+
+
+class ProposerContainer(ContainerMember, Proposer):
+    """`walsidecar start` in a container, attached to the primary."""
+
+
+class ContainerDeployment(LocalDeployment):
+    """A LocalDeployment under `base` whose members are all containers on 127.0.0.1: the primary through
+    the PostgreSQL image's entrypoint (PgContainer), the safekeepers and the proposer of the walsidecar image."""
+
+    def __init__(self, base: Path, n: int = 3, pg_args: Sequence[str] = ("-c", f"synchronous_standby_names={APP}")
+                 ) -> None:
+        super().__init__(base, safekeepers=n, primary=PgContainer(*pg_args), certificates=ContainerCertificates(),
+                         safekeeper_kind=SafekeeperContainer, proposer_kind=ProposerContainer)
+
+    def logs(self) -> str:
+        """The last lines of every member's container output."""
+        outputs = {name: m.server.logs() if isinstance(m, Primary) else m.logs()  # type: ignore[attr-defined]
+                   for name, m in self.members.items()}
+        return "\n".join(f"--- {name} logs ---\n" + "\n".join(out.splitlines()[-80:]) for name, out in outputs.items())
+
+
+def walsidecar_in_image(*args: str) -> subprocess.CompletedProcess[str]:
+    """`walsidecar ARGS` in a throwaway container of the walsidecar image, on the host network."""
+    return run_once(APP_IMAGE, ["walsidecar", *args], user=None, network_mode="host", timeout=120,
+                    volumes={container_certs("client"): "/certs"}, environment={"WALSIDECAR_CERTS_DIR": "/certs"})

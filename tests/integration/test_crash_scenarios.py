@@ -16,7 +16,7 @@ import psycopg
 import pytest
 
 from support.backends import PgServer
-from support.deployment import APP, Deployment, Writer, wal_matches_primary
+from support.deployment import APP, Deployment, Writer, syncrep_waiters, wal_matches_primary
 from support.helpers import wait_for
 from support.procs import ManagedProcess, ProcessTracker
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE, parse_lsn
@@ -152,11 +152,6 @@ def test_primary_crash_mid_record_starts_a_new_term_and_cuts_the_torn_tail(
     for i in SK:
         wait_for(lambda: wal_matches_primary(d, i, start, end), timeout=30,
                  what=f"safekeeper {i} to equal the primary's WAL from {start:X} up to {end:X}")
-
-
-def syncrep_waiters(d: Deployment) -> int:
-    with d.sql() as c:
-        return c.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'").fetchone()[0]
 
 
 class FlushSampler(threading.Thread):

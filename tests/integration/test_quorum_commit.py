@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from support.backends import PgServer
-from support.deployment import APP, Deployment, Writer, commit_lsn_of, start_commit, wal_matches_primary
+from support.deployment import (APP, Deployment, Writer, commit_lsn_of, start_commit, syncrep_waiters,
+                                wal_matches_primary)
 from support.helpers import wait_for
 from support.procs import ProcessTracker
 from sidecar.pgcluster import find_bin_dir
@@ -21,11 +22,6 @@ from sidecar.lsn import DEFAULT_SEGMENT_SIZE, parse_lsn, segment_file_name
 from sidecar.tls import client_context
 
 pytestmark = pytest.mark.integration
-
-
-def syncrep_waiters(d: Deployment) -> int:
-    with d.sql() as c:
-        return c.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'").fetchone()[0]
 
 
 def test_commit_is_acknowledged_by_quorum(deployment: Deployment) -> None:

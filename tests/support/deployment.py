@@ -14,7 +14,8 @@ from sidecar.deployment import APP, LocalDeployment
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE, parse_lsn, segment_file_name
 from sidecar.safekeeper.control import load_control
 
-__all__ = ["APP", "Deployment", "Writer", "commit_lsn_of", "read_wal", "start_commit", "wal_matches_primary"]
+__all__ = ["APP", "Deployment", "Writer", "commit_lsn_of", "read_wal", "start_commit", "syncrep_waiters",
+           "wal_matches_primary"]
 
 
 class SessionCertificates:
@@ -57,12 +58,6 @@ class Deployment(LocalDeployment):
 
     def wait_sync(self, timeout: float = 60) -> None:
         self.wait_streaming(timeout, check=False)
-
-    def replication_row(self) -> tuple | None:
-        with self.sql() as c:
-            return c.execute(
-                "SELECT application_name, state, sync_state, flush_lsn::text, replay_lsn::text "
-                "FROM pg_stat_replication WHERE application_name = %s", (APP,)).fetchone()
 
     def flush_lsn(self) -> int:
         row = self.replication_row()
@@ -138,6 +133,12 @@ def commit_lsn_of(conn: psycopg.Connection, sql: str) -> int:
     """Run `sql` (autocommit) and return the end of WAL right after its commit returned."""
     conn.execute(sql)
     return parse_lsn(conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0])
+
+
+def syncrep_waiters(d: LocalDeployment) -> int:
+    """How many backends of the primary wait for the synchronous standby (wait event SyncRep)."""
+    with d.sql() as c:
+        return c.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'").fetchone()[0]
 
 
 def start_commit(dsn: str, sql: str) -> tuple[threading.Thread, dict]:
