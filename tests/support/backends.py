@@ -72,8 +72,6 @@ class ContainerPgServer:
     walsidecar.conf exactly as with LocalPgServer; stop modes are the postmaster's signals.
     """
 
-    _SIGNALS = {"smart": "SIGTERM", "fast": "SIGINT", "immediate": "SIGQUIT"}
-
     def __init__(self, name: str, base_dir: Path, port: int | None = None) -> None:
         from containers import harness
 
@@ -143,7 +141,7 @@ class ContainerPgServer:
         """Stop if running: the postmaster's signal for mode, then wait for the container to exit."""
         if not self.is_running():
             return
-        self.server.kill(self._SIGNALS[mode])
+        self.server.kill(self._h.PG_STOP_SIGNALS[mode])
         try:
             self.server.container.wait(timeout=timeout)
         except Exception as e:  # requests' ReadTimeout / ConnectionError
