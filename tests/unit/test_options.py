@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -36,8 +37,19 @@ def help_text(command: str) -> str:
 def test_readme_table_is_the_one_the_settings_make(cls: type[Settings]) -> None:
     tables = dict(re.findall(r"<!-- options (\S+) -->\n(.*?)<!-- end options -->", README.read_text(), re.DOTALL))
     assert tables.get(cls.command) == options_table(cls), (
-        f"README.md's table for `walsidecar {cls.command}` differs from the settings; it should be:\n"
-        + options_table(cls))
+        f"README.md's table for `walsidecar {cls.command}` differs from the settings: run "
+        "python3 scripts/readme_options.py; it should be:\n" + options_table(cls))
+
+
+def test_the_readme_script_rewrites_a_stale_table() -> None:
+    spec = importlib.util.spec_from_file_location("readme_options", README.parent / "scripts" / "readme_options.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    text = README.read_text()
+    stale = text.replace("| `--wal-buffer N` | `64` |", "| `--wal-buffer N` | `32` |")
+    assert stale != text
+    assert script.rewritten(stale) == text
 
 
 @pytest.mark.parametrize("cls", ALL_SETTINGS, ids=lambda c: c.command)
