@@ -12,6 +12,8 @@ import subprocess
 from pathlib import Path
 from typing import Any, Mapping
 
+from sidecar.processes import read_log, tail
+
 MANAGED_CONF = "walsidecar.conf"
 _INCLUDE_LINE = f"include_if_exists = '{MANAGED_CONF}'"
 
@@ -172,7 +174,7 @@ class LocalCluster:
         if check and proc.returncode != 0:
             raise ClusterError(
                 f"{name} exited with {proc.returncode}: {' '.join(argv)}\n"
-                f"stdout:\n{_tail(proc.stdout or '')}\nstderr:\n{_tail(proc.stderr or '')}"
+                f"stdout:\n{tail(proc.stdout or '')}\nstderr:\n{tail(proc.stderr or '')}"
             )
         return proc
 
@@ -227,14 +229,11 @@ class LocalCluster:
 
     def log_text(self) -> str:
         """The server log so far (empty string when there is none)."""
-        try:
-            return self.log_file.read_text(errors="replace")
-        except OSError:
-            return ""
+        return read_log(self.log_file)
 
     def log_tail(self, lines: int = 40) -> str:
         """Last lines of the server log."""
-        return _tail(self.log_text(), lines)
+        return tail(self.log_text(), lines)
 
     # ----- configuration -----
 
@@ -247,7 +246,7 @@ class LocalCluster:
         if proc.returncode != 0:
             raise ClusterError(
                 f"initdb failed for {self.data_dir} (exit {proc.returncode}):\n"
-                f"{_tail(proc.stdout or '')}\n{_tail(proc.stderr or '')}"
+                f"{tail(proc.stdout or '')}\n{tail(proc.stderr or '')}"
             )
         self.configure(settings)
 
@@ -310,7 +309,7 @@ class LocalCluster:
         if proc.returncode != 0:
             raise ClusterError(
                 f"server failed to start ({self.data_dir}, port {self.port}):\n"
-                f"{_tail(proc.stdout or '')}{_tail(proc.stderr or '')}\n"
+                f"{tail(proc.stdout or '')}{tail(proc.stderr or '')}\n"
                 f"--- tail of {self.log_file} ---\n{self.log_tail()}"
             )
 
@@ -323,7 +322,7 @@ class LocalCluster:
         )
         if proc.returncode != 0 and self.is_running():
             raise ClusterError(
-                f"server did not stop ({mode}):\n{_tail(proc.stderr or '')}\n"
+                f"server did not stop ({mode}):\n{tail(proc.stderr or '')}\n"
                 f"--- tail of {self.log_file} ---\n{self.log_tail()}"
             )
 
@@ -379,7 +378,3 @@ def _dsn_quote(value: str) -> str:
     if value and not any(c in value for c in " '\\\t\n"):
         return value
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
-def _tail(text: str, lines: int = 40) -> str:
-    return "\n".join(text.splitlines()[-lines:])

@@ -117,11 +117,21 @@ class Child:
 
     def log_text(self) -> str:
         """Everything the process has written to its log so far (empty when there is none)."""
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
+        return read_log(self.log_path)
 
     def log_tail(self, lines: int = 40) -> str:
         """The last lines of the log file."""
-        return "\n".join(self.log_text().splitlines()[-lines:])
+        return tail(self.log_text(), lines)
+
+
+def read_log(path: Path) -> str:
+    """A log file's text so far; empty when it does not exist (yet)."""
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def tail(text: str, lines: int = 40) -> str:
+    """The last `lines` lines of `text`."""
+    return "\n".join(text.splitlines()[-lines:])
