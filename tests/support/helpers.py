@@ -81,8 +81,8 @@ def walsidecar(*args: str, env: dict[str, str] | None = None, timeout: float = 6
 def data_files(data_dir: Path) -> dict[str, bytes]:
     """Every file of a safekeeper's data directory (control file, segments), byte for byte, by relative path.
 
-    Not wal.spare: a zero-filled segment a background thread makes whenever the last one was
-    taken, which holds no state and may appear at any moment.
+    Not wal.spare (nor wal.spare.tmp while it is made): a zero-filled segment a background thread
+    makes whenever the last one was taken, which holds no state and may appear at any moment.
     """
     return {str(p.relative_to(data_dir)): p.read_bytes()
-            for p in sorted(data_dir.rglob("*")) if p.is_file() and p.name != "wal.spare"}
+            for p in sorted(data_dir.rglob("*")) if p.is_file() and not p.name.startswith("wal.spare")}
