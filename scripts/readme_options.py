@@ -1,7 +1,7 @@
-"""Rewrite the option tables in README.md from the settings classes (sidecar/config.py).
+"""Rewrite the option tables in docs/options.md from the settings classes (sidecar/config.py).
 
 Run after adding or changing an option: `python3 scripts/readme_options.py`. With `--check` it only
-says whether the README is up to date (exit status 1 if not), as tests/unit/test_options.py does.
+says whether the tables are up to date (exit status 1 if not), as tests/unit/test_options.py does.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT))
 
 from sidecar.config import ALL_SETTINGS, options_table  # noqa: E402
 
-README = ROOT / "README.md"
+OPTIONS = ROOT / "docs" / "options.md"
 TABLE = re.compile(r"(<!-- options (\S+) -->\n)(.*?)(<!-- end options -->)", re.DOTALL)
 
 
@@ -29,16 +29,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only check; exit 1 if a table is out of date")
     args = parser.parse_args()
-    text = README.read_text()
+    text = OPTIONS.read_text()
     new = rewritten(text)
     if new == text:
-        print("README.md option tables are up to date")
+        print("docs/options.md option tables are up to date")
         return 0
     if args.check:
-        print("README.md option tables are out of date: run python3 scripts/readme_options.py")
+        print("docs/options.md option tables are out of date: run python3 scripts/readme_options.py")
         return 1
-    README.write_text(new)
-    print("README.md option tables rewritten")
+    OPTIONS.write_text(new)
+    print("docs/options.md option tables rewritten")
     return 0
 
 

@@ -113,7 +113,7 @@ class LinkSettings(Settings):
     link_security: LinkSecurity = Field(
         "tls", description="tls: encrypted and mutually authenticated. auth-only: the same certificates prove both "
                            "ends at connection start, then WAL and messages travel in clear and can be read or "
-                           "altered on the path (README, Security). Every process of a deployment must use the same.")
+                           "altered on the path (docs/security.md). Every process of a deployment must use the same.")
 
     @model_validator(mode="after")
     def _auth_only(self) -> LinkSettings:

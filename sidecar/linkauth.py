@@ -6,7 +6,7 @@ A challenge-response at connection start, as SCRAM does it, with the keys and ce
 over both nonces and that host; the safekeeper checks the certificate against its `ca.crt`
 bundle, its validity, the signature and that the host is one of its own names, then proves
 itself the same way with `AuthConfirm`. Afterwards the connection is plain TCP: it keeps out
-whoever can reach the port, not whoever sits on the path (README, "Security").
+whoever can reach the port, not whoever sits on the path (docs/security.md).
 """
 
 from __future__ import annotations

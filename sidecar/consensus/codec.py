@@ -1,4 +1,4 @@
-"""Wire encoding of the proposer/safekeeper messages (PROTOCOL.md, "Messages").
+"""Wire encoding of the proposer/safekeeper messages (docs/protocol.md, "Messages").
 
 A frame is a u32 big-endian length of what follows, a one-letter u8 tag, then the body.
 Integers are fixed-width big-endian; histories are a u32 count then entries; strings are a

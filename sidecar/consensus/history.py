@@ -1,4 +1,4 @@
-"""Term history arithmetic: last log term, divergence point (PROTOCOL.md)."""
+"""Term history arithmetic: last log term, divergence point (docs/protocol.md)."""
 
 from __future__ import annotations
 

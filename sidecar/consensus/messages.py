@@ -1,4 +1,4 @@
-"""Messages between proposer and safekeepers (PROTOCOL.md, "Messages").
+"""Messages between proposer and safekeepers (docs/protocol.md, "Messages").
 
 The wire encoding lives in `sidecar/consensus/codec.py`; these are plain values.
 """

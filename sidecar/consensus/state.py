@@ -9,7 +9,7 @@ from sidecar.consensus.messages import TermHistory, TimelineHistory
 
 @dataclass(frozen=True)
 class AcceptorState:
-    """Persisted fields of PROTOCOL.md "Safekeeper state"; `flush_lsn` is deliberately absent."""
+    """Persisted fields of docs/protocol.md "Safekeeper state"; `flush_lsn` is deliberately absent."""
 
     system_id: int = 0
     wal_seg_size: int = 0

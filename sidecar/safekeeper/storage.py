@@ -1,4 +1,4 @@
-"""WAL segment files of a safekeeper, laid out as PostgreSQL's pg_wal (PROTOCOL.md, "Storage").
+"""WAL segment files of a safekeeper, laid out as PostgreSQL's pg_wal (docs/protocol.md, "Storage").
 
 A segment being written is `NAME.partial`; it gets its final name only after all of its
 bytes were fdatasync'ed, so a final name always means "complete and durable". Positions

@@ -19,7 +19,7 @@ end of the last final-named segment (the durable end, D) must be valid WAL. Chec
 
 Above D lies the tail that a crash may have torn; `record_end` finds where valid WAL ends
 there (at start-up, and for every vote and Elected). Nothing is renamed or deleted to repair damage: the
-operator decides (README, "A safekeeper refuses to start").
+operator decides (docs/operations.md, "A safekeeper refuses to start").
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from sidecar.wal.reader import WalReader, find_end_of_wal
 TAIL_FINGERPRINT = 1024 * 1024  # bytes before flush_lsn whose CRC a vote reports
 
 _HINT = ("the safekeeper does not start on damaged WAL and changed nothing; stop it, move its data directory "
-         "aside and re-create it from a healthy peer (README: \"A safekeeper refuses to start\")")
+         "aside and re-create it from a healthy peer (docs/operations.md: \"A safekeeper refuses to start\")")
 
 
 class StartupError(Exception):

@@ -56,7 +56,7 @@ schedules them, `checker` reads their state, `nodes`, after every step):
   reply claiming a flush it cannot hold. Each safekeeper connection runs through the same
   `AcceptorSession` as the server's, so these meet the real rules.
 
-`checker` states precisely which invariants of PROTOCOL.md are checked after every step.
+`checker` states precisely which invariants of docs/protocol.md are checked after every step.
 """
 
 from sidecar.sim.checker import Violation

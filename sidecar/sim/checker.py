@@ -1,4 +1,4 @@
-"""The invariants of PROTOCOL.md, checked against the simulated world after every step.
+"""The invariants of docs/protocol.md, checked against the simulated world after every step.
 
 What is checked, precisely (N safekeepers, Q = N // 2 + 1, whatever quorum the proposer
 was configured with):

@@ -1,4 +1,4 @@
-"""Each option is declared once, in the settings: --help, the README and HOST:PORT parsing follow from it."""
+"""Each option is declared once, in the settings: --help, docs/options.md and HOST:PORT parsing follow from it."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from sidecar.cli import main
 from sidecar.config import ALL_SETTINGS, ConfigError, SafekeeperSettings, Settings, StartSettings, flag, load, \
     options_table
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+OPTIONS = ROOT / "docs" / "options.md"
 BY_COMMAND = {cls.command: cls for cls in ALL_SETTINGS}
 
 
@@ -35,18 +36,18 @@ def help_text(command: str) -> str:
 
 @pytest.mark.parametrize("cls", ALL_SETTINGS, ids=lambda c: c.command)
 def test_readme_table_is_the_one_the_settings_make(cls: type[Settings]) -> None:
-    tables = dict(re.findall(r"<!-- options (\S+) -->\n(.*?)<!-- end options -->", README.read_text(), re.DOTALL))
+    tables = dict(re.findall(r"<!-- options (\S+) -->\n(.*?)<!-- end options -->", OPTIONS.read_text(), re.DOTALL))
     assert tables.get(cls.command) == options_table(cls), (
-        f"README.md's table for `walsidecar {cls.command}` differs from the settings: run "
+        f"docs/options.md's table for `walsidecar {cls.command}` differs from the settings: run "
         "python3 scripts/readme_options.py; it should be:\n" + options_table(cls))
 
 
 def test_the_readme_script_rewrites_a_stale_table() -> None:
-    spec = importlib.util.spec_from_file_location("readme_options", README.parent / "scripts" / "readme_options.py")
+    spec = importlib.util.spec_from_file_location("readme_options", ROOT / "scripts" / "readme_options.py")
     assert spec is not None and spec.loader is not None
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    text = README.read_text()
+    text = OPTIONS.read_text()
     stale = text.replace("| `--wal-buffer N` | `64` |", "| `--wal-buffer N` | `32` |")
     assert stale != text
     assert script.rewritten(stale) == text
