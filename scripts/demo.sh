@@ -85,6 +85,9 @@ until [ -s "$DIR/ready" ]; do
 done
 DSN="$(head -n 1 "$DIR/ready")"
 echo "demo: ready; primary DSN: $DSN"
+# `up`'s banner (its stdout is in the log): how to connect, status, check and ctl while the demo runs.
+sed -n '/^walsidecar is up/,/^Press Ctrl-C/p' "$UP_LOG" | sed '$d'
+
 
 echo "demo: pgbench -i -s $SCALE"
 pg_tool pgbench -i -s "$SCALE" -q "$DSN"

@@ -243,3 +243,13 @@ def test_killed_up_leaves_no_process_behind(procs: ProcessTracker, test_dir: Pat
     up.proc.kill9()
     wait_for(lambda: not any(alive(p) for p in pids), timeout=120,
              what="every process `up` started to exit after it was SIGKILLed")
+
+
+def test_postgres_exiting_stops_up_with_a_clear_message(procs: ProcessTracker, test_dir: Path) -> None:
+    up = Up(procs, test_dir / "up")
+    pids = {name: int(m["pid"]) for name, m in up.members().items()}
+    os.kill(pids["primary"], signal.SIGQUIT)  # PostgreSQL's immediate shutdown, as if it had crashed
+    assert up.proc.wait(timeout=120) == 1
+    assert "PostgreSQL (the primary) exited" in up.log() and "postgres.log" in up.log(), up.log()[-2000:]
+    assert "Traceback" not in up.log()
+    wait_for(lambda: not any(alive(p) for p in pids.values()), timeout=60, what="every member to stop")
