@@ -127,6 +127,8 @@ class ChildServer:
         self.child: Child | None = None
 
     def __getattr__(self, name: str) -> Any:  # data_dir, log_file, dsn(), init(), pg_wal_dir, ...
+        if name == "cluster":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self.cluster, name)
 
     @property
