@@ -2,6 +2,7 @@
 # Demo: bring up a primary + sidecar + 3 safekeepers with `walsidecar up`, run pgbench
 # against it and show pg_stat_replication.  Usage: scripts/demo.sh [DIR]
 # Env: WALSIDECAR (the executable), SCALE (pgbench -s, default 10), DURATION (seconds, default 30), READY_TIMEOUT (default 120).
+# On exit, also on failure or Ctrl-C, it stops what it started and removes DIR and its log (KEEP=1 keeps them).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -49,7 +50,18 @@ stop_up() {
     wait "$UP_PID" 2>/dev/null || true
     UP_PID=""
 }
-trap stop_up EXIT
+cleanup() {
+    local status=$?
+    stop_up
+    if [ "${KEEP:-0}" = 1 ]; then
+        echo "demo: kept $DIR and $UP_LOG (KEEP=1)"
+    else
+        [ "$status" -eq 0 ] || [ ! -s "$UP_LOG" ] || { echo "demo: the end of $UP_LOG:" >&2; tail -n 20 "$UP_LOG" >&2; }
+        rm -rf "$DIR" "$UP_LOG"
+        echo "demo: removed $DIR and $UP_LOG"
+    fi
+}
+trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 echo "demo: starting walsidecar up --dir $DIR (log: $UP_LOG)"
@@ -73,6 +85,9 @@ until [ -s "$DIR/ready" ]; do
 done
 DSN="$(head -n 1 "$DIR/ready")"
 echo "demo: ready; primary DSN: $DSN"
+# `up`'s banner (its stdout is in the log): how to connect, status, check and ctl while the demo runs.
+sed -n '/^walsidecar is up/,/^Press Ctrl-C/p' "$UP_LOG" | sed '$d'
+
 
 echo "demo: pgbench -i -s $SCALE"
 pg_tool pgbench -i -s "$SCALE" -q "$DSN"

@@ -10,7 +10,7 @@ import click
 
 from sidecar import __version__
 from sidecar.address import parse_address, parse_listen
-from sidecar.config import SafekeeperSettings, StartSettings, UpSettings, configured
+from sidecar.config import CtlSettings, SafekeeperSettings, StartSettings, UpSettings, configured
 from sidecar.logs import get_logger
 
 
@@ -110,10 +110,63 @@ def start(s: StartSettings) -> None:
 @configured(UpSettings)
 def up(s: UpSettings) -> None:
     """Run the embedded default: a local PostgreSQL, 3 safekeepers and the proposer, until Ctrl-C."""
+    from sidecar.deployment import DeploymentError
     from sidecar.embedded import Embedded
 
-    Embedded(s.dir, s.pg_port, s.safekeeper_port, s.log_format, metrics_port=s.metrics_port, insecure=s.insecure,
-             link_security=s.link_security).run()
+    try:
+        Embedded(s.dir, s.pg_port, s.safekeeper_port, s.log_format, metrics_port=s.metrics_port,
+                 insecure=s.insecure, link_security=s.link_security).run()
+    except DeploymentError as e:
+        raise click.ClickException(str(e)) from e
+
+
+@main.group()
+@configured(CtlSettings)
+def ctl(s: CtlSettings) -> None:
+    """Stop, start and list the members of a running `walsidecar up` (safekeeper1-3, proposer, primary).
+
+    A member stopped with `ctl stop` stays stopped until `ctl start`; one that dies on its own is restarted.
+    """
+    click.get_current_context().obj = s
+
+
+def _ctl(action: str, member: str | None = None) -> None:
+    from sidecar.ctl import CtlError, members_table, request
+    s: CtlSettings = click.get_current_context().find_object(CtlSettings)
+    try:
+        answer = request(s.dir, action, member, timeout=s.timeout)
+    except CtlError as e:
+        raise click.ClickException(str(e)) from e
+    if answer.get("message"):
+        click.echo(answer["message"])
+    click.echo(members_table(answer.get("members", [])))
+
+
+@ctl.command("members")
+def ctl_members() -> None:
+    """Each member's name, pid, state and restarts."""
+    _ctl("members")
+
+
+@ctl.command("stop")
+@click.argument("member")
+def ctl_stop(member: str) -> None:
+    """Stop MEMBER; it stays stopped until `ctl start MEMBER`."""
+    _ctl("stop", member)
+
+
+@ctl.command("start")
+@click.argument("member")
+def ctl_start(member: str) -> None:
+    """Start MEMBER (again)."""
+    _ctl("start", member)
+
+
+@ctl.command("restart")
+@click.argument("member")
+def ctl_restart(member: str) -> None:
+    """Stop MEMBER and start it again."""
+    _ctl("restart", member)
 
 
 @main.group()

@@ -4,7 +4,7 @@ Precedence: command-line flags, then the `--config` TOML file, then environment 
 then defaults. One name per option everywhere: `--wal-buffer` is `wal_buffer` in TOML and
 `WALSIDECAR_WAL_BUFFER` in the environment. In the TOML file, top-level keys apply to every
 command that has that option, and a table named after the command (`[start]`,
-`[safekeeper]`, `[check]`, `[status]`, `[init-postgres]`, `[up]`) overrides them for it.
+`[safekeeper]`, `[check]`, `[status]`, `[init-postgres]`, `[up]`, `[ctl]`) overrides them for it.
 
 Each option is declared once, as a field of a settings class with its type, default and
 description: `configured` makes the click options from the fields, `options_table` the README's.
@@ -251,22 +251,33 @@ class InitPostgresSettings(PrimarySettings):
                                                    "package's sql/.")
 
 
+UP_DIR = Path("/tmp/walsidecar-up")
+
+
 class UpSettings(LinkSettings):
     """walsidecar up: a local PostgreSQL, 3 safekeepers and the proposer, with its own CA under --dir."""
 
     command: ClassVar[str] = "up"
     certificates: ClassVar[str] = "the certificates `up` makes"
-    dir: Path = Field(Path("/tmp/walsidecar-up"), description="Where the cluster, the safekeepers and the "
-                                                              "certificates `up` makes live.")
+    dir: Path = Field(UP_DIR, description="Where the cluster, the safekeepers and the certificates `up` makes live.")
     pg_port: int = Field(55432, ge=1, le=65535, description="Port of the local PostgreSQL.")
     safekeeper_port: int = Field(7601, ge=1, le=65533, description="First of three consecutive safekeeper ports.")
     metrics_port: int = Field(7610, ge=0, le=65532, description="First of four consecutive metrics ports "
                               "(proposer, then safekeepers 1-3); 0 picks free ports.")
 
 
+class CtlSettings(Settings):
+    """walsidecar ctl: stop, start and list the members of a running `walsidecar up`."""
+
+    command: ClassVar[str] = "ctl"
+    dir: Path = Field(UP_DIR, description="The --dir of the running `walsidecar up`.")
+    timeout: float = Field(120.0, gt=0, description="Seconds to wait for the answer (starting the primary may "
+                                                    "take a minute).")
+
+
 # Keys valid somewhere: a top-level key unknown to every command is a typo, not another command's option.
 ALL_SETTINGS: tuple[type[Settings], ...] = (SafekeeperSettings, StartSettings, CheckSettings, StatusSettings,
-                                            InitPostgresSettings, UpSettings)
+                                            InitPostgresSettings, UpSettings, CtlSettings)
 
 
 def read_toml(path: Path, cls: type[Settings]) -> dict[str, Any]:

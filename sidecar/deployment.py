@@ -7,7 +7,9 @@ immediate stop for the primary) and restarted on its own, and has a log file and
 
 from __future__ import annotations
 
+import signal
 import socket
+import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -17,7 +19,7 @@ import psycopg
 
 from sidecar.certs import ensure_node
 from sidecar.pgcluster import LocalCluster
-from sidecar.processes import Child, sidecar_argv, tls_args
+from sidecar.processes import Child, read_log, sidecar_argv, tail, tls_args
 
 APP = "walsidecar"
 LOOPBACK_HOST = "127.0.0.1"
@@ -103,6 +105,75 @@ Spawn = Callable[[str, Sequence[str], Path], Child]
 def start_child(name: str, argv: Sequence[str], log_path: Path) -> Child:
     """The default way to start a member's process: a Child appending to the member's log."""
     return Child(name, argv, log_path).start()
+
+
+def start_tied_child(name: str, argv: Sequence[str], log_path: Path) -> Child:
+    """A member's process that gets SIGTERM (a clean stop) when this process dies, even by SIGKILL."""
+    return Child(name, argv, log_path, parent_death_signal=signal.SIGTERM).start()
+
+
+class ChildServer:
+    """A LocalCluster whose postmaster is our child (not daemonised by pg_ctl): it stops when we die.
+
+    The kernel sends it SIGQUIT (an immediate stop: crash recovery at the next start) when this process
+    dies, even by SIGKILL; whether it runs is a poll of our child, not a pg_ctl call.
+    """
+
+    STOP_SIGNALS = {"smart": signal.SIGTERM, "fast": signal.SIGINT, "immediate": signal.SIGQUIT}
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.cluster = cluster
+        self.port = cluster.port
+        self.child: Child | None = None
+
+    def __getattr__(self, name: str) -> Any:  # data_dir, log_file, dsn(), init(), pg_wal_dir, ...
+        if name == "cluster":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.cluster, name)
+
+    @property
+    def data_dir(self) -> Path:
+        return self.cluster.data_dir
+
+    def start(self, timeout: float = 60) -> None:
+        """Start the postmaster and wait until it accepts connections."""
+        c = self.cluster
+        kwargs = c.spawn_kwargs()
+        self.child = Child("postgres", [str(c.bin_dir / "postgres"), "-D", str(c.data_dir), "-p", str(self.port)],
+                           c.log_file, parent_death_signal=signal.SIGQUIT, **kwargs).start()
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self.child.running:
+                raise DeploymentError(f"PostgreSQL exited with code {self.child.returncode} while starting; the "
+                                      f"end of {c.log_file}:\n{tail(read_log(c.log_file), 15)}")
+            try:
+                psycopg.connect(c.dsn(), connect_timeout=2).close()
+                return
+            except psycopg.OperationalError:
+                if time.monotonic() > deadline:
+                    self.stop("immediate")
+                    raise DeploymentError(f"PostgreSQL did not accept connections within {timeout:.0f}s; see "
+                                          f"{c.log_file}") from None
+            time.sleep(0.1)
+
+    def stop(self, mode: str = "fast", timeout: float = 60) -> None:
+        """`mode` as pg_ctl's; an immediate stop after `timeout` (SIGKILL would leave the backends running)."""
+        if self.child is None or not self.child.running:
+            return
+        self.child.send_signal(self.STOP_SIGNALS[mode])
+        try:
+            self.child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.child.stop(timeout, sig=signal.SIGQUIT)
+
+    def crash(self) -> None:
+        self.stop("immediate")
+
+    def is_running(self) -> bool:
+        return self.child is not None and self.child.running
+
+    def teardown(self) -> None:
+        self.stop("fast", timeout=30)
 
 
 class Member:
@@ -255,8 +326,13 @@ class ProcessMember(Member):
 
     def check(self) -> None:
         """Raise MemberExited if this member should run and does not."""
-        if self.wanted and not self.running:
+        if self.exited:
             raise MemberExited(self)
+
+    @property
+    def exited(self) -> bool:
+        """True when this member should run and does not."""
+        return self.wanted and not self.running
 
 
 class SidecarMember(ProcessMember):

@@ -2,63 +2,101 @@
 
 from __future__ import annotations
 
+import fcntl
+import io
 import os
 import signal
 import socket
-import time
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
+from typing import IO
 
-from sidecar.deployment import APP, DeploymentError, LocalDeployment
+from sidecar.config import InitPostgresSettings
+from sidecar.ctl import ControlSocket, answer
+from sidecar.deployment import APP, LOOPBACK_HOST, ChildServer, DeploymentError, LocalDeployment, start_tied_child
 from sidecar.logs import get_logger
+from sidecar.ops.initpg import run_init
+from sidecar.pgcluster import ClusterError, LocalCluster
+from sidecar.supervisor import Supervisor
 
 SAFEKEEPERS = 3
+LOCK_NAME = "up.pid"
 
 
 class Embedded:
-    """Supervise the embedded default until SIGINT/SIGTERM, then stop everything it started."""
+    """Supervise the embedded default until SIGINT/SIGTERM, then stop everything it started.
+
+    Safekeepers and the proposer that die are restarted with backoff; PostgreSQL exiting ends it. Every
+    process it starts is told by the kernel to stop should `up` itself die, even by SIGKILL.
+    """
 
     def __init__(self, base_dir: Path, pg_port: int, sk_port: int, log_format: str = "plain",
                  metrics_port: int = 7610, insecure: bool = False, link_security: str = "tls") -> None:
         self.base = base_dir.absolute()
         self.insecure = insecure
         self.link_security = link_security
+        self.ports = [(pg_port, "PostgreSQL", "--pg-port")]
+        self.ports += [(sk_port + i, f"safekeeper{i + 1}", "--safekeeper-port (the first of 3 consecutive ports)")
+                       for i in range(SAFEKEEPERS)]
         # Proposer first, then one per safekeeper.
-        self.metrics = [f"127.0.0.1:{p}" for p in metrics_ports(metrics_port, SAFEKEEPERS + 1)]
+        ports = metrics_ports(metrics_port, SAFEKEEPERS + 1)
+        if metrics_port:
+            self.ports += [(p, f"metrics of {name}", "--metrics-port (the first of 4 consecutive ports)")
+                           for p, name in zip(ports, ["the proposer"] + [f"safekeeper{i}" for i in range(1, 4)])]
+        self.metrics = [f"{LOOPBACK_HOST}:{p}" for p in ports]
         self.log = get_logger(role="up")
+        server = ChildServer(LocalCluster(self.base / "pg", pg_port, log_file=self.base / "postgres.log"))
         self.d = LocalDeployment(
-            self.base, safekeepers=SAFEKEEPERS, pg_port=pg_port, sk_ports=[sk_port + i for i in range(SAFEKEEPERS)],
+            self.base, safekeepers=SAFEKEEPERS, primary=server, sk_ports=[sk_port + i for i in range(SAFEKEEPERS)],
             insecure=insecure, link_security=link_security, log_format=log_format, log=self.log,
+            spawn=start_tied_child,
             extra={"proposer": ["--metrics", self.metrics[0]],
                    **{f"safekeeper{i}": ["--metrics", self.metrics[i]] for i in range(1, SAFEKEEPERS + 1)}})
 
     def run(self) -> None:
+        """Run until SIGINT/SIGTERM; DeploymentError when it cannot start or PostgreSQL exits."""
         self.base.mkdir(parents=True, exist_ok=True)
         os.chmod(self.base, 0o755)
+        lock = self._lock()
+        check_free(self.ports)
         (self.base / "ready").unlink(missing_ok=True)
         stop = _stop_on_signals()
+        control = None
         try:
             self._start()
             dsn = self.d.dsn()
+            self._install_views(dsn)
             config = self._write_config(dsn)
+            supervisor = Supervisor(self.d, self.log)
+            control = ControlSocket(self.base)
             (self.base / "ready").write_text(dsn + "\n")
-            print(f"\nwalsidecar is up: commits on this primary wait for {SAFEKEEPERS // 2 + 1} of "
-                  f"{SAFEKEEPERS} safekeepers.\n  psql \"{dsn}\"\n  logs: {self.base}/*.log\n"
-                  f"  status:  walsidecar status --config {config}   (add --watch 2 to follow it)\n"
-                  f"  check:   walsidecar check --config {config}\n"
-                  f"  metrics: http://{self.metrics[0]}/metrics (proposer), "
-                  + ", ".join(f"http://{m}/metrics" for m in self.metrics[1:]) + " (safekeepers)\n"
-                  + ("  INSECURE: --insecure, the safekeeper links run without TLS\n" if self.insecure else
-                     f"  {'auth-only (no encryption)' if self.link_security != 'tls' else 'TLS'}: CA in "
-                     f"{self.base}/ca, a certificate per process in {self.base}/certs\n")
-                  + "Press Ctrl-C to stop.\n", flush=True)
+            self._announce(dsn, config)
             while not stop():
-                self.d.check_running()
-                time.sleep(0.2)
-        except DeploymentError as e:
-            self.log.error(str(e))
-            raise SystemExit(1) from e
+                supervisor.tick()
+                control.poll(lambda req: answer(supervisor, req), timeout=0.2)
+        except ClusterError as e:
+            raise DeploymentError(str(e)) from e
         finally:
+            if control is not None:
+                control.close()
             self.d.stop_all()
+            lock.close()
+
+    def _lock(self) -> IO[str]:
+        """Hold DIR/up.pid locked while running: a second `up` on the same --dir stops here."""
+        f = open(self.base / LOCK_NAME, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            pid = f.read().strip() or "?"
+            f.close()
+            raise DeploymentError(f"another `walsidecar up` (pid {pid}) is running in {self.base}: stop it with "
+                                  f"Ctrl-C, use it (`walsidecar ctl --dir {self.base} members`), or give another --dir") from None
+        f.truncate(0)
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        return f
 
     def _start(self) -> None:
         pg = self.d.pg
@@ -66,6 +104,34 @@ class Embedded:
             self.log.info("initdb", data_dir=str(pg.data_dir))
             pg.init({"synchronous_standby_names": APP, "max_slot_wal_keep_size": "10GB"})
         self.d.start_all(timeout=120)
+
+    def _install_views(self, dsn: str) -> None:
+        """What `walsidecar init-postgres` installs (sql/install.sql): the walsidecar.* views among it."""
+        out = io.StringIO()
+        with redirect_stdout(out), redirect_stderr(out):
+            failed = run_init(InitPostgresSettings(pg_dsn=dsn, application_name=APP, role="", sync="on"))
+        if failed:
+            raise DeploymentError(f"installing sql/install.sql failed:\n{out.getvalue().strip()}")
+        self.log.info("installed sql/install.sql", schema="walsidecar")
+
+    def _announce(self, dsn: str, config: Path) -> None:
+        """The banner: on the terminal (stdout), whatever the log format, and in the log."""
+        ctl = f"walsidecar ctl --dir {self.base}"
+        print(f"\nwalsidecar is up: commits on this primary wait for {SAFEKEEPERS // 2 + 1} of "
+              f"{SAFEKEEPERS} safekeepers.\n  psql \"{dsn}\"   (views: SELECT * FROM walsidecar.status;)\n"
+              f"  logs: {self.base}/*.log\n"
+              f"  status:  walsidecar status --config {config}   (add --watch 2 to follow it)\n"
+              f"  check:   walsidecar check --config {config}\n"
+              f"  ctl:     {ctl} members | stop safekeeper2 | start safekeeper2 | restart proposer\n"
+              f"  metrics: http://{self.metrics[0]}/metrics (proposer), "
+              + ", ".join(f"http://{m}/metrics" for m in self.metrics[1:]) + " (safekeepers)\n"
+              + ("  INSECURE: --insecure, the safekeeper links run without TLS\n" if self.insecure else
+                 f"  {'auth-only (no encryption)' if self.link_security != 'tls' else 'TLS'}: CA in "
+                 f"{self.base}/ca, a certificate per process in {self.base}/certs\n")
+              + "A safekeeper or the proposer that dies is restarted (with backoff); PostgreSQL exiting stops "
+                "everything.\nPress Ctrl-C to stop.\n", flush=True)
+        self.log.info("walsidecar is up", psql=dsn, status=f"walsidecar status --config {config}",
+                      check=f"walsidecar check --config {config}", ctl=f"{ctl} members", metrics=self.metrics[0])
 
     def _write_config(self, dsn: str) -> Path:
         """A --config file for `walsidecar status` and `walsidecar check` against this cluster."""
@@ -96,6 +162,18 @@ def metrics_ports(first: int, n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def check_free(ports: list[tuple[int, str, str]]) -> None:
+    """DeploymentError naming the first (port, what, option) someone else listens on, before anything starts."""
+    for port, what, option in ports:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT is no conflict
+            try:
+                s.bind((LOOPBACK_HOST, port))
+            except OSError as e:
+                raise DeploymentError(f"port {port} ({what}) on {LOOPBACK_HOST} is in use ({e.strerror}): is another "
+                                      f"`walsidecar up` or server running? Choose another with {option}") from None
 
 
 def _toml_str(value: str) -> str:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +27,13 @@ class Child:
 
     It runs in a session of its own, so a Ctrl-C aimed at the parent does not reach it:
     the parent decides the order in which things stop. Every signal goes to the PID it started.
+    With `parent_death_signal` the kernel sends it that signal when its parent dies, even by SIGKILL.
     """
 
     def __init__(self, name: str, argv: Sequence[str], log_path: Path, *, env: Mapping[str, str] | None = None,
-                 cwd: Path | str | None = None, **popen_kwargs: Any) -> None:
+                 cwd: Path | str | None = None, parent_death_signal: int | None = None, **popen_kwargs: Any) -> None:
         self.name = name
+        self.parent_death_signal = parent_death_signal
         self.argv = [str(a) for a in argv]
         self.log_path = Path(log_path)
         self.env = dict(env or {})  # on top of this process's environment
@@ -55,7 +58,10 @@ class Child:
             self._popen = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                            env={**os.environ, **self.env} if self.env else None,
                                            cwd=None if self.cwd is None else str(self.cwd),
-                                           start_new_session=True, **self.popen_kwargs)
+                                           start_new_session=True,
+                                           preexec_fn=None if self.parent_death_signal is None else
+                                           die_with_parent(self.parent_death_signal),
+                                           **self.popen_kwargs)
         return self
 
     @property
@@ -122,6 +128,25 @@ class Child:
     def log_tail(self, lines: int = 40) -> str:
         """The last lines of the log file."""
         return tail(self.log_text(), lines)
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int) -> Callable[[], None]:
+    """A preexec_fn asking the kernel to send `sig` to the child when this process dies.
+
+    Linux sends it when the *thread* that forked exits, so only the main thread may start such children.
+    The child checks its parent afterwards: a parent that died before the prctl call sends nothing.
+    """
+    parent = os.getpid()
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, sig)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), sig)
+    return preexec
 
 
 def read_log(path: Path) -> str:

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import signal
 import socket
 import subprocess
-import sys
 import threading
 import urllib.request
 from pathlib import Path
@@ -386,46 +384,3 @@ def test_init_postgres_views_and_uninstall(pg_factory, procs: ProcessTracker, te
         assert c.execute("SELECT count(*) FROM pg_namespace WHERE nspname = 'walsidecar'").fetchone()[0] == 0
         assert c.execute("SELECT count(*) FROM pg_replication_slots").fetchone()[0] == 0
         assert c.execute("SHOW synchronous_standby_names").fetchone()[0] == ""
-
-
-def test_up_serves_metrics_and_prints_how_to_get_status(procs: ProcessTracker, test_dir: Path) -> None:
-    pg_port = free_port()
-    base = _three_free_ports()
-    up = procs.start([sys.executable, "-m", "sidecar", "up", "--dir", str(test_dir / "up"), "--pg-port",
-                      str(pg_port), "--safekeeper-port", str(base), "--metrics-port", "0"], name="up")
-    wait_for(lambda: "Press Ctrl-C to stop." in up.log_text() or not up.is_running(), timeout=180,
-             what="walsidecar up to be ready")
-    assert up.is_running(), up.log_text()[-3000:]
-    config = test_dir / "up" / "walsidecar.toml"
-    assert f"walsidecar status --config {config}" in up.log_text()
-    out = walsidecar("status", "--config", str(config))
-    assert out.returncode == 0 and out.stdout.count("| streaming") == 3, out.stdout + out.stderr
-    out = walsidecar("check", "--config", str(config))
-    assert out.returncode == 0 and "TLS: OK" in out.stdout, out.stdout
-    # Secure by default: its own CA and a certificate per process, keys 0600, TLS on every link.
-    assert "certs_dir" in config.read_text() and "insecure" not in config.read_text()
-    for name in ("safekeeper1", "safekeeper2", "safekeeper3", "proposer", "client"):
-        assert (test_dir / "up" / "certs" / name / "node.key").stat().st_mode & 0o777 == 0o600
-    assert "tls=True" in (test_dir / "up" / "safekeeper1.log").read_text()
-    up.send_signal(signal.SIGINT)
-    assert up.wait(timeout=120) == 0
-
-
-def _three_free_ports() -> int:
-    for _ in range(50):
-        base = free_port()
-        if base + 2 >= 65536:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + 3):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise AssertionError("no three consecutive free ports")

@@ -22,6 +22,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def consecutive_free_ports(n: int, host: str = "127.0.0.1") -> int:
+    """The first of `n` consecutive TCP ports on `host` that were all free a moment ago."""
+    for _ in range(50):
+        base = free_port(host)
+        if base + n > 65536:
+            continue
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise AssertionError(f"no {n} consecutive free ports")
+
+
 def wait_for(
     predicate: Callable[[], T],
     timeout: float = 30.0,

@@ -1,0 +1,139 @@
+"""Keep a LocalDeployment's members running: restart the ones that die, with backoff; the primary's death ends it.
+
+A member stopped on purpose (`walsidecar ctl stop`) is held: not restarted until it is started again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sidecar.deployment import DeploymentError, LocalDeployment, Member, ProcessMember
+from sidecar.processes import Child
+
+
+class PrimaryExited(DeploymentError):
+    """PostgreSQL stopped without being asked to: there is nothing left to protect."""
+
+
+class Backoff:
+    """Delays between restarts: `first`, doubling up to `cap`; back to `first` once a run lasted `reset_after`."""
+
+    def __init__(self, first: float = 0.5, cap: float = 30.0, reset_after: float = 60.0) -> None:
+        self.first, self.cap, self.reset_after = first, cap, reset_after
+        self.failures = 0
+
+    def delay(self, ran_for: float) -> float:
+        """The wait before the next start of a process that ran `ran_for` seconds."""
+        if ran_for >= self.reset_after:
+            self.failures = 0
+        delay = min(self.cap, self.first * 2 ** self.failures)
+        self.failures += 1
+        return delay
+
+
+@dataclass
+class Watched:
+    """What the supervisor knows of one member."""
+
+    member: Member
+    started: float
+    held: bool = False  # stopped on purpose: stays stopped
+    restarts: int = 0
+    due: float | None = None  # when it is restarted, once seen dead
+    backoff: Backoff = field(default_factory=Backoff)
+
+
+def process_of(member: Member) -> Child | None:
+    """The member's process started last: a ProcessMember's child, or the primary's postmaster if ours."""
+    if isinstance(member, ProcessMember):
+        return member.child
+    return getattr(getattr(member, "server", None), "child", None)
+
+
+class Supervisor:
+    """Call tick() often: it notices members that exited and restarts them when their backoff is over."""
+
+    def __init__(self, d: LocalDeployment, log: Any, clock: Callable[[], float] = time.monotonic) -> None:
+        self.d, self.log, self.clock = d, log, clock
+        self.watched = {name: Watched(m, clock()) for name, m in d.members.items()}
+
+    def tick(self) -> None:
+        now = self.clock()
+        for name, w in self.watched.items():
+            if w.held or w.member.running:
+                continue
+            child = process_of(w.member)
+            code = child.returncode if child is not None else None
+            if name == "primary":
+                raise PrimaryExited(f"PostgreSQL (the primary) exited with code {code}; stopping everything. "
+                                    f"See {w.member.log_path}")
+            if w.due is None:
+                w.due = now + w.backoff.delay(now - w.started)
+                self.log.error("member exited; restarting it", member=name, exit_code=code,
+                               log=str(w.member.log_path), restart_in=round(w.due - now, 1), restarts=w.restarts)
+            elif now >= w.due:
+                self._start(w)
+                w.restarts += 1
+                self.log.info("member restarted", member=name, pid=self._pid(w), restarts=w.restarts)
+
+    def _start(self, w: Watched) -> None:
+        w.member.start()
+        w.held, w.due, w.started = False, None, self.clock()
+
+    def _pid(self, w: Watched) -> int | None:
+        child = process_of(w.member)
+        return child.pid if child is not None else None
+
+    def _get(self, name: str) -> Watched:
+        if name not in self.watched:
+            raise KeyError(f"no member {name!r}: one of {', '.join(self.watched)}")
+        return self.watched[name]
+
+    def stop(self, name: str) -> str:
+        """Stop member `name` and hold it stopped."""
+        w = self._get(name)
+        w.held, w.due = True, None
+        if not w.member.running:
+            return f"{name} is not running; it stays stopped until `ctl start {name}`"
+        w.member.stop()
+        self.log.info("member stopped on request", member=name)
+        return f"stopped {name}; it stays stopped until `ctl start {name}`"
+
+    def start(self, name: str) -> str:
+        """Start member `name` now (and supervise it again)."""
+        w = self._get(name)
+        if w.member.running:
+            w.held = False
+            return f"{name} is already running (pid {self._pid(w)})"
+        self._start(w)
+        self.log.info("member started on request", member=name, pid=self._pid(w))
+        return f"started {name} (pid {self._pid(w)})"
+
+    def restart(self, name: str) -> str:
+        """Stop member `name` and start it again."""
+        w = self._get(name)
+        if w.member.running:
+            w.member.stop()
+        self._start(w)
+        self.log.info("member restarted on request", member=name, pid=self._pid(w))
+        return f"restarted {name} (pid {self._pid(w)})"
+
+    def members(self) -> list[dict[str, Any]]:
+        """name, pid, state and restarts of each member."""
+        now = self.clock()
+        rows = []
+        for name, w in self.watched.items():
+            if w.member.running:
+                state = "running"
+            elif w.held:
+                state = "stopped"
+            elif w.due is not None:
+                state = f"restarting in {max(w.due - now, 0):.1f}s"
+            else:
+                state = "exited"
+            rows.append({"name": name, "pid": self._pid(w) if w.member.running else None, "state": state,
+                         "restarts": w.restarts})
+        return rows

@@ -1,0 +1,102 @@
+"""The supervisor of `walsidecar up` against fake members and a fake clock: backoff, holding, the primary's exit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sidecar.ctl import answer
+from sidecar.supervisor import Backoff, PrimaryExited, Supervisor
+
+
+class FakeMember:
+    def __init__(self, name: str) -> None:
+        self.name, self.running, self.starts = name, True, 0
+        self.log_path = Path(f"/logs/{name}.log")
+
+    def start(self) -> None:
+        self.running, self.starts = True, self.starts + 1
+
+    def stop(self) -> None:
+        self.running = False
+
+
+class FakeDeployment:
+    def __init__(self) -> None:
+        self.members = {n: FakeMember(n) for n in ("primary", "safekeeper1", "proposer")}
+
+
+class Log:
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, dict[str, Any]]] = []
+
+    def info(self, event: str, **fields: Any) -> None:
+        self.lines.append((event, fields))
+
+    error = info
+
+
+class Clock:
+    now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def sup() -> Supervisor:
+    return Supervisor(FakeDeployment(), Log(), clock=Clock())  # type: ignore[arg-type]
+
+
+def test_backoff_doubles_up_to_the_cap_and_resets_after_a_long_run() -> None:
+    b = Backoff(first=0.5, cap=4, reset_after=60)
+    assert [b.delay(1) for _ in range(6)] == [0.5, 1, 2, 4, 4, 4]
+    assert b.delay(60) == 0.5
+
+
+def test_a_member_that_dies_is_logged_and_restarted_after_its_backoff(sup: Supervisor) -> None:
+    sk = sup.d.members["safekeeper1"]
+    sk.running = False
+    sup.tick()
+    event, fields = sup.log.lines[-1]
+    assert event == "member exited; restarting it" and fields["member"] == "safekeeper1"
+    assert fields["log"] == "/logs/safekeeper1.log" and fields["restart_in"] == 0.5
+    assert sup.members()[1]["state"] == "restarting in 0.5s"
+    sup.clock.now += 0.4
+    sup.tick()
+    assert not sk.running
+    sup.clock.now += 0.1
+    sup.tick()
+    assert sk.running and sup.members()[1]["restarts"] == 1
+    sk.running = False  # dies again at once: the next wait is twice as long
+    sup.tick()
+    assert sup.log.lines[-1][1]["restart_in"] == 1.0
+
+
+def test_a_member_stopped_on_purpose_stays_stopped_until_started(sup: Supervisor) -> None:
+    assert answer(sup, {"action": "stop", "member": "safekeeper1"})["ok"]
+    sup.clock.now += 1000
+    sup.tick()
+    assert not sup.d.members["safekeeper1"].running and sup.members()[1]["state"] == "stopped"
+    reply = answer(sup, {"action": "start", "member": "safekeeper1"})
+    assert reply["ok"] and sup.d.members["safekeeper1"].running and sup.members()[1]["restarts"] == 0
+
+
+def test_the_primary_exiting_ends_supervision_unless_stopped_on_purpose(sup: Supervisor) -> None:
+    answer(sup, {"action": "stop", "member": "primary"})
+    sup.tick()
+    answer(sup, {"action": "start", "member": "primary"})
+    sup.d.members["primary"].running = False
+    with pytest.raises(PrimaryExited, match="PostgreSQL .* exited.*primary.log"):
+        sup.tick()
+
+
+def test_answers_to_bad_requests(sup: Supervisor) -> None:
+    assert answer(sup, {"action": "explode"}) == {"ok": False, "message": "unknown action 'explode': one of "
+                                                  "members, stop, start, restart"}
+    assert "needs a MEMBER" in answer(sup, {"action": "stop"})["message"]
+    assert "no member 'sk9'" in answer(sup, {"action": "start", "member": "sk9"})["message"]
+    assert [m["name"] for m in answer(sup, {"action": "members"})["members"]] == ["primary", "safekeeper1",
+                                                                                  "proposer"]
