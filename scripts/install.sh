@@ -68,9 +68,11 @@ if ! id -u postgres >/dev/null 2>&1; then
 fi
 
 # The venv is made by Debian's python3 with python3-venv (ensurepip); walsidecar needs 3.11+.
-if ! "$SYSTEM_PYTHON" -c 'import sys, ensurepip, venv; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
-    echo "install.sh: $SYSTEM_PYTHON with venv missing; installing python3 and python3-venv" >&2
-    apt_install python3 python3-venv
+# Debian's pip checks PyPI's certificate against the system's CA bundle (ca-certificates).
+if ! "$SYSTEM_PYTHON" -c 'import sys, ensurepip, venv; sys.exit(sys.version_info < (3, 11))' 2>/dev/null ||
+        [ ! -s /etc/ssl/certs/ca-certificates.crt ]; then
+    echo "install.sh: $SYSTEM_PYTHON with venv or the CA certificates missing; installing them" >&2
+    apt_install python3 python3-venv ca-certificates
     "$SYSTEM_PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' ||
         { echo "install.sh: walsidecar needs Python 3.11+; $SYSTEM_PYTHON is $("$SYSTEM_PYTHON" -V 2>&1)" >&2; exit 1; }
 fi
