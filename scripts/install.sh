@@ -92,16 +92,15 @@ installed_ok() {
     [ -f "$stamp" ] && read -r have_sha have_extras < "$stamp" || return 1
     [ "$have_sha" = "$want" ] && [[ ",$have_extras," == *",$EXTRAS,"* || -z "$EXTRAS" ]] || return 1
     "$PY" - "$REPO" "$EXTRAS" <<'PY' 2>/dev/null
-import importlib, importlib.metadata, os, sys
-modules = {
-    "": "sidecar psycopg psycopg_pool click tenacity google_crc32c structlog prometheus_client pydantic_settings cryptography",
-    "test": "pytest pytest_timeout moto.server testcontainers docker hypothesis",
-    "analytics": "pyspark pyarrow pandas numba matplotlib boto3 lz4 zstandard",
-}
-for extra in [""] + [e for e in sys.argv[2].split(",") if e]:
-    for name in modules.get(extra, "").split():
-        importlib.import_module(name)
-importlib.metadata.version("walsidecar")
+# Every requirement of walsidecar and of the extras asked for is installed, in a version it allows.
+import importlib.metadata as md, os, sys
+from pip._vendor.packaging.requirements import Requirement
+extras = [""] + [e for e in sys.argv[2].split(",") if e]
+for spec in md.requires("walsidecar") or []:
+    req = Requirement(spec)
+    if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in extras):
+        if not req.specifier.contains(md.version(req.name), prereleases=True):
+            sys.exit(1)
 import sidecar
 sys.exit(0 if os.path.realpath(sidecar.__file__).startswith(sys.argv[1] + os.sep) else 1)
 PY
