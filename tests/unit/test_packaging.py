@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import configparser
+import importlib.util
 import json
 import os
 import shlex
@@ -10,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import click
@@ -61,8 +63,28 @@ def core_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (wheel,) = (tmp / "dist").glob("walsidecar-*.whl")
     venv = tmp / "venv"
     checked(sys.executable, "-m", "venv", str(venv), cwd=tmp)
-    checked(str(venv / "bin" / "python"), *pip, "install", str(wheel), cwd=tmp)
+    # The suite may run without a network (scripts/with-docker.sh): the core dependencies are copied from
+    # this interpreter's, the way the container image gets them, and pip checks that they satisfy the wheel.
+    site = Path(checked(str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))",
+                        cwd=tmp).strip())
+    for dist in rootfs().runtime_distributions(ROOT / "pyproject.toml"):
+        if dist.metadata["Name"] != "pip":
+            location = Path(dist.locate_file(""))
+            for f in dist.files or []:
+                if f.parts[0] != ".." and "__pycache__" not in f.parts and (location / f).is_file():
+                    (site / f).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(location / f, site / f)
+    checked(str(venv / "bin" / "python"), *pip, "install", "--no-index", str(wheel), cwd=tmp)
     return venv
+
+
+def rootfs() -> ModuleType:
+    """docker/rootfs.py, which knows the installed distributions walsidecar's dependencies need."""
+    spec = importlib.util.spec_from_file_location("rootfs", ROOT / "docker" / "rootfs.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def outside(cwd: Path) -> dict[str, Any]:
