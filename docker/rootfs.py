@@ -36,7 +36,7 @@ PY_PREFIX = Path("/usr/local")
 # Parts of the standard library a server process never uses.
 STDLIB_SKIP_DIRS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3",
                     "site-packages", "dist-packages"}
-STDLIB_SKIP_FILE = re.compile(r"(^turtle\.py$|\.opt-[12]\.pyc$|^_tkinter|^_test|^xxlimited|^_xxtest|"
+STDLIB_SKIP_FILE = re.compile(r"(^turtle\.py$|^EXTERNALLY-MANAGED$|\.opt-[12]\.pyc$|^_tkinter|^_test|^xxlimited|^_xxtest|"
                               r"^_ctypes_test|^_curses|^_dbm|^_gdbm|^nis\.|^_nis|^xxsubtype)")
 
 
@@ -244,6 +244,16 @@ def runtime_distributions(pyproject: Path) -> list:
     return [d for d, _ in seen.values()]
 
 
+def image_site_packages(exe: Path, ver: str) -> Path:
+    """The site directory this interpreter searches once it lives under /usr/local (a venv's base too).
+
+    Debian's python3 looks in dist-packages, not site-packages, so ask the interpreter itself."""
+    out = subprocess.run([str(exe), "-S", "-c", "import site, sys; print('\\n'.join(site.getsitepackages([sys.argv[1]])))",
+                          str(PY_PREFIX)], capture_output=True, text=True, check=True).stdout.split()
+    own = str(PY_PREFIX / "lib" / f"python{ver}") + os.sep
+    return Path(next((d for d in out if d.startswith(own)), own + "site-packages"))
+
+
 def build_python(fs: Rootfs, pyproject: Path) -> None:
     base = Path(sys.base_prefix)
     ver = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -276,7 +286,7 @@ def build_python(fs: Rootfs, pyproject: Path) -> None:
     dynload = Path(sysconfig.get_path("platstdlib")) / "lib-dynload"
     if dynload.is_dir():
         fs.copy_tree(dynload, mapped(dynload), skip_file=lambda n: bool(STDLIB_SKIP_FILE.search(n)))
-    site = PY_PREFIX / "lib" / f"python{ver}" / "site-packages"
+    site = image_site_packages(exe, ver)
     for dist in runtime_distributions(pyproject):
         location = Path(dist.locate_file(""))
         target = mapped(location) if mapped(location) != Path(os.path.realpath(location)) else site

@@ -13,12 +13,9 @@ READY_TIMEOUT="${READY_TIMEOUT:-120}"
 PG_BIN=/usr/lib/postgresql/15/bin
 UP_LOG="${DIR%/}-up.log"
 
-bash scripts/install.sh
-
-if [ -z "${WALSIDECAR:-}" ]; then
-    WALSIDECAR="$(python3 -c 'import sysconfig; print(sysconfig.get_path("scripts"))')/walsidecar"
-    [ -x "$WALSIDECAR" ] || WALSIDECAR="$(command -v walsidecar)"
-fi
+# The core package only: the demo needs neither the analytics (PySpark, Java) nor the test tools.
+WALSIDECAR_EXTRAS= bash scripts/install.sh
+WALSIDECAR="${WALSIDECAR:-${WALSIDECAR_VENV:-/opt/walsidecar/venv}/bin/walsidecar}"
 
 # Client tools run as the postgres OS user when we are root (the server refuses root anyway).
 pg_tool() {

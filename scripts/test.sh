@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# Install dependencies, then run pytest with any extra arguments (e.g. -k NAME).
+# Install everything (scripts/install.sh: the venv /opt/walsidecar/venv with the test and analytics
+# extras), then run pytest with the venv's python and any extra arguments (e.g. -k NAME).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/install.sh
+VENV="${WALSIDECAR_VENV:-/opt/walsidecar/venv}"
+# The venv first on PATH: the tests' child processes and the image build (python3) use it too.
+export PATH="$VENV/bin:$PATH"
 # pytest runs next to a private Docker engine holding freshly built images, for the container
 # tests (tests/containers, marker `containers`); without one they are skipped, saying why.
 # WALSIDECAR_CONTAINERS=0 skips the engine and the image build. See scripts/with-docker.sh.
 # pytest's own exit code; 5 (no tests collected) is non-zero and so fails too.
-exec bash scripts/with-docker.sh python3 -m pytest "$@"
+exec bash scripts/with-docker.sh "$VENV/bin/python" -m pytest "$@"

@@ -1,4 +1,6 @@
-"""The `analyze` and `verify-archive` commands; Spark and pyarrow are imported only when one of them runs."""
+"""The `analyze` and `verify-archive` commands; Spark and pyarrow are imported only when one of them runs.
+
+They need the analytics extra (PySpark, numba, pyarrow; Spark needs Java 17+), which the core install leaves out."""
 
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ import click
 from sidecar.lsn import format_lsn
 
 F = Callable[..., Any]
+INSTALL_HINT = "pip install 'walsidecar[analytics]' and a Java 17+ runtime (scripts/install.sh installs both)"
+# Shown under each command's --help: the core install (pip install walsidecar) leaves the extra out.
+NEEDS_EXTRA = f"Needs the analytics extra: {INSTALL_HINT}."
 
 
 def spark_options(fn: F) -> F:
@@ -40,7 +45,7 @@ def _imports() -> None:
         import pyspark  # noqa: F401
     except ImportError as exc:
         raise click.ClickException(
-            f"{exc.name} is not installed: install walsidecar with its analytics extra (scripts/install.sh does)"
+            f"{exc.name} is not installed: install the analytics extra: {INSTALL_HINT}"
         ) from exc
 
 
@@ -64,7 +69,7 @@ def _run(master: str, confs: tuple[str, ...], spark_ui: bool, progress: bool, wo
         return work(spark, bar)
 
 
-@click.command()
+@click.command(epilog=NEEDS_EXTRA)
 @click.argument("source")
 @click.option("--out", metavar="DIR", help="Write the Parquet datasets, stats.txt and report.html here "
                                            "(a directory or s3://bucket/prefix).")
@@ -103,7 +108,7 @@ def analyze(source: str, out: str | None, want_stats: bool, master: str, confs: 
         click.echo(f"wrote {', '.join(result.written)}", err=True)
 
 
-@click.command("verify-archive")
+@click.command("verify-archive", epilog=NEEDS_EXTRA)
 @click.argument("source")
 @spark_options
 def verify_archive(source: str, master: str, confs: tuple[str, ...], spark_ui: bool, s3_endpoint: str | None,
