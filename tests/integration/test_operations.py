@@ -239,6 +239,14 @@ def test_status_table_json_and_watch(ops: Ops) -> None:
     assert "| down" in row3
     watched = ops.status("--watch", "0.2", "--count", "2")
     assert watched.returncode == 0 and watched.stdout.count("(every 0.2s)") == 2
+    # A second safekeeper down loses the quorum: status says so and exits 1, for scripts.
+    ops.d.safekeepers[2].kill9()
+    lost = wait_for(lambda: (out := ops.status()).returncode == 1 and out, timeout=30, what="status to exit 1")
+    assert "quorum 2 of 3: LOST" in lost.stdout, lost.stdout
+    alone = walsidecar("status", "--safekeepers", ops.sks, *ops.d.tls("client"))
+    assert alone.returncode == 1 and alone.stdout.count("| down") == 2, alone.stdout
+    ops.start_safekeeper(2)
+    wait_for(lambda: ops.status().returncode == 0, timeout=60, what="the quorum back")
     # With the proposer gone, status still reports each safekeeper's own view.
     ops.d.proposer.kill9()
     out = ops.status()
