@@ -89,7 +89,7 @@ def test_a_safekeeper_that_does_not_answer_is_named_with_the_reason(pg_factory, 
     refused = f"127.0.0.1:{free_port()}"
     proposer = _run_start(procs, d, pg.dsn(), [*d.addresses[:2], refused])
     log = lambda: read_log(proposer.log_path)  # noqa: E731
-    wait_for(lambda: "streaming to 2 of 3 safekeepers" in log(), timeout=60, what="streaming to two")
+    wait_for(lambda: "streaming to 2 of 3 safekeepers" in log(), timeout=120, what="streaming to two")
     text = log()
     line = next(ln for ln in text.splitlines() if "cannot connect to safekeeper" in ln)
     assert "[warning" in line and f"peer={refused}" in line and "Connection refused" in line, line
@@ -97,7 +97,7 @@ def test_a_safekeeper_that_does_not_answer_is_named_with_the_reason(pg_factory, 
     proposer.terminate()
 
     proposer = _run_start(procs, d, pg.dsn(), [*d.addresses[:2], silent])
-    wait_for(lambda: f"peer={silent}" in log() and "cannot connect to safekeeper" in log(), timeout=60,
+    wait_for(lambda: f"peer={silent}" in log() and "cannot connect to safekeeper" in log(), timeout=120,
              what="the silent safekeeper to be named")
     line = next(ln for ln in log().splitlines() if "cannot connect to safekeeper" in ln and f"peer={silent}" in ln)
     assert "[warning" in line and "timeout: no answer" in line, line
