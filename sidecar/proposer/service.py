@@ -110,6 +110,7 @@ class ProposerService:
         self._pg_version = 0
         self.last_term = 0
         self._reached = -1  # safekeepers streaming when _say_reach last spoke
+        self._refusals: dict[str, int] = {}  # refusals in a row, by safekeeper
 
     def subscribe(self, observer: ProposerObserver) -> None:
         """Call `observer`'s hooks from now on, and run it alongside the service."""
@@ -324,7 +325,13 @@ class ProposerService:
         for o in self.observers:
             o.peer_contact(name)
         if isinstance(msg, Refusal):
-            self.log.error("safekeeper refused us and closed the connection", peer=name, reason=msg.reason)
+            # Said at the 1st, 2nd, 4th, 8th... refusal in a row: the link reconnects after a growing pause.
+            n = self._refusals[name] = self._refusals.get(name, 0) + 1
+            if n & (n - 1) == 0:
+                self.log.error("safekeeper refused us and closed the connection", peer=name, reason=msg.reason,
+                               refusals=n)
+        else:
+            self._refusals.pop(name, None)
         if self.core is not None:
             self._run(self.core.peer_message(name, msg))
 

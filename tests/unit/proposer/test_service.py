@@ -17,7 +17,7 @@ import structlog
 from support.helpers import run, until
 from sidecar.consensus.messages import (
     Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply, Message, TermEntry, TermHistory,
-    VoteReply, VoteRequest,
+    Refusal, VoteReply, VoteRequest,
 )
 from sidecar.consensus.proposer import Campaign, ElectionWon, Phase, ProposerEvent, Streaming
 from sidecar.proposer.options import StartOptions
@@ -398,3 +398,13 @@ def test_once_streaming_it_says_how_many_failures_it_can_tolerate_and_again_when
                 await h.stop()
 
     run(main())
+
+
+def test_refusals_are_logged_at_a_slowing_rate_with_the_reason() -> None:
+    h = Harness()
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(10):
+            h.service._peer_message(PEERS[0], Refusal("another cluster's primary"))
+    said = [e for e in logs if e["event"] == "safekeeper refused us and closed the connection"]
+    assert [e["refusals"] for e in said] == [1, 2, 4, 8]
+    assert all(e["log_level"] == "error" and e["reason"] == "another cluster's primary" for e in said)
