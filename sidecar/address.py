@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 from dataclasses import dataclass
 
 
@@ -56,6 +57,13 @@ def parse_listen(text: str) -> tuple[str, int]:
     """Host and port of an address to listen on; port 0 picks a free one."""
     a = Address.parse(text, port_zero=True)
     return a.host, a.port
+
+
+def cannot_listen(host: str, port: int, what: str, e: OSError) -> OSError:
+    """A bind failure as the operator reads it: the address, what it is for, and the errno's text."""
+    reason = os.strerror(e.errno) if e.errno else str(e)
+    shown = f"[{host}]" if _is_ipv6(host) else host
+    return OSError(f"cannot listen on {shown}:{port} for {what}: {reason}; stop what uses it or choose another port")
 
 
 def _is_ipv6(host: str) -> bool:

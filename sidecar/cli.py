@@ -74,6 +74,9 @@ def safekeeper(s: SafekeeperSettings) -> None:
 @configured(StartSettings)
 def start(s: StartSettings) -> None:
     """Run the WAL proposer attached to a primary."""
+    import psycopg
+    from psycopg.conninfo import conninfo_to_dict
+
     from sidecar.http import run_with_endpoint
     from sidecar.proposer.monitor import ProposerMonitor
     from sidecar.proposer.primary import PrimaryConfigError
@@ -83,6 +86,10 @@ def start(s: StartSettings) -> None:
     from sidecar.linkauth import client_security
     from sidecar.tls import TlsError
 
+    try:
+        conninfo_to_dict(s.pg_dsn)  # libpq's own parser: a typo is reported now, not at the first connection
+    except psycopg.ProgrammingError as e:
+        raise click.ClickException(f"--pg-dsn is not a libpq connection string: {e}") from None
     log = get_logger(role="proposer")
     if len(s.safekeepers) < 3:
         log.warning("fewer than 3 safekeepers: losing any one of them stops commits", safekeepers=len(s.safekeepers))

@@ -20,7 +20,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from sidecar.address import parse_listen
+from sidecar.address import cannot_listen, parse_listen
 from sidecar.logs import get_logger
 
 MAX_REQUEST_HEAD = 8192
@@ -89,7 +89,7 @@ class HttpEndpoint:
             self._server = await asyncio.start_server(self._handle, self.host, self.port, ssl=self.ssl_context,
                                                       ssl_handshake_timeout=REQUEST_TIMEOUT if self.ssl_context else None)
         except OSError as e:
-            raise OSError(f"cannot listen on {self.host}:{self.port} for the {self.what} endpoint: {e.strerror or e}") from e
+            raise cannot_listen(self.host, self.port, f"the {self.what} endpoint (--metrics)", e) from e
         sock = self._server.sockets[0]
         self.port = sock.getsockname()[1]
         scheme = "https" if self.ssl_context is not None else "http"

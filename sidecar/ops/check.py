@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 import sys
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -14,12 +15,13 @@ from sidecar.config import CheckSettings
 from sidecar.consensus.messages import InfoReply
 from sidecar.lsn import format_lsn
 from sidecar.ops.probe import ProbeError, connect, fetch_status, probe_safekeeper, redact_dsn
-from sidecar.proposer import syncrep
+from sidecar.proposer import pgerrors, syncrep
 from sidecar.proposer.primary import catchup_slot, quote_ident, read_syncrep_state
 from sidecar.linkauth import client_security
 from sidecar.tls import TlsError, client_context
 
 Status = Literal["OK", "WARNING", "FAILED"]
+PLACEHOLDERS = {"N", "DIR", "CERTS_DIR"}  # in hints: what the user fills in
 
 
 @dataclass
@@ -51,7 +53,12 @@ def _fail(name: str, detail: str, hint: str) -> Check:
 
 
 def _restart_hint(setting: str, value: str) -> str:
-    return f"ALTER SYSTEM SET {setting} = {value}; then restart PostgreSQL (or run `walsidecar init-postgres`)"
+    return f"ALTER SYSTEM SET {setting} = {value}; then restart PostgreSQL (pg_ctl restart -D PGDATA, or " \
+           "systemctl restart postgresql)"
+
+
+def _reload_hint(setting: str, value: str) -> str:
+    return f"ALTER SYSTEM SET {setting} = {value}; SELECT pg_reload_conf();"
 
 
 class Checker:
@@ -65,6 +72,27 @@ class Checker:
         self.pg_major: int | None = None
         self.ssl = client_context(s.certs_dir) if s.certs_dir is not None else None  # HTTPS endpoints
         self.link = self.ssl if s.link_security == "tls" else client_security(s.certs_dir, s.link_security)
+        self.standby_names: syncrep.SyncStandbyConfig | None = None
+
+    def command(self, name: str, *options: str, certs: str = "CERTS_DIR") -> str:
+        """`walsidecar NAME OPTIONS` with this check's TLS choice, ready to paste; CAPITALS are for the user to fill."""
+        tls = ["--insecure"] if self.s.insecure else ["--certs-dir", certs] + \
+            (["--link-security", self.s.link_security] if self.s.link_security != "tls" else [])
+        return " ".join(["walsidecar", name, *(o if o in PLACEHOLDERS else shlex.quote(o) for o in options), *tls])
+
+    def _start_command(self) -> str:
+        s = self.s
+        extra = [*(["--quorum", str(s.quorum)] if s.quorum else []),
+                 *(["--application-name", s.application_name] if s.application_name != "walsidecar" else []),
+                 *(["--slot", s.slot] if s.slot != "walsidecar" else [])]
+        return self.command("start", "--pg-dsn", redact_dsn(s.pg_dsn), "--safekeepers", ",".join(s.safekeepers),
+                            *extra)
+
+    def _status_command(self) -> str:
+        where = ["--proposer-metrics", self.s.proposer_metrics] if self.s.proposer_metrics else []
+        certs = str(self.s.certs_dir) if self.s.certs_dir else "CERTS_DIR"
+        return self.command("status", *where, "--safekeepers", ",".join(self.s.safekeepers),
+                            "--pg-dsn", redact_dsn(self.s.pg_dsn), certs=certs)
 
     def add(self, c: Check) -> None:
         self.checks.append(c)
@@ -90,7 +118,8 @@ class Checker:
             conn = await connect(self.s.pg_dsn, self.s.timeout, "check")
         except (psycopg.Error, OSError, asyncio.TimeoutError) as e:
             self.add(_fail("PostgreSQL", str(e).strip().splitlines()[0] if str(e).strip() else "timed out",
-                           "check --pg-dsn: host, port, user, password (or .pgpass) and pg_hba.conf"))
+                           pgerrors.permanent(e) or "is PostgreSQL running at the host and port of --pg-dsn, and "
+                                                    "does it listen there (listen_addresses)?"))
             return None
         return conn
 
@@ -173,6 +202,12 @@ class Checker:
         except syncrep.SyncStandbyNamesError as e:
             self.add(_fail(name, f"{shown} does not parse ({e})", hint))
             return
+        self.standby_names = config
+        others = syncrep.waited_for_instead(config, app)
+        if others:
+            self.add(_fail(name, f"{shown} does not name {app!r}: commits wait for {others}, not for the "
+                                 "safekeeper quorum", hint))
+            return
         if not syncrep.standby_name_matches(config, app):
             self.add(_fail(name, f"{shown} does not name {app!r}: commits do not wait for the safekeeper quorum",
                            hint))
@@ -190,7 +225,7 @@ class Checker:
         name = "synchronous_commit"
         if value in ("off", "local"):
             self.add(_fail(name, f"{value}: commits return before the safekeeper quorum has their WAL",
-                           "ALTER SYSTEM SET synchronous_commit = on; SELECT pg_reload_conf();"))
+                           _reload_hint("synchronous_commit", "on")))
             return
         rows = await (await conn.execute(
             r"""SELECT coalesce(r.rolname, ''), coalesce(d.datname, ''), c
@@ -198,15 +233,18 @@ class Checker:
                   LEFT JOIN pg_roles r ON r.oid = s.setrole
                   LEFT JOIN pg_database d ON d.oid = s.setdatabase, unnest(s.setconfig) AS c
                  WHERE lower(c) LIKE 'synchronous\_commit=%'""")).fetchall()
-        weak = []
+        weak, fixes = [], []
         for role, db, setting in rows:
             v = setting.split("=", 1)[1].strip().lower()
             if v in ("off", "local"):
                 target = " ".join(filter(None, [f"role {role}" if role else "", f"database {db}" if db else ""]))
                 weak.append(f"{target} sets {v}")
+                where = f"ROLE {quote_ident(role)}" + (f" IN DATABASE {quote_ident(db)}" if db else "") if role \
+                    else f"DATABASE {quote_ident(db)}"
+                fixes.append(f"ALTER {where} RESET synchronous_commit;")
         if weak:
             self.add(_warn(name, f"{value}, but " + "; ".join(weak) + ": those sessions do not wait for the quorum",
-                           "ALTER ROLE ... RESET synchronous_commit / ALTER DATABASE ... RESET synchronous_commit"))
+                           " ".join(fixes)))
         else:
             self.add(_ok(name, value))
 
@@ -215,7 +253,7 @@ class Checker:
         if mb < 0:
             self.add(_warn(name, "-1 (unlimited): a safekeeper that stays down makes the primary keep WAL "
                                  "until its disk is full",
-                           "ALTER SYSTEM SET max_slot_wal_keep_size = '10GB'; SELECT pg_reload_conf();"))
+                           _reload_hint("max_slot_wal_keep_size", "'10GB'")))
         else:
             self.add(_ok(name, f"{mb} MB"))
 
@@ -230,11 +268,12 @@ class Checker:
             bad = _fail if critical else _warn
             row = rows.get(slot)
             if row is None:
-                self.add(bad(name, "does not exist",
-                             "`walsidecar start` creates it when it attaches; or run `walsidecar init-postgres`"))
+                self.add(bad(name, "does not exist", f"`walsidecar start` creates it when it attaches: "
+                                                     f"{self._start_command()}"))
                 continue
             slot_type, active, restart, wal_status, safe, kept = row
-            drop = f"SELECT pg_drop_replication_slot('{slot}'); then restart `walsidecar start`, which recreates it"
+            drop = f"SELECT pg_drop_replication_slot('{slot}'); then restart `walsidecar start`, which recreates it " \
+                   f"({self._start_command()})"
             if slot_type != "physical":
                 self.add(_fail(name, f"is a {slot_type} slot", drop))
             elif restart is None:
@@ -244,13 +283,15 @@ class Checker:
             elif wal_status == "unreserved":
                 self.add(bad(name, f"wal_status unreserved: WAL it needs goes at the next checkpoint "
                                    f"({kept} bytes retained)",
-                             "bring the safekeepers back and let them catch up now, or raise max_slot_wal_keep_size"))
+                             "bring the safekeepers back and let them catch up now, or keep more WAL: "
+                             + _reload_hint("max_slot_wal_keep_size", "'20GB'")))
             else:
                 safe_txt = f", safe_wal_size {safe} bytes" if safe is not None else ""
                 detail = f"wal_status {wal_status}, {'active' if active else 'inactive'}, restart_lsn {restart}, " \
                          f"{kept} bytes retained{safe_txt}"
                 if wal_status == "extended":
-                    self.add(_warn(name, detail, "the slot keeps more than max_wal_size: a safekeeper is lagging"))
+                    self.add(_warn(name, detail, "the slot keeps more than max_wal_size: a safekeeper is lagging; "
+                                                 f"see {self._status_command()}"))
                 else:
                     self.add(_ok(name, detail))
 
@@ -258,7 +299,9 @@ class Checker:
         if self.s.insecure:
             self.add(_warn("TLS", "--insecure: the safekeepers are asked without TLS; if they answer, anyone who "
                                   "can reach their ports can change their state",
-                           "run every process with --certs-dir (walsidecar certs create-ca / create-node)"))
+                           "make certificates (walsidecar certs create-ca --ca-dir CA_DIR; then for each process "
+                           "walsidecar certs create-node --ca-dir CA_DIR --certs-dir CERTS_DIR --role ROLE [--id N]) "
+                           "and run every process with --certs-dir CERTS_DIR instead of --insecure"))
         elif self.s.link_security == "auth-only":
             self.add(_warn("TLS", f"--link-security auth-only: client certificate from {self.s.certs_dir} proves "
                                   "both ends, but WAL and messages travel unencrypted and unprotected on the path",
@@ -280,8 +323,9 @@ class Checker:
             name = f"safekeeper {addr}"
             if isinstance(r, ProbeError):
                 up = str(r).startswith("it refused")  # running but stopped, by a full disk say: it says why
+                start = self.command("safekeeper", "--id", "N", "--data-dir", "DIR", "--listen", addr)
                 self.add(_fail(name, str(r) if up else f"unreachable: {r}", "read its log" if up else
-                               f"start it (walsidecar safekeeper --listen {addr} ...) or fix --safekeepers"))
+                               f"start it ({start}, with its own id and data directory) or fix --safekeepers"))
                 continue
             tail = f"id {r.node_id}, term {r.term}, flush_lsn {format_lsn(r.flush_lsn)}" + \
                    (", proposer attached" if r.proposer_connected else "")
@@ -298,7 +342,8 @@ class Checker:
             self.add(_ok("safekeeper quorum", f"{good} of {n} usable, quorum {q}"))
         else:
             self.add(_fail("safekeeper quorum", f"only {good} of {n} usable, quorum {q}: commits wait",
-                           f"start or repair safekeepers until {q} of {n} answer with this primary's system id"))
+                           f"start or repair safekeepers (see the lines above) until {q} of {n} answer with this "
+                           "primary's system id"))
 
     def _identity(self, addr: str, r: InfoReply) -> bool:
         name = f"safekeeper {addr} system id"
@@ -338,7 +383,7 @@ class Checker:
         state, sync_state, flush = st.replication_state, st.sync_state, st.sidecar_flush_lsn
         if state is None:
             self.add(_fail(name, f"no replication connection named {app!r} in pg_stat_replication",
-                           "start the proposer: walsidecar start --pg-dsn ... --safekeepers ...; then read its log"))
+                           f"start the proposer ({self._start_command()}); then read its log"))
         else:
             lag = st.flush_lsn - flush if flush is not None else None
             shown = format_lsn(flush) if flush is not None else None
@@ -346,13 +391,19 @@ class Checker:
             if state != "streaming":
                 self.add(_warn(name, detail, "it is starting or catching up; check again in a moment"))
             elif sync_state not in ("sync", "quorum"):
-                self.add(_fail(name, detail, "commits do not wait for it: fix synchronous_standby_names (above)"))
+                self.add(_fail(name, detail, "commits do not wait for it: " + syncrep.set_standby_names_hint(app)))
             else:
                 self.add(_ok(name, detail))
         count, oldest = st.commits_waiting, st.oldest_wait_seconds or 0.0
-        if count and oldest > 5:
+        others = syncrep.waited_for_instead(self.standby_names, app)
+        if count and others:
+            # Not the quorum's doing: the primary waits for a standby that is not the sidecar.
+            self.add(_fail("commits waiting", f"{count} waiting for {others} named in synchronous_standby_names, "
+                                              f"which is not the sidecar {app!r}: the safekeeper quorum cannot "
+                                              "release them", syncrep.set_standby_names_hint(app)))
+        elif count and oldest > 5:
             self.add(_warn("commits waiting", f"{count} waiting for the quorum, the oldest for {oldest:.0f}s",
-                           "see `walsidecar status` and the README's Operations section"))
+                           f"see which safekeepers are down: {self._status_command()}"))
         else:
             self.add(_ok("commits waiting", str(count)))
 
@@ -361,16 +412,18 @@ class Checker:
         try:
             doc = await fetch_status(self.s.proposer_metrics, self.s.timeout, self.ssl)  # type: ignore[arg-type]
         except ProbeError as e:
-            self.add(_fail(name, str(e), "is `walsidecar start --metrics ...` running with this address?"))
+            self.add(_fail(name, str(e), f"is the proposer running with --metrics {self.s.proposer_metrics}? "
+                                         f"({self._start_command()} --metrics {self.s.proposer_metrics})"))
             return
         detail = f"term {doc.get('term')}, {doc.get('phase')}, commit_lsn {doc.get('commit_lsn')}"
         if doc.get("insecure"):
             self.add(_warn(f"{name} TLS", "the proposer runs with --insecure: its safekeeper links are not "
-                                          "authenticated", "restart it with --certs-dir"))
+                                          "authenticated", "restart it with --certs-dir CERTS_DIR instead of --insecure"))
         if doc.get("quorum_available"):
             self.add(_ok(name, detail + ", quorum available"))
         else:
-            self.add(_fail(name, detail + ", no quorum in the current term", "see `walsidecar status`"))
+            self.add(_fail(name, detail + ", no quorum in the current term",
+                           f"see which safekeepers are down: {self._status_command()}"))
 
 
 def render(s: CheckSettings, checks: list[Check], fmt: str) -> str:

@@ -24,6 +24,13 @@ def status(s: StatusSettings) -> None:
 
     Give --proposer-metrics for the full picture; --safekeepers asks each directly (works with the
     proposer down); --pg-dsn adds the primary's view.
+
+    \b
+    Exit codes (of the last refresh with --watch --count):
+      0  the proposer answers and has a quorum of safekeepers (without
+         --proposer-metrics: a majority of --safekeepers answer, or the primary does)
+      1  the quorum is lost, or the proposer (or the primary) does not answer
+      2  the TLS options are wrong (--certs-dir)
     """
     from sidecar.ops.status import run_status
     sys.exit(run_status(s))

@@ -186,15 +186,18 @@ def render(doc: dict[str, Any], fmt: str) -> str:
 
 
 def _healthy(s: StatusSettings, doc: dict[str, Any]) -> bool:
+    """The proposer answers and has its quorum; without it, a majority of the safekeepers answer."""
     prop = doc.get("proposer")
     if s.proposer_metrics:
-        return prop is not None and not prop.get("error")
-    return any("error" not in (r.get("own") or {"error": 1}) for r in doc["safekeepers"]) or \
-        bool(doc.get("primary") and not doc["primary"].get("error"))
+        return prop is not None and not prop.get("error") and bool(prop.get("quorum_available"))
+    if s.safekeepers:
+        answering = sum("error" not in (r.get("own") or {"error": 1}) for r in doc["safekeepers"])
+        return answering >= len(s.safekeepers) // 2 + 1
+    return bool(doc.get("primary") and not doc["primary"].get("error"))
 
 
 def run_status(s: StatusSettings) -> int:
-    """Print once, or every --watch seconds until Ctrl-C (or --count times); 1 if the sources are unreachable."""
+    """Print once, or every --watch seconds until Ctrl-C (or --count times); the exit code is `status`'s."""
     n = 0
     while True:
         try:

@@ -167,7 +167,9 @@ class PeerLink:
 def _reason(e: BaseException) -> str:
     """What an operator can act on: asyncio's "Connect call failed" hides the errno's text."""
     if isinstance(e, asyncio.TimeoutError):
-        return f"no answer within {CONNECT_TIMEOUT:g}s"
+        return f"timeout: no answer within {CONNECT_TIMEOUT:g}s"
+    if isinstance(e, ConnectionAbortedError) and "handshake" in str(e):  # asyncio's ssl_handshake_timeout
+        return f"timeout: no answer to the TLS handshake within {tls.HANDSHAKE_TIMEOUT:g}s"
     if isinstance(e, OSError) and e.errno:
         return os.strerror(e.errno)
     return str(e) or type(e).__name__

@@ -21,7 +21,7 @@ from sidecar.consensus.proposer import (
 from sidecar.linkauth import Security
 from sidecar.lsn import format_lsn, segment_start
 from sidecar.logs import get_logger
-from sidecar.proposer import primary
+from sidecar.proposer import pgerrors, primary
 from sidecar.proposer import replication as repl
 from sidecar.proposer.catchup import PrimaryReader
 from sidecar.proposer.options import StartOptions
@@ -32,6 +32,7 @@ ELECTION_TIMEOUT = 5.0
 HEARTBEAT_INTERVAL = 1.0
 CATCHUP_SLOT_INTERVAL = 5.0
 RECONNECT_MIN, RECONNECT_MAX = 0.5, 5.0
+PERMANENT_TRIES = 3  # a wrong password or a missing database: tries before giving up (in case it was being set up)
 # How long a status that moves only write or apply may wait to be sent (see _report); commits
 # with synchronous_commit = remote_write or remote_apply may wait this much longer.
 STATUS_DELAY = 0.01
@@ -108,6 +109,8 @@ class ProposerService:
         self._pending_lsn = 0
         self._pg_version = 0
         self.last_term = 0
+        self._reached = -1  # safekeepers streaming when _say_reach last spoke
+        self._refusals: dict[str, int] = {}  # refusals in a row, by safekeeper
 
     def subscribe(self, observer: ProposerObserver) -> None:
         """Call `observer`'s hooks from now on, and run it alongside the service."""
@@ -164,10 +167,17 @@ class ProposerService:
                     while True:  # each attachment ends when the advisory lock is lost
                         async for attempt in AsyncRetrying(
                                 retry=retry_if_exception_type((psycopg.OperationalError, OSError)),
+                                stop=_gives_up, reraise=True,
                                 wait=wait_exponential(multiplier=RECONNECT_MIN, max=RECONNECT_MAX),
                                 before_sleep=self._unreachable):
                             with attempt:
                                 await self._attached(pool)
+                except psycopg.Error as e:
+                    fix = pgerrors.permanent(e)
+                    if fix is None:
+                        raise
+                    raise primary.PrimaryConfigError(f"the primary refuses walsidecar: {pgerrors.first_line(e)}; "
+                                                      f"{fix}") from None
                 finally:
                     poller.cancel()  # before the pool closes under it
                     with contextlib.suppress(BaseException):
@@ -185,7 +195,11 @@ class ProposerService:
     def _unreachable(self, state: RetryCallState) -> None:
         e = state.outcome.exception() if state.outcome is not None else None
         retry_in = state.next_action.sleep if state.next_action is not None else 0.0
-        self.log.warning("primary unreachable; retrying", retry_in=retry_in, error=str(e).strip())
+        if e is not None and pgerrors.permanent(e):
+            self.log.error("the primary refuses walsidecar; retrying a few times before giving up",
+                           attempts=state.attempt_number, of=PERMANENT_TRIES, error=pgerrors.first_line(e))
+        else:
+            self.log.warning("primary unreachable; retrying", retry_in=retry_in, error=str(e).strip())
 
     async def _attached(self, pool: AsyncConnectionPool) -> None:
         """One attachment to the primary: checks, the advisory lock, slots, then terms while the lock holds."""
@@ -215,12 +229,19 @@ class ProposerService:
         self._seg_size, self._pg_version = info.wal_seg_size, info.pg_version
         # A primary restart drops the lock's session: stop and take the lock again before the
         # next term, so that a second sidecar cannot slip in between.
+        refused = 0  # terms in a row whose replication connection the primary refused for good
         while await lock.verify():
             try:
                 await self._one_term()
+                refused = 0
             except PrimaryMismatch:
                 raise
             except (psycopg.Error, OSError, repl.ReplicationError) as e:
+                fix = pgerrors.permanent(e)
+                refused = refused + 1 if fix else 0
+                if refused >= PERMANENT_TRIES:
+                    raise primary.PrimaryConfigError(f"the primary refuses the replication connection: "
+                                                      f"{pgerrors.first_line(e)}; {fix}") from None
                 self.log.warning("term ended", term=self.last_term, error=str(e).strip())
             await self._end_term()
             await asyncio.sleep(0.5)
@@ -242,6 +263,7 @@ class ProposerService:
             buffer_limit=opts.wal_buffer_bytes, max_inflight=max(opts.wal_buffer_bytes // 2, 1 << 20))
         self._term_over = asyncio.Event()
         self.core = Proposer(cfg, min_term=self.last_term)
+        self._reached = -1
         for name, link in self.links.items():
             if link.connected:
                 self._run(self.core.peer_connected(name))
@@ -303,7 +325,13 @@ class ProposerService:
         for o in self.observers:
             o.peer_contact(name)
         if isinstance(msg, Refusal):
-            self.log.error("safekeeper refused us and closed the connection", peer=name, reason=msg.reason)
+            # Said at the 1st, 2nd, 4th, 8th... refusal in a row: the link reconnects after a growing pause.
+            n = self._refusals[name] = self._refusals.get(name, 0) + 1
+            if n & (n - 1) == 0:
+                self.log.error("safekeeper refused us and closed the connection", peer=name, reason=msg.reason,
+                               refusals=n)
+        else:
+            self._refusals.pop(name, None)
         if self.core is not None:
             self._run(self.core.peer_message(name, msg))
 
@@ -317,6 +345,27 @@ class ProposerService:
     # ---- actions ---------------------------------------------------------------------------
 
     def _run(self, actions: list[Action]) -> None:
+        self._act(actions)
+        self._say_reach()
+
+    def _say_reach(self) -> None:
+        """Once streaming, say how many safekeepers take the WAL and how many more may fail; again on change."""
+        core = self.core
+        if core is None or core.phase is not Phase.STREAMING:
+            return
+        reached = sum(p.greeted_term is not None for p in core.peers.values())
+        if reached == self._reached:
+            return
+        self._reached = reached
+        spare = reached - self.options.quorum
+        say = self.log.info if spare > 0 else self.log.warning
+        now = (f"can tolerate {spare} more failure{'s' if spare > 1 else ''}" if spare > 0 else
+               "can tolerate no failure: one more stops commits" if spare == 0 else "commits wait for a quorum")
+        say(f"streaming to {reached} of {len(self.links)} safekeepers, quorum {self.options.quorum}: {now}",
+            term=core.term, reached=reached, safekeepers=len(self.links), quorum=self.options.quorum,
+            can_tolerate=max(spare, 0))
+
+    def _act(self, actions: list[Action]) -> None:
         for a in actions:
             match a:
                 case Send():
@@ -525,6 +574,12 @@ class ProposerService:
         for t in list(self._tasks):
             with contextlib.suppress(BaseException):
                 await t
+
+
+def _gives_up(state: RetryCallState) -> bool:
+    """Stop retrying only what cannot heal, after PERMANENT_TRIES: network and restarts are retried forever."""
+    e = state.outcome.exception() if state.outcome is not None else None
+    return e is not None and pgerrors.permanent(e) is not None and state.attempt_number >= PERMANENT_TRIES
 
 
 def _fmt(key: str, value: object) -> object:

@@ -134,6 +134,17 @@ def sidecar_is_required(config: SyncStandbyConfig | None, application_name: str)
     return config.num_sync >= len(config.names)
 
 
+def waited_for_instead(config: SyncStandbyConfig | None, application_name: str) -> str | None:
+    """The standbys commits wait for when the setting leaves the sidecar out; None when it names it or is empty."""
+    if config is None or standby_name_matches(config, application_name):
+        return None
+    names = ", ".join(repr(n) for n in config.names)
+    if len(config.names) == 1:
+        return f"standby {names}"
+    how = "the first" if config.method == "priority" else "any"
+    return f"{how} {config.num_sync} of the standbys {names}"
+
+
 def quote_standby_name(name: str) -> str:
     if re.fullmatch(r"[A-Za-z_][A-Za-z_0-9$]*", name) and name.upper() not in ("ANY", "FIRST"):
         return name

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from sidecar import framing, linkauth, tls
+from sidecar.address import cannot_listen
 from sidecar.consensus import codec
 from sidecar.consensus.acceptor import (
     Acceptor, AcceptorAction, AcceptorError, Persist, RecordEnd, Reply, Truncate, Write,
@@ -135,7 +136,10 @@ class Safekeeper:
         """Listen and serve until cancelled."""
         tls_args = {} if self.ssl_context is None else \
             {"ssl": self.ssl_context, "ssl_handshake_timeout": tls.HANDSHAKE_TIMEOUT}
-        self._server = await framing.start_server(self._connection, self.host, self.port, **tls_args)
+        try:
+            self._server = await framing.start_server(self._connection, self.host, self.port, **tls_args)
+        except OSError as e:
+            raise cannot_listen(self.host, self.port, "the safekeeper (--listen)", e) from e
         self.log.info("listening", address=f"{self.host}:{self.port}", tls=self.ssl_context is not None,
                       link_security=self.link_security or "insecure")
         self._serving = asyncio.current_task()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shlex
+import signal
 import socket
 import subprocess
 import threading
@@ -14,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from support.backends import PgServer
-from support.deployment import APP, Deployment
+from support.deployment import APP, Deployment, start_commit, syncrep_waiters
 from support.helpers import free_port, wait_for, walsidecar
 from support.procs import ProcessTracker
 from sidecar.consensus.state import AcceptorState
@@ -134,6 +136,13 @@ def test_check_fails_with_hints_and_changes_nothing(pg_factory, procs: ProcessTr
     assert "OK" in fresh and "not initialised yet" in fresh
     down = next(ln for ln in text.splitlines() if ln.strip().startswith(f"safekeeper {d.addresses[2]}:"))
     assert "FAILED" in down and "Connection refused" in down and "hint: start it" in down
+    # The hint is a command: with its placeholders filled in, it starts the missing safekeeper.
+    pasted = down.split("hint: start it (", 1)[1].split(", with its own id", 1)[0]
+    filled = {"N": "3", "DIR": str(d.sk_dir(3)), "CERTS_DIR": str(d.pki.certs("safekeeper", 3))}
+    argv = [filled.get(w, w) for w in shlex.split(pasted)]
+    assert argv[:2] == ["walsidecar", "safekeeper"] and {"--id", "--data-dir", "--listen"} <= set(argv), pasted
+    procs.start([sys.executable, "-m", "sidecar", *argv[1:]], name="pasted-safekeeper")
+    wait_for(lambda: _listening(d.addresses[2]), timeout=30, what="the pasted command's safekeeper to listen")
     quorum = next(ln for ln in text.splitlines() if ln.strip().startswith("safekeeper quorum"))
     assert "FAILED" in quorum and "only 1 of 3 usable" in quorum
     streaming = next(ln for ln in text.splitlines() if ln.strip().startswith("sidecar streaming"))
@@ -145,6 +154,34 @@ def test_check_fails_with_hints_and_changes_nothing(pg_factory, procs: ProcessTr
     assert (load_control(d.sk_dir(2)) is None) or load_control(d.sk_dir(2)).state.system_id == 0
     assert (d.sk_dir(1) / CONTROL_FILE).read_bytes() == before
     assert load_control(d.sk_dir(1)).state.system_id == 42
+
+
+def test_check_names_the_standby_commits_wait_for_when_it_is_not_the_sidecar(
+        pg_factory, procs: ProcessTracker, test_dir: Path) -> None:
+    pg: PgServer = pg_factory(settings={"synchronous_standby_names": "FIRST 1 (other)"})
+    o = Ops(Deployment(pg, procs, test_dir))
+    for i in (1, 2, 3):
+        o.start_safekeeper(i)
+    o.d.start_proposer("--metrics", o.proposer_metrics)
+    wait_for(lambda: (o.d.replication_row() or (None, None))[1] == "streaming", timeout=60, what="the sidecar streams")
+    wait_for(lambda: status_json(o.proposer_metrics)["quorum_available"], timeout=60, what="the quorum")
+    thread, result = start_commit(pg.dsn(), "CREATE TABLE waits_for_other ()")
+    wait_for(lambda: syncrep_waiters(o.d) == 1, timeout=30, what="the commit to wait")
+    out = o.check("--proposer-metrics", o.proposer_metrics)
+    lines = {ln.strip().split(":", 1)[0]: ln.strip() for ln in out.stdout.splitlines()}
+    assert out.returncode == 1, out.stdout
+    hint = "hint: ALTER SYSTEM SET synchronous_standby_names = 'walsidecar'; SELECT pg_reload_conf();"
+    assert "commits wait for standby 'other', not for the safekeeper quorum" in lines["synchronous_standby_names"]
+    waiting = lines["commits waiting"]
+    assert "FAILED (1 waiting for standby 'other' named in synchronous_standby_names, which is not the sidecar " \
+           "'walsidecar': the safekeeper quorum cannot release them)" in waiting and waiting.endswith(hint), waiting
+    assert lines["safekeeper quorum"].startswith("safekeeper quorum: OK"), out.stdout  # the quorum is not blamed
+    with o.d.sql() as c:  # the fix, as given
+        c.execute("ALTER SYSTEM SET synchronous_standby_names = 'walsidecar'")
+        c.execute("SELECT pg_reload_conf()")
+    thread.join(60)
+    assert result.get("done"), result
+    assert o.check().returncode == 0
 
 
 def _listening(address: str) -> bool:
@@ -237,6 +274,14 @@ def test_status_table_json_and_watch(ops: Ops) -> None:
     assert "| down" in row3
     watched = ops.status("--watch", "0.2", "--count", "2")
     assert watched.returncode == 0 and watched.stdout.count("(every 0.2s)") == 2
+    # A second safekeeper down loses the quorum: status says so and exits 1, for scripts.
+    ops.d.safekeepers[2].kill9()
+    lost = wait_for(lambda: (out := ops.status()).returncode == 1 and out, timeout=30, what="status to exit 1")
+    assert "quorum 2 of 3: LOST" in lost.stdout, lost.stdout
+    alone = walsidecar("status", "--safekeepers", ops.sks, *ops.d.tls("client"))
+    assert alone.returncode == 1 and alone.stdout.count("| down") == 2, alone.stdout
+    ops.start_safekeeper(2)
+    wait_for(lambda: ops.status().returncode == 0, timeout=60, what="the quorum back")
     # With the proposer gone, status still reports each safekeeper's own view.
     ops.d.proposer.kill9()
     out = ops.status()

@@ -12,11 +12,12 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import structlog
 
 from support.helpers import run, until
 from sidecar.consensus.messages import (
     Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply, Message, TermEntry, TermHistory,
-    VoteReply, VoteRequest,
+    Refusal, VoteReply, VoteRequest,
 )
 from sidecar.consensus.proposer import Campaign, ElectionWon, Phase, ProposerEvent, Streaming
 from sidecar.proposer.options import StartOptions
@@ -374,3 +375,36 @@ def test_it_refuses_a_primary_that_lacks_quorum_committed_wal() -> None:
             await h.stop()
 
     run(main())
+
+
+def test_once_streaming_it_says_how_many_failures_it_can_tolerate_and_again_when_that_changes() -> None:
+    async def main() -> None:
+        h = Harness()
+        with structlog.testing.capture_logs() as logs:
+            h.start()
+            try:
+                await h.streaming()
+                said = lambda: [e["event"] for e in logs if e["event"].startswith("streaming to")]  # noqa: E731
+                await until(lambda: said() and said()[-1].startswith("streaming to 3 of 3"), "all three reached")
+                assert said()[-1] == "streaming to 3 of 3 safekeepers, quorum 2: can tolerate 1 more failure"
+                h.link(2).drop()
+                await until(lambda: said()[-1].startswith("streaming to 2 of 3"), "the drop to be said")
+                assert said()[-1] == "streaming to 2 of 3 safekeepers, quorum 2: can tolerate no failure: " \
+                                     "one more stops commits"
+                line = next(e for e in reversed(logs) if e["event"] == said()[-1])
+                assert line["log_level"] == "warning" and line["can_tolerate"] == 0
+                assert len(said()) == len(set(said()))  # once per change, not per message
+            finally:
+                await h.stop()
+
+    run(main())
+
+
+def test_refusals_are_logged_at_a_slowing_rate_with_the_reason() -> None:
+    h = Harness()
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(10):
+            h.service._peer_message(PEERS[0], Refusal("another cluster's primary"))
+    said = [e for e in logs if e["event"] == "safekeeper refused us and closed the connection"]
+    assert [e["refusals"] for e in said] == [1, 2, 4, 8]
+    assert all(e["log_level"] == "error" and e["reason"] == "another cluster's primary" for e in said)
