@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
-import signal
+import sys
 import socket
 import subprocess
 import threading
