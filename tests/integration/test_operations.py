@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import shlex
-import sys
 import socket
 import subprocess
+import sys
 import threading
 import urllib.request
 from pathlib import Path
