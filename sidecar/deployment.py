@@ -217,6 +217,11 @@ class Member:
     def log_path(self) -> Path | None:
         raise NotImplementedError
 
+    @property
+    def process(self) -> Child | None:
+        """The process started last, if this member is one this deployment started itself."""
+        return None
+
 
 class Primary(Member):
     """The PostgreSQL primary: kill is an immediate stop (no shutdown checkpoint, crash recovery next)."""
@@ -250,6 +255,11 @@ class Primary(Member):
     def log_path(self) -> Path | None:
         return getattr(self.server, "log_file", None)
 
+    @property
+    def process(self) -> Child | None:
+        """The postmaster when the server runs it as this deployment's child (ChildServer), else None."""
+        return getattr(self.server, "child", None)
+
 
 class ProcessMember(Member):
     """A member that is one process at a time, started through the deployment's `spawn`."""
@@ -279,6 +289,10 @@ class ProcessMember(Member):
     def child(self) -> Child | None:
         """The process started last."""
         return self.children[-1] if self.children else None
+
+    @property
+    def process(self) -> Child | None:
+        return self.child
 
     @property
     def running(self) -> bool:
@@ -457,12 +471,11 @@ class LocalDeployment:
     def proposer(self) -> Child | None:
         """The proposer's process started last."""
         member = self.members.get("proposer")
-        return member.child if isinstance(member, ProcessMember) else None
+        return member.process if member is not None else None
 
     def process(self, name: str) -> Child | None:
-        """Member `name`'s process started last (None for the primary or before its first start)."""
-        member = self.members[name]
-        return member.child if isinstance(member, ProcessMember) else None
+        """Member `name`'s process started last (None before its first start, or a primary run elsewhere)."""
+        return self.members[name].process
 
     def data_dir(self, name: str) -> Path:
         return self.members[name].data_dir

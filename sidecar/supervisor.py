@@ -10,8 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sidecar.deployment import DeploymentError, LocalDeployment, Member, ProcessMember
-from sidecar.processes import Child
+from sidecar.deployment import DeploymentError, LocalDeployment, Member
 
 
 class PrimaryExited(DeploymentError):
@@ -46,13 +45,6 @@ class Watched:
     backoff: Backoff = field(default_factory=Backoff)
 
 
-def process_of(member: Member) -> Child | None:
-    """The member's process started last: a ProcessMember's child, or the primary's postmaster if ours."""
-    if isinstance(member, ProcessMember):
-        return member.child
-    return getattr(getattr(member, "server", None), "child", None)
-
-
 class Supervisor:
     """Call tick() often: it notices members that exited and restarts them when their backoff is over."""
 
@@ -65,7 +57,7 @@ class Supervisor:
         for name, w in self.watched.items():
             if w.held or w.member.running:
                 continue
-            child = process_of(w.member)
+            child = w.member.process
             code = child.returncode if child is not None else None
             if name == "primary":
                 raise PrimaryExited(f"PostgreSQL (the primary) exited with code {code}; stopping everything. "
@@ -84,7 +76,7 @@ class Supervisor:
         w.held, w.due, w.started = False, None, self.clock()
 
     def _pid(self, w: Watched) -> int | None:
-        child = process_of(w.member)
+        child = w.member.process
         return child.pid if child is not None else None
 
     def _get(self, name: str) -> Watched:

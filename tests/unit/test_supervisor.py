@@ -12,6 +12,8 @@ from sidecar.supervisor import Backoff, PrimaryExited, Supervisor
 
 
 class FakeMember:
+    process = None  # no process of its own to report
+
     def __init__(self, name: str) -> None:
         self.name, self.running, self.starts = name, True, 0
         self.log_path = Path(f"/logs/{name}.log")
