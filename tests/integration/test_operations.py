@@ -236,10 +236,13 @@ def test_metrics_endpoints_are_scraped_and_parsed(ops: Ops) -> None:
         doc = status_json(addr)
         assert doc["id"] == i and doc["proposer_connected"] and parse_lsn(doc["flush_lsn"]) > 0
     def all_streaming() -> dict | None:
+        # The primary's part comes from the proposer's poller, which may not have polled since the
+        # sidecar became the synchronous standby: wait for a poll that has seen it.
         doc = status_json(ops.proposer_metrics)
-        return doc if {r["state"] for r in doc["safekeepers"]} == {"streaming"} else None
+        streaming = {r["state"] for r in doc["safekeepers"]} == {"streaming"}
+        return doc if streaming and (doc.get("primary") or {}).get("sync_state") == "sync" else None
 
-    doc = wait_for(all_streaming, timeout=30, what="all three safekeepers streaming")
+    doc = wait_for(all_streaming, timeout=30, what="all three safekeepers streaming and the primary polled")
     assert doc["quorum_available"] and doc["phase"] == "streaming" and len(doc["safekeepers"]) == 3
     assert doc["primary"]["sync_state"] == "sync"
     with urllib.request.urlopen(f"http://{ops.proposer_metrics}/quorum", timeout=10) as resp:
