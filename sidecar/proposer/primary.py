@@ -19,6 +19,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wai
 
 from sidecar.logs import get_logger
 from sidecar.lsn import INVALID_LSN, format_lsn, parse_lsn
+from sidecar.pgrepl import check_slot_name
 from sidecar.proposer.syncrep import sql_literal, standby_names_warnings
 
 log = get_logger(role="proposer")
@@ -26,7 +27,6 @@ log = get_logger(role="proposer")
 # First key of the two-key advisory lock ("WALS"); the second is hashtext(slot name).
 ADVISORY_LOCK_CLASS = 0x57414C53
 
-_SLOT_NAME_RE = re.compile(r"^[a-z0-9_]{1,63}$")
 POOL_TIMEOUT = 10.0  # waiting for a pooled connection; also bounds one poll
 PRIMARY_POLL = 1.0
 PRIMARY_RETRY = 5.0
@@ -72,15 +72,6 @@ def quote_ident(name: str) -> str:
     if re.fullmatch(r"[a-z_][a-z_0-9$]*", name):
         return name
     return '"' + name.replace('"', '""') + '"'
-
-
-def check_slot_name(slot: str) -> str:
-    """Return `slot` if PostgreSQL accepts it as a replication slot name, else raise ValueError."""
-    if not _SLOT_NAME_RE.match(slot):
-        raise ValueError(
-            f"invalid replication slot name {slot!r}: use 1-63 lower-case letters, digits and underscores"
-        )
-    return slot
 
 
 async def read_primary_info(conn: psycopg.AsyncConnection) -> PrimaryInfo:
