@@ -10,32 +10,25 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import struct
 import time
 from collections.abc import Callable
 
 import psycopg
 from psycopg import pq
 
+from sidecar import pgrepl
 from sidecar.consensus.messages import TimelineEntry
 from sidecar.lsn import format_lsn, parse_lsn
+from sidecar.pgrepl import parse_timeline_history
 from sidecar.proposer.primary import check_slot_name
 
-_W_HDR = struct.Struct(">QQQ")  # after b'w': walStart, serverWalEnd, sendTime
-_K_MSG = struct.Struct(">QQB")  # after b'k': serverWalEnd, sendTime, replyRequested
-_R_MSG = struct.Struct(">cQQQQB")  # b'r', write, flush, apply, clientTime, replyRequested
-_W_HDR_LEN = 1 + _W_HDR.size
-_PG_EPOCH_US = 946_684_800 * 1_000_000
+__all__ = ["ReplicationClient", "ReplicationError", "ReplicationStream", "TimelineEnded", "connect_replication",
+           "identify_system", "parse_timeline_history", "read_slot", "timeline_history"]
 
 # A stopping primary asks for a reply after every reply; answering each at once is a busy loop.
 KEEPALIVE_ANSWER_MIN_INTERVAL = 0.1
 # How long a client-initiated close waits for the server to finish the COPY before dropping it.
 CLOSE_TIMEOUT = 5.0
-
-
-def pg_now() -> int:
-    """Microseconds since 2000-01-01 UTC, the replication protocol's timestamp."""
-    return time.time_ns() // 1000 - _PG_EPOCH_US
 
 
 class ReplicationError(Exception):
@@ -99,25 +92,6 @@ async def read_slot(conn: psycopg.AsyncConnection, slot: str) -> tuple[int, int]
     if restart_lsn is None:
         return 0, 0
     return parse_lsn(restart_lsn), int(restart_tli)
-
-
-def parse_timeline_history(content: str) -> tuple[TimelineEntry, ...]:
-    """Parse a .history file: lines `parent_tli<TAB>X/Y<TAB>reason`, '#' comments allowed."""
-    entries: list[TimelineEntry] = []
-    for lineno, line in enumerate(content.splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        fields = line.split(None, 2)
-        try:
-            tli = int(fields[0])
-            switch = parse_lsn(fields[1])
-        except (IndexError, ValueError):
-            raise ValueError(f"timeline history line {lineno} is malformed: {line!r}") from None
-        if entries and (tli <= entries[-1].timeline or switch < entries[-1].switch_lsn):
-            raise ValueError(f"timeline history line {lineno} is out of order: {line!r}")
-        entries.append(TimelineEntry(timeline=tli, switch_lsn=switch))
-    return tuple(entries)
 
 
 async def timeline_history(conn: psycopg.AsyncConnection, tli: int) -> tuple[TimelineEntry, ...]:
@@ -213,8 +187,7 @@ class ReplicationStream:
     @property
     def command(self) -> str:
         """The START_REPLICATION command this stream runs."""
-        slot = f"SLOT {self.slot} " if self.slot else ""
-        return f"START_REPLICATION {slot}PHYSICAL {format_lsn(self.start_lsn)} TIMELINE {self.timeline}"
+        return pgrepl.format_start_replication(self.start_lsn, self.timeline, self.slot)
 
     @property
     def streaming(self) -> bool:
@@ -325,7 +298,8 @@ class ReplicationStream:
 
     def _send_status(self, reply_requested: bool = False) -> None:
         assert self._pg is not None and self._loop is not None
-        msg = _R_MSG.pack(b"r", self._write, self._flush, self._apply, pg_now(), 1 if reply_requested else 0)
+        msg = pgrepl.encode_status(self._write, self._flush, self._apply, pgrepl.pg_time(time.time_ns()),
+                                   reply_requested)
         try:
             if self._pg.put_copy_data(msg) == 0:
                 self._status_pending = True
@@ -492,31 +466,27 @@ class ReplicationStream:
                 self._state = _State.ENDING
                 break
             self.messages_received += 1
-            kind = buf[0]
-            if kind == 0x77:  # 'w' XLogData
-                if n < _W_HDR_LEN:
-                    raise ReplicationError(f"the primary sent an XLogData message of {n} bytes, shorter than its header")
-                wal_start, wal_end, _ = _W_HDR.unpack_from(buf, 1)
-                self.server_wal_end = wal_end
+            try:
+                msg = pgrepl.parse_copy_data(buf)
+            except pgrepl.ReplicationProtocolError as exc:
+                raise ReplicationError(f"the primary sent a bad message: {exc}") from None
+            if type(msg) is pgrepl.XLogData:
+                self.server_wal_end = msg.wal_end
                 if not deliver:
                     continue  # closing: the caller no longer wants WAL
-                if wal_start != self.received_lsn:
+                if msg.start != self.received_lsn:
                     raise ReplicationError(
-                        f"the primary sent WAL at {format_lsn(wal_start)}, expected {format_lsn(self.received_lsn)}"
+                        f"the primary sent WAL at {format_lsn(msg.start)}, expected {format_lsn(self.received_lsn)}"
                     )
-                payload = memoryview(buf)[_W_HDR_LEN:]
-                self.received_lsn = wal_start + len(payload)
-                self.on_wal(wal_start, payload)
+                self.received_lsn = msg.start + len(msg.data)
+                self.on_wal(msg.start, msg.data)
                 delivered = True
-            elif kind == 0x6B:  # 'k' primary keepalive
-                if n != 1 + _K_MSG.size:
-                    raise ReplicationError(f"the primary sent a keepalive message of {n} bytes, not {1 + _K_MSG.size}")
-                wal_end, _, reply = _K_MSG.unpack_from(buf, 1)
-                self.server_wal_end = wal_end
+            elif type(msg) is pgrepl.Keepalive:
+                self.server_wal_end = msg.wal_end
                 self.keepalives_received += 1
-                answer = answer or reply == 1
+                answer = answer or msg.reply_requested
             else:
-                raise ReplicationError(f"unexpected replication message type {chr(kind)!r}")
+                raise ReplicationError(f"unexpected replication message {type(msg).__name__} from the primary")
         if self._state is _State.DONE:
             return
         if self.messages_received != received_before or n == -1:

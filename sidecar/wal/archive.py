@@ -25,6 +25,7 @@ from sidecar.lsn import (
     parse_segment_file_name,
     segment_file_name,
 )
+from sidecar.pgrepl import parse_timeline_history
 from sidecar.wal import stopcodes
 from sidecar.wal.decode import BlockRef, decode_record, xact_time
 from sidecar.wal.format import (
@@ -233,15 +234,7 @@ class ArchivePlan:
 
 def parse_history(text: str) -> list[tuple[int, int]]:
     """(parent timeline, switch LSN) lines of a timeline history file, in file order."""
-    out: list[tuple[int, int]] = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        fields = line.split()
-        hi, _, lo = fields[1].partition("/")
-        out.append((int(fields[0]), (int(hi, 16) << 32) | int(lo, 16)))
-    return out
+    return [(e.timeline, e.switch_lsn) for e in parse_timeline_history(text)]
 
 
 def _segment_size_of(storage: Storage, name: str) -> int:
