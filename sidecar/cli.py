@@ -10,7 +10,7 @@ import click
 
 from sidecar import __version__
 from sidecar.address import parse_address, parse_listen
-from sidecar.config import CtlSettings, SafekeeperSettings, StartSettings, UpSettings, configured
+from sidecar.config import CtlSettings, ReadersSettings, SafekeeperSettings, StartSettings, UpSettings, configured
 from sidecar.logs import get_logger
 
 
@@ -47,27 +47,107 @@ def safekeeper(s: SafekeeperSettings) -> None:
     """Run a safekeeper: store WAL durably and vote in proposer elections."""
     from sidecar.http import run_with_endpoint
     from sidecar.runtime import run_until_signal
+    from sidecar.readerauth import AuthFileError
     from sidecar.safekeeper.control import ControlFileError
     from sidecar.safekeeper.monitor import SafekeeperMonitor
     from sidecar.safekeeper.server import Safekeeper, StartupError
+    from sidecar.safekeeper.slots import SlotsFileError
     from sidecar.linkauth import server_security
     from sidecar.tls import TlsError
 
     host, port = parse_address(s.listen)
     try:
         ctx = server_security(s.certs_dir, s.link_security)
-        sk = Safekeeper.open(s.id, s.data_dir, host, port, ctx)
+        sk = Safekeeper.open(s.id, s.data_dir, host, port, ctx, reader_port=_reader_port(s))
         monitor = SafekeeperMonitor(sk)
         endpoint = _endpoint(monitor, s.metrics, s.certs_dir)
-    except (ControlFileError, StartupError, TlsError) as e:
+    except (ControlFileError, StartupError, TlsError, AuthFileError, SlotsFileError) as e:
         raise click.ClickException(str(e)) from e
     link_warning(get_logger(node=s.id), f"listening on {s.listen}", s.insecure, s.link_security)
+    if s.pg_listen and s.pg_auth_file is None:
+        get_logger(node=s.id).warning(
+            "--pg-listen without --pg-auth-file: " + ("every reader is trusted (--insecure)" if s.insecure else
+                                                      "the reader port refuses every connection"))
     try:
         run_until_signal(run_with_endpoint(sk.serve(), endpoint))
     except OSError as e:
         raise click.ClickException(str(e)) from e
     if sk.fatal is not None:
         sys.exit(1)
+
+
+def _reader_port(s: SafekeeperSettings) -> Any:
+    """The reader port's options from --pg-listen, --pg-auth-file and --certs-dir; None without --pg-listen."""
+    from sidecar.readerauth import AuthFile
+    from sidecar.safekeeper.pgserver import ReaderPort
+    from sidecar.tls import https_context
+    if not s.pg_listen:
+        return None
+    host, port = parse_listen(s.pg_listen)
+    auth = AuthFile(s.pg_auth_file) if s.pg_auth_file is not None else None
+    # Readers are libpq clients: TLS with the node certificate, no client certificate asked.
+    ssl_context = https_context(s.certs_dir) if s.certs_dir is not None else None
+    return ReaderPort(host, port, auth, s.insecure, ssl_context)
+
+
+@main.group()
+@configured(ReadersSettings)
+def readers(s: ReadersSettings) -> None:
+    """Manage the readers of the safekeepers' reader port (--pg-auth-file): names and SCRAM verifiers."""
+
+
+def _auth_file(s: ReadersSettings) -> Path:
+    if s.pg_auth_file is None:
+        raise click.UsageError("give --pg-auth-file FILE (the safekeepers' --pg-auth-file)")
+    return s.pg_auth_file
+
+
+def _read_password(name: str) -> str:
+    """Twice at a terminal; otherwise one line from stdin."""
+    if sys.stdin.isatty():
+        return click.prompt(f"password for reader {name}", hide_input=True, confirmation_prompt=True)
+    return sys.stdin.readline().rstrip("\r\n")
+
+
+@readers.command("add")
+@click.argument("name")
+@configured(ReadersSettings)
+def readers_add(s: ReadersSettings, name: str) -> None:
+    """Add reader NAME (or set its password): prompts at a terminal, else reads one line from stdin."""
+    from sidecar.readerauth import AuthFileError, add
+    path = _auth_file(s)
+    try:
+        new = add(path, name, _read_password(name))
+    except AuthFileError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(f"{'added' if new else 'changed the password of'} reader {name} in {path}")
+
+
+@readers.command("remove")
+@click.argument("name")
+@configured(ReadersSettings)
+def readers_remove(s: ReadersSettings, name: str) -> None:
+    """Remove reader NAME."""
+    from sidecar.readerauth import AuthFileError, remove
+    path = _auth_file(s)
+    try:
+        remove(path, name)
+    except AuthFileError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(f"removed reader {name} from {path}")
+
+
+@readers.command("list")
+@configured(ReadersSettings)
+def readers_list(s: ReadersSettings) -> None:
+    """The readers' names, one a line."""
+    from sidecar.readerauth import AuthFileError, load
+    try:
+        names = sorted(load(_auth_file(s)))
+    except AuthFileError as e:
+        raise click.ClickException(str(e)) from e
+    for n in names:
+        click.echo(n)
 
 
 @main.command()

@@ -82,6 +82,7 @@ Metrics = Annotated[Endpoint, Field(
     description="HOST:PORT to serve Prometheus /metrics and a JSON /status on (e.g. 127.0.0.1:9187); off when "
                 "not given. Plain HTTP on loopback, HTTPS with the --certs-dir certificate elsewhere.")]
 Timeout = Annotated[float, Field(gt=0, description="Seconds to wait for each answer.")]
+FilePath = Annotated[Path, Metavar("FILE")]
 
 
 class Settings(BaseSettings):
@@ -184,6 +185,18 @@ class SafekeeperSettings(TlsSettings):
     listen: PeerAddress = Field("127.0.0.1:7601", description="HOST:PORT to accept proposers on.")
     data_dir: Path = Field(description="Where the control file and WAL segments live.")
     metrics: Metrics = None
+    pg_listen: Endpoint = Field(None, description="HOST:PORT to serve WAL to readers on (pg_receivewal, standbys, "
+                                                  "restore-wal) over PostgreSQL's replication protocol; off when not "
+                                                  "given. TLS with the --certs-dir certificate.")
+    pg_auth_file: FilePath | None = Field(None, description="The readers' SCRAM-SHA-256 verifiers (made by "
+                                                            "`walsidecar readers add`, mode 0600). Without it the "
+                                                            "reader port refuses everyone, unless --insecure.")
+
+    @model_validator(mode="after")
+    def _reader_port(self) -> SafekeeperSettings:
+        if self.pg_auth_file is not None and not self.pg_listen:
+            raise ValueError("pg_auth_file: it is for the reader port; give --pg-listen HOST:PORT too")
+        return self
 
 
 class StartSettings(SafekeepersMixin, PrimarySettings, TlsSettings):
@@ -275,9 +288,18 @@ class CtlSettings(Settings):
                                                     "take a minute).")
 
 
+class ReadersSettings(Settings):
+    """walsidecar readers: the reader port's password file."""
+
+    command: ClassVar[str] = "readers"
+    pg_auth_file: FilePath | None = Field(None, description="The file of SCRAM-SHA-256 verifiers the safekeepers' "
+                                                            "--pg-auth-file names; `readers add` makes it (mode "
+                                                            "0600).")
+
+
 # Keys valid somewhere: a top-level key unknown to every command is a typo, not another command's option.
 ALL_SETTINGS: tuple[type[Settings], ...] = (SafekeeperSettings, StartSettings, CheckSettings, StatusSettings,
-                                            InitPostgresSettings, UpSettings, CtlSettings)
+                                            InitPostgresSettings, UpSettings, CtlSettings, ReadersSettings)
 
 
 def read_toml(path: Path, cls: type[Settings]) -> dict[str, Any]:
@@ -431,7 +453,10 @@ def _option(cls: type[Settings], name: str) -> click.Option:
     if typing.get_origin(kind) is Literal:
         return click.Option([flag(name)], type=click.Choice(typing.get_args(kind)), default=default,
                             show_default=True, help=_help(cls, name))
-    type_ = {int: click.INT, float: click.FLOAT, Path: click.Path(file_okay=False, path_type=Path)}.get(kind)
+    directory = click.Path(file_okay=False, path_type=Path)
+    if _value(field) == "FILE":
+        directory = click.Path(dir_okay=False, path_type=Path)
+    type_ = {int: click.INT, float: click.FLOAT, Path: directory}.get(kind)
     return click.Option([flag(name)], type=type_ or click.STRING, default=default, show_default=default is not None,
                         metavar=_value(field), help=_help(cls, name))
 
@@ -453,13 +478,15 @@ def configured(cls: type[Settings]) -> Callable[[Callable[..., Any]], Callable[.
         def inner(config_file: Path | None, **params: Any) -> Any:
             from sidecar.logs import configure
             ctx = click.get_current_context()
+            # A command's own arguments (a reader's NAME) are not settings: they go to it as they are.
+            arguments = {k: params.pop(k) for k in list(params) if k not in cls.model_fields}
             given = {k: v for k, v in params.items() if ctx.get_parameter_source(k) is ParameterSource.COMMANDLINE}
             try:
                 settings = load(cls, given, config_file)
             except ConfigError as e:
                 raise click.UsageError(str(e), ctx) from None
             configure(settings.log_format, settings.log_level)
-            return f(settings)
+            return f(settings, **arguments)
         # click lists __click_params__ in reverse, as decorators stack them.
         inner.__click_params__ = [_config_option()] + [_option(cls, n) for n in reversed(fields(cls))]  # type: ignore
         return inner

@@ -7,6 +7,8 @@ immediate stop for the primary) and restarted on its own, and has a log file and
 
 from __future__ import annotations
 
+import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -17,12 +19,14 @@ from typing import Any, Protocol, runtime_checkable
 
 import psycopg
 
+from sidecar.address import Address
 from sidecar.certs import ensure_node
 from sidecar.pgcluster import LocalCluster
 from sidecar.processes import Child, read_log, sidecar_argv, tail, tls_args
 
 APP = "walsidecar"
 LOOPBACK_HOST = "127.0.0.1"
+READER_USER = "walsidecar"  # the reader every deployment's safekeepers know (readers.auth, readers.pgpass)
 
 
 class DeploymentError(RuntimeError):
@@ -362,10 +366,24 @@ class SidecarMember(ProcessMember):
 
 
 class Safekeeper(SidecarMember):
+    """A safekeeper; with the deployment's readers, also a reader port (`reader_address`) using its auth file."""
+
     role = "safekeeper"
 
+    def __init__(self, d: LocalDeployment, name: str, **kwargs: Any) -> None:
+        super().__init__(d, name, **kwargs)
+        self.reader_port = d.pick_port() if d.reader_auth is not None else None
+
+    @property
+    def reader_address(self) -> Address | None:
+        """HOST:PORT of its reader port (--pg-listen), None when the deployment has no readers."""
+        return Address(self.place.address, self.reader_port) if self.reader_port is not None else None
+
     def args(self) -> list[str]:
-        return ["safekeeper", "--id", str(self.node_id), "--listen", self.address, "--data-dir", str(self.data_dir)]
+        readers = [] if self.reader_port is None or self.d.reader_auth is None else \
+            ["--pg-listen", str(self.reader_address), "--pg-auth-file", str(self.d.reader_auth)]
+        return ["safekeeper", "--id", str(self.node_id), "--listen", self.address, "--data-dir", str(self.data_dir),
+                *readers]
 
 
 class Proposer(SidecarMember):
@@ -380,6 +398,20 @@ class Proposer(SidecarMember):
                 "--application-name", self.d.application_name]
 
 
+def make_reader_credentials(base: Path) -> tuple[Path, Path]:
+    """BASE/readers.auth (READER_USER's verifier) and BASE/readers.pgpass (its password), made once."""
+    from sidecar.readerauth import add
+    auth, passfile = base / "readers.auth", base / "readers.pgpass"
+    if not (auth.exists() and passfile.exists()):
+        base.mkdir(parents=True, exist_ok=True)
+        password = secrets.token_urlsafe(24)  # nothing a passfile would need to escape
+        add(auth, READER_USER, password)
+        fd = os.open(passfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"*:*:*:{READER_USER}:{password}\n")
+    return auth, passfile
+
+
 class LocalDeployment:
     """A primary, `safekeepers` safekeepers and the proposer on this machine, under `base`.
 
@@ -388,7 +420,9 @@ class LocalDeployment:
     `places` puts members elsewhere (a network namespace: its address and command wrapper), `extra` adds
     arguments to a member's every start, `spawn` starts each process (tests track them with it), `log`
     (a structlog logger) is told of each start and stop. `safekeeper_kind` and `proposer_kind` make those
-    members (called as the default Safekeeper and Proposer are). As a context manager it stops all it started.
+    members (called as the default Safekeeper and Proposer are). With `readers` every safekeeper serves
+    readers on a port of its own, user READER_USER with the password in `reader_passfile` (a libpq passfile).
+    As a context manager it stops all it started.
     """
 
     def __init__(self, base: Path, *, safekeepers: int = 3, proposer: bool = True, primary: PgServer | None = None,
@@ -398,8 +432,13 @@ class LocalDeployment:
                  extra: Mapping[str, Sequence[str]] | None = None, spawn: Spawn = start_child,
                  pick_port: Callable[[], int] = free_port, log: Any = None,
                  safekeeper_kind: Callable[..., Member] = Safekeeper,
-                 proposer_kind: Callable[..., Member] = Proposer) -> None:
+                 proposer_kind: Callable[..., Member] = Proposer, readers: bool = True) -> None:
         self.base = Path(base).absolute()
+        self.pick_port = pick_port
+        self.reader_auth: Path | None = None  # the safekeepers' --pg-auth-file
+        self.reader_passfile: Path | None = None  # READER_USER's password, for libpq clients
+        if readers:
+            self.reader_auth, self.reader_passfile = make_reader_credentials(self.base)
         self.insecure = insecure
         self.link_security = link_security
         self.certificates = certificates or OwnCA(self.base)
@@ -461,6 +500,11 @@ class LocalDeployment:
     def addresses(self) -> list[str]:
         """HOST:PORT of each safekeeper, in order."""
         return [m.address for m in self._safekeepers()]
+
+    @property
+    def reader_addresses(self) -> list[Address]:
+        """The reader port of each safekeeper that has one, in order."""
+        return [m.reader_address for m in self._safekeepers() if m.reader_address is not None]
 
     @property
     def safekeepers(self) -> dict[int, Child]:

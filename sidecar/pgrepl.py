@@ -112,8 +112,11 @@ def parse_copy_data(payload: bytes | bytearray | memoryview) -> CopyMessage:
             _exact(view, _H_MSG, "hot standby feedback")
             return HotStandbyFeedback(t, xmin, xe, cxmin, cxe)
     except struct.error:
-        raise ReplicationProtocolError(f"replication message {kind!r} of {len(view)} bytes is too short") from None
-    raise ReplicationProtocolError(f"unknown replication message type {kind!r}")
+        raise ReplicationProtocolError(f"{_NAMES[kind]} message of {len(view)} bytes is too short") from None
+    raise ReplicationProtocolError(f"unexpected replication message type {kind!r}")
+
+
+_NAMES = {b"w": "XLogData", b"k": "keepalive", b"r": "standby status", b"h": "hot standby feedback"}
 
 
 def _exact(view: memoryview, layout: struct.Struct, what: str) -> None:
@@ -268,8 +271,7 @@ def check_slot_name(name: str) -> str:
     """PostgreSQL's rule for slot names: lower-case letters, digits and underscores, at most 63."""
     if not _SLOT_NAME.fullmatch(name):
         raise ReplicationProtocolError(
-            f"replication slot name {name!r} contains invalid characters or is too long: "
-            "use lower-case letters, digits and underscores (at most 63)")
+            f"invalid replication slot name {name!r}: use lower-case letters, digits and underscores (at most 63)")
     return name
 
 

@@ -469,7 +469,7 @@ class ReplicationStream:
             try:
                 msg = pgrepl.parse_copy_data(buf)
             except pgrepl.ReplicationProtocolError as exc:
-                raise ReplicationError(f"the primary sent a bad message: {exc}") from None
+                raise ReplicationError(f"the primary sent a malformed message: {exc}") from None
             if type(msg) is pgrepl.XLogData:
                 self.server_wal_end = msg.wal_end
                 if not deliver:

@@ -72,6 +72,12 @@ class SafekeeperMonitor:
             "peer_horizon_lsn": format_lsn(s.peer_horizon_lsn),
             # No proposer address, paths or error texts: a stranger may read this; the log has them.
             "proposer_connected": v.proposer_connected,
+            "reader_listen": v.reader_listen,
+            "readers": v.readers,
+            "streaming_readers": v.streaming_readers,
+            "slots": [{"name": sl.name, "restart_lsn": format_lsn(sl.restart_lsn) if sl.restart_lsn else None,
+                       "timeline": sl.timeline or None, "temporary": sl.temporary, "active": sl.active}
+                      for sl in v.slots],
             "fatal": v.fatal,
             "stopped": _stopped_reason(v),
         }
@@ -103,6 +109,17 @@ class SafekeeperMonitor:
                 "(free space, then restart it).", 1 if v.disk_full else 0)
         yield g("walsidecar_safekeeper_proposer_connected", "1 while an elected proposer streams to this safekeeper.",
                 1 if v.proposer_connected else 0)
+        yield g("walsidecar_safekeeper_readers", "Reader connections on the reader port (--pg-listen).", v.readers)
+        yield g("walsidecar_safekeeper_streaming_readers", "Readers in START_REPLICATION now.", v.streaming_readers)
+        slots = gauge("walsidecar_reader_slot_lsn_bytes", "Position a reader slot's reader flushed to (0: none yet).",
+                      labels=["safekeeper_id", "slot"])
+        active = gauge("walsidecar_reader_slot_active", "1 while a reader streams with the slot.",
+                       labels=["safekeeper_id", "slot"])
+        for sl in v.slots:
+            slots.add_metric([sid, sl.name], sl.restart_lsn)
+            active.add_metric([sid, sl.name], 1 if sl.active else 0)
+        yield slots
+        yield active
 
 
 def _stopped_reason(v: SafekeeperView) -> str | None:

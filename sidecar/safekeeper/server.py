@@ -20,15 +20,18 @@ from sidecar.consensus.acceptor import (
     Acceptor, AcceptorAction, AcceptorError, Persist, RecordEnd, Reply, Truncate, Write,
 )
 from sidecar.consensus.messages import Append, Elected, Greeting, Message, Refusal, VoteReply, VoteRequest
+from sidecar.consensus.reading import ServerState
 from sidecar.consensus.session import AcceptorSession, Role
 from sidecar.logs import get_logger, set_context_provider
 from sidecar.lsn import format_lsn
 from sidecar.metrics import SafekeeperMetrics
 from sidecar.safekeeper.control import ControlData, save_control
+from sidecar.safekeeper.pgserver import ReaderPort, ReaderServer
 from sidecar.safekeeper.positions import Positions, PositionWatch
+from sidecar.safekeeper.slots import Slots
 from sidecar.safekeeper.startup import open_data_dir
-from sidecar.safekeeper.storage import DiskFull, NoWal, WalInDoubt, WalStorage, is_disk_full
-from sidecar.safekeeper.view import SafekeeperView
+from sidecar.safekeeper.storage import DiskFull, NoWal, StorageError, WalInDoubt, WalStorage, is_disk_full
+from sidecar.safekeeper.view import SafekeeperView, SlotView
 from sidecar.safekeeper.walcheck import StartupError, record_end
 
 # Unsynced WAL up to this much is fdatasync'ed on the event loop once the proposer's socket is
@@ -54,7 +57,8 @@ class Safekeeper:
     """
 
     def __init__(self, node_id: int, data_dir: Path, host: str, port: int, security: linkauth.Security,
-                 acceptor: Acceptor, storage: WalStorage | NoWal, stats: SafekeeperMetrics) -> None:
+                 acceptor: Acceptor, storage: WalStorage | NoWal, stats: SafekeeperMetrics,
+                 reader_port: ReaderPort | None = None) -> None:
         self.node_id = node_id
         # Neither: --insecure, every connection may act as a proposer.
         self.ssl_context = security if isinstance(security, ssl.SSLContext) else None
@@ -66,6 +70,10 @@ class Safekeeper:
         self.storage = storage  # a NoWal until the first proposer's greeting gives the segment size
         self.stats = stats
         self.positions = PositionWatch(self._positions())
+        self.slots = Slots(data_dir)
+        # The reader port (--pg-listen): proposers learn it from the greeting (0: none).
+        self.readers = ReaderServer(self, reader_port) if reader_port is not None else None
+        self.acceptor.reader_port = reader_port.port if reader_port is not None else 0
         self._server: asyncio.Server | None = None  # while serve() runs
         self._serving: asyncio.Task[None] | None = None
         self._flush_lock = asyncio.Lock()
@@ -79,15 +87,16 @@ class Safekeeper:
 
     @classmethod
     def open(cls, node_id: int, data_dir: Path, host: str, port: int,
-             security: linkauth.Security = None) -> Safekeeper:
+             security: linkauth.Security = None, reader_port: ReaderPort | None = None) -> Safekeeper:
         """Load the control file, check the stored WAL and find its end: a safekeeper ready to serve.
 
-        Raises ControlFileError or StartupError, with a message for the operator, when it must not start.
+        Raises ControlFileError, StartupError or SlotsFileError, with a message for the operator, when
+        it must not start.
         """
         stats = SafekeeperMetrics(node_id)
         log = get_logger(node=node_id)
         acceptor, storage = open_data_dir(node_id, data_dir, _disk_full_reporter(stats, log), log)
-        return cls(node_id, data_dir, host, port, security, acceptor, storage, stats)
+        return cls(node_id, data_dir, host, port, security, acceptor, storage, stats, reader_port)
 
     @property
     def _stream(self) -> framing.Writer | None:
@@ -112,7 +121,34 @@ class Safekeeper:
             node_id=self.node_id, listen=f"{self.host}:{self.port}", link_security=self.link_security,
             state=acc.state, positions=self.positions.value, elected_term=acc.elected_term,
             write_lsn=acc.write_lsn, proposer_connected=self._stream is not None, disk_full=self.disk_full,
-            fatal=type(self.fatal).__name__ if self.fatal is not None else None, stopped=self.stopped is not None)
+            fatal=type(self.fatal).__name__ if self.fatal is not None else None, stopped=self.stopped is not None,
+            reader_listen=f"{self.readers.options.host}:{self.readers.port}" if self.readers is not None else None,
+            readers=len(self.readers.connections) if self.readers is not None else 0,
+            streaming_readers=self.readers.streaming if self.readers is not None else 0,
+            slots=tuple(SlotView(s.name, s.restart_lsn, s.timeline, s.temporary, s.active) for s in self.slots))
+
+    # ---- what readers see (safekeeper/pgserver.py, walsender.py) ------------------------------
+
+    @property
+    def system_id(self) -> int:
+        return self.acceptor.state.system_id
+
+    @property
+    def wal_seg_size(self) -> int:
+        return self.acceptor.state.wal_seg_size
+
+    def reader_state(self) -> ServerState:
+        """The published positions, timeline and stored WAL as a reader's cursor sees them."""
+        p, s, st = self.positions.value, self.acceptor.state, self.storage
+        return ServerState(p.term, p.flush_lsn, p.commit_lsn, p.generation, s.timeline or 1, s.timeline_history,
+                           st.first_lsn() if isinstance(st, WalStorage) else None)
+
+    def read_wal(self, lsn: int, size: int) -> bytes:
+        """Stored WAL for a reader (from any thread)."""
+        st = self.storage
+        if not isinstance(st, WalStorage):
+            raise StorageError("this safekeeper stores no WAL yet")
+        return st.read(lsn, size)
 
     def _positions(self) -> Positions:
         acc = self.acceptor
@@ -144,13 +180,21 @@ class Safekeeper:
                       link_security=self.link_security or "insecure")
         self._serving = asyncio.current_task()
         flusher = asyncio.create_task(self._flusher())
+        slot_saver = asyncio.create_task(self.slots.run())
         try:
+            if self.readers is not None:
+                await self.readers.start()
+                self.acceptor.reader_port = self.readers.port
             async with self._server:
                 await self._server.serve_forever()
         finally:
-            flusher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await flusher
+            self._server.close()
+            if self.readers is not None:
+                await self.readers.close()
+            for task in (flusher, slot_saver):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             self.storage.close()
 
     def _role_of(self, ident: tls.Identity | None) -> Role:

@@ -9,6 +9,17 @@ from sidecar.safekeeper.positions import Positions
 
 
 @dataclass(frozen=True)
+class SlotView:
+    """A reader slot: where its reader flushed to."""
+
+    name: str
+    restart_lsn: int  # 0: none yet
+    timeline: int
+    temporary: bool
+    active: bool  # a reader streams with it now
+
+
+@dataclass(frozen=True)
 class SafekeeperView:
     """A safekeeper at one moment: identity, state, published positions, links and why it stopped."""
 
@@ -23,3 +34,7 @@ class SafekeeperView:
     disk_full: bool  # a full disk fenced it: up, refusing everything
     fatal: str | None  # type of the error that stops the process
     stopped: bool  # no longer acknowledging WAL (disk_full, or fatal)
+    reader_listen: str | None = None  # HOST:PORT of the reader port (--pg-listen), if any
+    readers: int = 0  # reader connections now
+    streaming_readers: int = 0  # of which in START_REPLICATION
+    slots: tuple[SlotView, ...] = ()

@@ -412,7 +412,7 @@ class ContainerDeployment(LocalDeployment):
     def __init__(self, base: Path, n: int = 3, pg_args: Sequence[str] = ("-c", f"synchronous_standby_names={APP}")
                  ) -> None:
         super().__init__(base, safekeepers=n, primary=PgContainer(*pg_args), certificates=ContainerCertificates(),
-                         safekeeper_kind=SafekeeperContainer, proposer_kind=ProposerContainer)
+                         safekeeper_kind=SafekeeperContainer, proposer_kind=ProposerContainer, readers=False)
 
     def logs(self) -> str:
         """The last lines of every member's container output."""

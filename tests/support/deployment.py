@@ -68,6 +68,17 @@ class Deployment(LocalDeployment):
         data = load_control(self.sk_dir(i))
         return data.state.term if data else 0
 
+    def reader_dsn(self, i: int, **params: str) -> str:
+        """libpq conninfo of safekeeper i's reader port: user walsidecar, its passfile, TLS verify-full (or none)."""
+        from psycopg.conninfo import make_conninfo
+        address = self.members[f"safekeeper{i}"].reader_address  # type: ignore[attr-defined]
+        certs = self.certs_dir("reader", "client")
+        ssl = {"sslmode": "disable"} if certs is None else \
+            {"sslmode": "verify-full", "sslrootcert": str(certs / "ca.crt")}
+        return make_conninfo(host=address.host, port=address.port, user="walsidecar",
+                             passfile=str(self.reader_passfile), dbname="replication", connect_timeout=10,
+                             **{**ssl, **params})
+
     def history_start(self, i: int) -> int:
         data = load_control(self.sk_dir(i))
         assert data is not None and data.state.term_history

@@ -1,0 +1,422 @@
+"""The reader port: PostgreSQL's replication protocol for pg_receivewal, standbys and restore-wal.
+
+One connection: SSLRequest (TLS with the node certificate under --certs-dir), the startup packet
+(replication=true), SCRAM-SHA-256 against the --pg-auth-file verifiers, then replication commands
+(sidecar/pgrepl.py) until the reader leaves. START_REPLICATION hands over to walsender.py. A
+command that fails gets an ERROR and the connection stays usable; bytes that are not the protocol
+get a FATAL and the connection is closed. The startup phase has a deadline and the number of
+readers a cap, so strangers cannot hold the port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import ssl
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from scramp import ScramException, ScramMechanism
+
+from sidecar import pgrepl, pgwire, tls
+from sidecar.address import cannot_listen
+from sidecar.consensus.reading import ReadRefused, ServerState, readable_end
+from sidecar.logs import get_logger
+from sidecar.lsn import format_lsn
+from sidecar.readerauth import MECHANISM, AuthFile, AuthFileError, Verifier, mock_verifier
+from sidecar.safekeeper.positions import PositionWatch
+from sidecar.safekeeper.slots import Slot, SlotError, Slots
+from sidecar.safekeeper.walsender import StreamEnded, WalSender
+
+AUTHENTICATION_TIMEOUT = 60.0  # PostgreSQL's authentication_timeout: the whole startup phase
+MAX_READERS = 32  # connections at once; more get "too many clients"
+SERVER_VERSION = "15.0 (walsidecar safekeeper)"
+_PARAMETERS = (("server_version", SERVER_VERSION), ("server_encoding", "UTF8"), ("client_encoding", "UTF8"),
+               ("DateStyle", "ISO, MDY"), ("integer_datetimes", "on"), ("standard_conforming_strings", "on"),
+               ("TimeZone", "UTC"), ("IntervalStyle", "postgres"), ("is_superuser", "off"),
+               ("application_name", ""))
+
+
+@dataclass(frozen=True)
+class ReaderPort:
+    """Where and how the reader port listens: no auth file refuses everyone unless `insecure` (trust)."""
+
+    host: str
+    port: int
+    auth: AuthFile | None
+    insecure: bool = False
+    ssl_context: ssl.SSLContext | None = None
+
+
+class Served(Protocol):
+    """What the reader port needs of the safekeeper."""
+
+    node_id: int
+    positions: PositionWatch
+    slots: Slots
+
+    def reader_state(self) -> ServerState: ...
+
+    def read_wal(self, lsn: int, size: int) -> bytes: ...
+
+    @property
+    def system_id(self) -> int: ...
+
+    @property
+    def wal_seg_size(self) -> int: ...
+
+
+class Fatal(Exception):
+    """End the connection with a FATAL ErrorResponse."""
+
+    def __init__(self, message: str, sqlstate: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.sqlstate, self.hint = sqlstate, hint
+
+
+class CommandError(Exception):
+    """The command fails with an ERROR; the connection stays usable."""
+
+    def __init__(self, message: str, sqlstate: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.sqlstate, self.hint = sqlstate, hint
+
+
+def scram_client_first(scram: Any, client_first: str) -> None:
+    """Give scramp's server libpq's client-first-message.
+
+    libpq sends an empty SCRAM user name (`n=,`: the startup packet's user is the one that counts),
+    which scramp refuses; it gets a placeholder, and the bare message the client signs is put back.
+    """
+    gs2, sep, bare = client_first.partition(",")
+    gs2b, sep2, bare = bare.partition(",")
+    if not (sep and sep2 and bare.startswith("n=,")):
+        scram.set_client_first(client_first)
+        return
+    scram.set_client_first(f"{gs2},{gs2b},n=*,{bare[3:]}")
+    scram.client_first_bare = bare
+
+
+class ReaderServer:
+    """The reader port of one safekeeper."""
+
+    def __init__(self, sk: Served, options: ReaderPort, *, startup_timeout: float = AUTHENTICATION_TIMEOUT,
+                 max_readers: int = MAX_READERS) -> None:
+        self.sk = sk
+        self.options = options
+        self.startup_timeout = startup_timeout
+        self.max_readers = max_readers
+        self.log = get_logger(node=sk.node_id, port="reader")
+        self.connections: set[Connection] = set()
+        self._server: asyncio.Server | None = None
+        self.port = options.port
+        self.mock_nonce = secrets.token_bytes(16)  # salts of unknown users: stable per process, unguessable
+
+    async def start(self) -> None:
+        """Bind the port; OSError saying which address and why when it cannot be."""
+        o = self.options
+        try:
+            self._server = await asyncio.start_server(self._connection, o.host, o.port)
+        except OSError as e:
+            raise cannot_listen(o.host, o.port, "the reader port (--pg-listen)", e) from e
+        self.port = self._server.sockets[0].getsockname()[1]
+        auth = "scram-sha-256" if o.auth is not None else "trust (--insecure)" if o.insecure else "refuse-all"
+        self.log.info("reader port listening", address=f"{o.host}:{self.port}", tls=o.ssl_context is not None,
+                      auth=auth)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for c in list(self.connections):
+                c.writer.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 5)
+
+    @property
+    def streaming(self) -> int:
+        """Readers in START_REPLICATION now."""
+        return sum(1 for c in self.connections if c.streaming)
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = Connection(self, reader, writer)
+        if len(self.connections) >= self.max_readers:
+            conn.log.warning("reader connection limit reached; refusing", limit=self.max_readers)
+            await conn.fatal(Fatal("sorry, too many clients already", pgwire.TOO_MANY_CONNECTIONS))
+            return
+        self.connections.add(conn)
+        try:
+            await conn.serve()
+        finally:
+            self.connections.discard(conn)
+
+
+def _peer(writer: asyncio.StreamWriter) -> str:
+    peer = writer.get_extra_info("peername")
+    return "%s:%s" % peer[:2] if isinstance(peer, tuple) and len(peer) >= 2 else "unknown"
+
+
+class Connection:
+    """One reader's connection, from the first byte to the close."""
+
+    def __init__(self, server: ReaderServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.server, self.sk = server, server.sk
+        self.reader, self.writer = reader, writer
+        self.log = server.log.bind(peer=_peer(writer))
+        self.user = ""
+        self.streaming = False
+        self.temporary: list[Slot] = []
+
+    async def serve(self) -> None:
+        try:
+            try:
+                async with asyncio.timeout(self.server.startup_timeout):
+                    await self._startup()
+            except TimeoutError:
+                raise Fatal(f"canceling authentication due to timeout ({self.server.startup_timeout:g}s)",
+                            pgwire.PROTOCOL_VIOLATION) from None
+            await self._commands()
+        except Fatal as e:
+            self.log.warning("reader refused", reason=str(e), sqlstate=e.sqlstate, user=self.user or None)
+            await self.fatal(e)
+        except pgwire.ProtocolViolation as e:
+            self.log.warning("reader broke the protocol; closing", reason=str(e), user=self.user or None)
+            await self.fatal(Fatal(str(e), pgwire.PROTOCOL_VIOLATION))
+        except StreamEnded as e:
+            self.log.info("stream ended", reason=str(e), user=self.user)
+            await self.fatal(Fatal(str(e), pgwire.PROTOCOL_VIOLATION))
+        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError) as e:
+            self.log.info("reader connection closed", user=self.user or None,
+                          reason=type(e).__name__ if not isinstance(e, asyncio.IncompleteReadError) else "eof")
+        except Exception as e:  # a bug or a storage failure: this reader only
+            self.log.error("reader connection failed", error=f"{type(e).__name__}: {e}", user=self.user or None)
+            await self.fatal(Fatal(f"internal error: {e}", pgwire.INTERNAL_ERROR))
+        finally:
+            for slot in self.temporary:
+                self.sk.slots.release(slot)
+            self.writer.close()
+
+    async def fatal(self, e: Fatal) -> None:
+        with contextlib.suppress(Exception):
+            self.writer.write(pgwire.error_response(e.sqlstate, str(e), severity="FATAL", hint=e.hint))
+            await asyncio.wait_for(self.writer.drain(), 5)
+        self.writer.close()
+
+    # ---- startup ----------------------------------------------------------------------------
+
+    async def _startup(self) -> None:
+        o = self.server.options
+        encrypted = False
+        while True:
+            body = await self.reader.readexactly(pgwire.startup_length(await self.reader.readexactly(4)))
+            packet = pgwire.parse_startup(body)
+            if isinstance(packet, pgwire.SslRequest) and not encrypted:
+                if o.ssl_context is None:
+                    self.writer.write(pgwire.SSL_REFUSE)
+                    continue
+                if self.reader._buffer:  # noqa: SLF001 - plaintext after the request: an injection attempt
+                    raise pgwire.ProtocolViolation("received unencrypted data after SSL request")
+                self.writer.write(pgwire.SSL_ACCEPT)
+                await self.writer.drain()
+                await self.writer.start_tls(o.ssl_context, ssl_handshake_timeout=tls.HANDSHAKE_TIMEOUT)
+                encrypted = True
+                continue
+            if isinstance(packet, pgwire.GssEncRequest) and not encrypted:
+                self.writer.write(pgwire.SSL_REFUSE)
+                continue
+            if isinstance(packet, pgwire.CancelRequest):
+                raise asyncio.IncompleteReadError(b"", None)  # nothing runs that a cancel could stop
+            if not isinstance(packet, pgwire.Startup):
+                raise pgwire.ProtocolViolation(f"{type(packet).__name__} after the connection was encrypted")
+            break
+        params = packet.params
+        self.user = params["user"]
+        self.log = self.log.bind(user=self.user, application_name=params.get("application_name", ""))
+        if not (pgwire.is_replication(params) or (params.get("database") == "replication"
+                                                  and "replication" not in params)):
+            what = "logical replication" if pgwire.is_logical_replication(params) else "a connection without " \
+                "replication=true"
+            raise Fatal(f"{what} is not served here: a safekeeper serves physical replication only",
+                        pgwire.FEATURE_NOT_SUPPORTED if "replication" in params else pgwire.INVALID_AUTHORIZATION,
+                        hint="connect with replication=true (pg_receivewal, a standby's primary_conninfo)")
+        await self._authenticate()
+        self.writer.write(pgwire.auth_ok() + b"".join(
+            pgwire.parameter_status(k, params.get("application_name", "") if k == "application_name" else v)
+            for k, v in _PARAMETERS) + pgwire.backend_key_data(os.getpid(), secrets.randbits(32))
+            + pgwire.ready_for_query())
+        await self.writer.drain()
+        self.log.info("reader connected", tls=encrypted)
+
+    async def _authenticate(self) -> None:
+        o = self.server.options
+        if o.auth is None:
+            if o.insecure:
+                return  # trust
+            raise Fatal(f'no reader may connect: this safekeeper has no --pg-auth-file (user "{self.user}")',
+                        pgwire.INVALID_AUTHORIZATION,
+                        hint="start the safekeeper with --pg-auth-file made by `walsidecar readers add`")
+        try:
+            o.auth.reload()
+        except AuthFileError as e:
+            self.log.error("reader auth file unusable; refusing readers", error=str(e))
+            raise Fatal("reader authentication is unavailable on this safekeeper (see its log)",
+                        pgwire.INVALID_AUTHORIZATION) from None
+        verifier: Verifier = o.auth.lookup(self.user) or mock_verifier(self.user, self.server.mock_nonce)
+        known = o.auth.lookup(self.user) is not None
+        self.writer.write(pgwire.auth_sasl([MECHANISM]))
+        await self.writer.drain()
+        failed = Fatal(f'password authentication failed for user "{self.user}"', pgwire.INVALID_PASSWORD)
+        mechanism, first = pgwire.parse_sasl_initial(await self._password_packet())
+        if mechanism != MECHANISM:
+            raise Fatal(f"client selected an invalid SASL authentication mechanism {mechanism!r}",
+                        pgwire.PROTOCOL_VIOLATION)
+        scram = ScramMechanism(MECHANISM).make_server(lambda _name: verifier.auth_info())
+        try:
+            scram_client_first(scram, first.decode())
+            self.writer.write(pgwire.auth_sasl_continue(scram.get_server_first().encode()))
+            await self.writer.drain()
+            scram.set_client_final((await self._password_packet()).decode())
+            if not known:
+                raise failed
+            self.writer.write(pgwire.auth_sasl_final(scram.get_server_final().encode()))
+        except (ScramException, UnicodeDecodeError) as e:
+            self.log.warning("reader authentication failed", reason=str(e) if known else "unknown user")
+            raise failed from None
+
+    async def _password_packet(self) -> bytes:
+        msg = await self._message()
+        if not isinstance(msg, pgwire.PasswordPacket):
+            raise pgwire.ProtocolViolation(f"expected SASL response, got {type(msg).__name__}")
+        return msg.body
+
+    async def _message(self) -> pgwire.FrontendMessage:
+        kind, n = pgwire.message_length(await self.reader.readexactly(5))
+        return pgwire.parse_message(kind, await self.reader.readexactly(n))
+
+    # ---- commands ---------------------------------------------------------------------------
+
+    async def _commands(self) -> None:
+        while True:
+            msg = await self._message()
+            if isinstance(msg, pgwire.Terminate):
+                self.log.info("reader disconnected")
+                return
+            if isinstance(msg, (pgwire.CopyData, pgwire.CopyDone, pgwire.CopyFail)):
+                continue  # after a stream that ended with an error: ignored, as the protocol says
+            if isinstance(msg, pgwire.Unexpected):
+                raise Fatal(f"extended query protocol not supported in a replication connection ({msg.kind})",
+                            pgwire.PROTOCOL_VIOLATION)
+            if not isinstance(msg, pgwire.Query):
+                raise pgwire.ProtocolViolation(f"unexpected {type(msg).__name__} message")
+            try:
+                await self._query(msg.text)
+            except (CommandError, ReadRefused, SlotError) as e:
+                self.log.info("command refused", command=msg.text[:200], reason=str(e), sqlstate=e.sqlstate)
+                self.writer.write(pgwire.error_response(e.sqlstate, str(e), hint=getattr(e, "hint", None)))
+            self.writer.write(pgwire.ready_for_query())
+            await self.writer.drain()
+
+    async def _query(self, text: str) -> None:
+        if not text.strip().rstrip(";").strip():
+            self.writer.write(pgwire.empty_query_response())
+            return
+        try:
+            cmd = pgrepl.parse_command(text)
+        except pgrepl.ReplicationProtocolError as e:
+            raise CommandError(str(e), pgwire.SYNTAX_ERROR) from None
+        self.log.info("command", command=text[:200])
+        match cmd:
+            case pgrepl.IdentifySystem():
+                self._identify_system()
+            case pgrepl.Show():
+                self._show(cmd.name)
+            case pgrepl.TimelineHistoryCommand():
+                self._timeline_history(cmd.timeline)
+            case pgrepl.ReadReplicationSlot():
+                self._read_slot(cmd.slot)
+            case pgrepl.CreateReplicationSlot():
+                await self._create_slot(cmd)
+            case pgrepl.DropReplicationSlot():
+                await self.sk.slots.drop(cmd.slot)
+                self.writer.write(pgwire.command_complete("DROP_REPLICATION_SLOT"))
+            case pgrepl.StartReplication():
+                await self._start_replication(cmd)
+            case pgrepl.Unsupported(what="BASE_BACKUP"):
+                raise CommandError("BASE_BACKUP is not served by a safekeeper", pgwire.FEATURE_NOT_SUPPORTED,
+                                   hint="take base backups from the primary (pg_basebackup -d its address)")
+            case pgrepl.Unsupported(what="SQL"):
+                raise CommandError("cannot execute SQL commands on a safekeeper's reader port",
+                                   pgwire.FEATURE_NOT_SUPPORTED,
+                                   hint="it serves IDENTIFY_SYSTEM, TIMELINE_HISTORY, replication slots and "
+                                        "START_REPLICATION ... PHYSICAL")
+            case pgrepl.Unsupported():
+                raise CommandError(f"{cmd.what} is not served by a safekeeper", pgwire.FEATURE_NOT_SUPPORTED)
+
+    def _identify_system(self) -> None:
+        s = self.sk.reader_state()
+        self.writer.write(pgwire.result(
+            [("systemid", pgwire.TEXT_OID), ("timeline", pgwire.INT4_OID), ("xlogpos", pgwire.TEXT_OID),
+             ("dbname", pgwire.TEXT_OID)],
+            [(str(self.sk.system_id), str(s.timeline or 1), format_lsn(readable_end(s)), None)], "IDENTIFY_SYSTEM"))
+
+    def _show(self, name: str) -> None:
+        if name == "wal_segment_size":
+            size = self.sk.wal_seg_size
+            if not size:
+                raise CommandError("this safekeeper holds no WAL yet: its segment size is not known",
+                                   "55000")
+            value = f"{size >> 20}MB" if size % (1 << 20) == 0 else f"{size >> 10}kB"
+        elif name == "data_directory_mode":
+            value = "0700"
+        else:
+            raise CommandError(f'unrecognized configuration parameter "{name}"', pgwire.UNDEFINED_OBJECT)
+        self.writer.write(pgwire.result([(name, pgwire.TEXT_OID)], [(value,)], "SHOW"))
+
+    def _timeline_history(self, tli: int) -> None:
+        s = self.sk.reader_state()
+        name = pgrepl.history_file_name(tli)
+        if tli == 1 or not pgrepl.on_lineage(s.history, s.timeline, tli):
+            raise CommandError(f'could not open file "pg_wal/{name}": No such file or directory', "58P01")
+        content = pgrepl.format_timeline_history(pgrepl.history_up_to(s.history, tli))
+        # walsender.c sends both columns as text (raw bytes, no conversion).
+        self.writer.write(pgwire.result([("filename", pgwire.TEXT_OID), ("content", pgwire.TEXT_OID)],
+                                        [(name, content)], "TIMELINE_HISTORY"))
+
+    def _read_slot(self, name: str) -> None:
+        slot = self.sk.slots.get(name)
+        row: tuple[str | None, ...] = (None, None, None)
+        if slot is not None:
+            row = ("physical", format_lsn(slot.restart_lsn) if slot.restart_lsn else None,
+                   str(slot.timeline) if slot.restart_lsn else None)
+        self.writer.write(pgwire.result([("slot_type", pgwire.TEXT_OID), ("restart_lsn", pgwire.TEXT_OID),
+                                         ("restart_tli", pgwire.INT8_OID)], [row], "READ_REPLICATION_SLOT"))
+
+    async def _create_slot(self, cmd: pgrepl.CreateReplicationSlot) -> None:
+        s = self.sk.reader_state()
+        lsn = readable_end(s) if cmd.reserve_wal else 0
+        slot = await self.sk.slots.create(cmd.slot, cmd.temporary, lsn, s.timeline)
+        if cmd.temporary:
+            self.temporary.append(slot)
+        self.log.info("slot created", slot=cmd.slot, temporary=cmd.temporary,
+                      restart_lsn=format_lsn(lsn) if lsn else None)
+        self.writer.write(pgwire.result(
+            [("slot_name", pgwire.TEXT_OID), ("consistent_point", pgwire.TEXT_OID), ("snapshot_name", pgwire.TEXT_OID),
+             ("output_plugin", pgwire.TEXT_OID)], [(cmd.slot, format_lsn(lsn), None, None)],
+            "CREATE_REPLICATION_SLOT"))
+
+    async def _start_replication(self, cmd: pgrepl.StartReplication) -> None:
+        slot = self.sk.slots.acquire(cmd.slot) if cmd.slot else None
+        sender = WalSender(self.sk, self.writer, self._message, cmd, slot, self.sk.slots,
+                           self.log.bind(command="START_REPLICATION"))
+        self.streaming = True
+        try:
+            await sender.run()
+        finally:
+            self.streaming = False
+            if slot is not None and slot not in self.temporary:
+                self.sk.slots.release(slot)
+            elif slot is not None:
+                slot.active = False
+            self.log.info("stream finished", sent_bytes=sender.sent_bytes,
+                          slot_lsn=format_lsn(slot.restart_lsn) if slot is not None and slot.restart_lsn else None)

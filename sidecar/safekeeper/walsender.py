@@ -1,0 +1,174 @@
+"""One START_REPLICATION on the reader port: XLogData up to what `ReadCursor` allows, as walsender.c does.
+
+The cursor (consensus/reading.py) decides what may be sent; this loop reads it from storage,
+sends it at most MAX_SEND_SIZE at a time and waits for the socket to drain before reading more,
+so memory per reader is bounded and a slow reader only slows itself. When there is nothing to
+send it waits on the safekeeper's published positions, not a timer. Keepalives ask for a reply
+after WAL_SENDER_TIMEOUT/2 of silence from the reader, which is dropped after WAL_SENDER_TIMEOUT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from sidecar import pgrepl, pgwire
+from sidecar.consensus.reading import ReadCursor, ReadRefused, Send, ServerState, TimelineDone, Wait, readable_end
+from sidecar.lsn import format_lsn
+from sidecar.safekeeper.positions import PositionWatch
+from sidecar.safekeeper.slots import Slot, Slots
+from sidecar.safekeeper.storage import StorageError
+
+WAL_SENDER_TIMEOUT = 60.0  # PostgreSQL's wal_sender_timeout default
+
+
+class StreamEnded(Exception):
+    """The reader broke the protocol or went silent: the connection ends (FATAL, then close)."""
+
+
+class Served(Protocol):
+    """What a walsender needs of the safekeeper."""
+
+    positions: PositionWatch
+
+    def reader_state(self) -> ServerState: ...
+
+    def read_wal(self, lsn: int, size: int) -> bytes: ...
+
+
+def now() -> int:
+    return pgrepl.pg_time(time.time_ns())
+
+
+class WalSender:
+    """Streams one reader; `run()` returns when the stream ended normally (the command completes)."""
+
+    def __init__(self, sk: Served, writer: asyncio.StreamWriter, receive: Callable[[], Awaitable[pgwire.FrontendMessage]],
+                 cmd: pgrepl.StartReplication, slot: Slot | None, slots: Slots, log: Any,
+                 timeout: float = WAL_SENDER_TIMEOUT) -> None:
+        self.sk, self.writer, self.receive = sk, writer, receive
+        self.cmd, self.slot, self.slots = cmd, slot, slots
+        self.log = log
+        self.timeout = timeout
+        self.client_done = False  # the reader sent CopyDone
+        self.sent_bytes = 0
+        self.last_heard = time.monotonic()
+        self.pinged = False  # a keepalive asked for a reply since the reader was last heard
+
+    async def run(self) -> None:
+        """ReadRefused before streaming starts (an ERROR for the command); StreamEnded for a broken reader."""
+        cursor = ReadCursor(self.cmd.lsn, self.cmd.timeline, self.sk.reader_state(), self.cmd.term)
+        historic = cursor.timeline != self.sk.reader_state().timeline
+        self.writer.write(pgwire.copy_both_response())
+        self.log.info("streaming", start_lsn=format_lsn(self.cmd.lsn), timeline=cursor.timeline,
+                      slot=self.cmd.slot, term=self.cmd.term or None)
+        receiver = asyncio.create_task(self._receive())
+        try:
+            next_tli = await self._send(cursor, receiver)
+        finally:
+            receiver.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StreamEnded):
+                await receiver
+        if historic or next_tli is not None:
+            switch = next_tli or pgrepl.timeline_end(self.sk.reader_state().history, self.sk.reader_state().timeline,
+                                                      cursor.timeline)
+            if switch is not None:
+                self.writer.write(pgwire.result([("next_tli", pgwire.INT8_OID), ("next_tli_startpos", pgwire.TEXT_OID)],
+                                                [(str(switch.timeline), format_lsn(switch.switch_lsn))], "START_STREAMING"))
+                return
+        self.writer.write(pgwire.command_complete("START_STREAMING"))
+
+    async def _send(self, cursor: ReadCursor, receiver: asyncio.Task[None]) -> Any:
+        """Send until the reader or the timeline ends; the TimelineEntry that follows, if it ended."""
+        changed: asyncio.Task[Any] | None = None
+        done_sent: Any = None
+        try:
+            while True:
+                if receiver.done():
+                    receiver.result()  # StreamEnded, or the reader's CopyDone
+                    if self.client_done:
+                        if done_sent is None:
+                            self.writer.write(pgwire.copy_done())
+                        return done_sent
+                state = self.sk.reader_state()
+                step = cursor.next(state) if done_sent is None else Wait(cursor.sent)
+                if type(step) is Send:
+                    await self._send_wal(cursor, step, state)
+                    continue
+                if type(step) is TimelineDone:
+                    # walsender.c: CopyDone, then wait for the reader's CopyDone, then the next timeline.
+                    self.writer.write(pgwire.copy_done())
+                    done_sent = pgrepl.timeline_end(state.history, state.timeline, cursor.timeline)
+                    self.log.info("end of timeline", timeline=cursor.timeline, next_timeline=step.next_timeline,
+                                  switch_lsn=format_lsn(step.switch_lsn))
+                    continue
+                # Wait: for the positions, the reader, or the keepalive deadline.
+                wait = self._keepalive(step.wal_end if done_sent is None else cursor.sent)
+                if changed is None or changed.done():
+                    changed = asyncio.ensure_future(self.sk.positions.changed())
+                await asyncio.wait((changed, receiver), timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if changed is not None:
+                changed.cancel()
+
+    def _keepalive(self, wal_end: int) -> float:
+        """Ping the reader or give up on it as walsender.c does; seconds until the next deadline."""
+        silent = time.monotonic() - self.last_heard
+        if silent >= self.timeout:
+            raise StreamEnded(f"terminating the stream due to replication timeout: nothing from the reader "
+                              f"for {self.timeout:g}s")
+        if silent >= self.timeout / 2 and not self.pinged:
+            self.writer.write(pgwire.copy_data(pgrepl.encode_keepalive(wal_end, now(), True)))
+            self.pinged = True
+        return (self.timeout / 2 if not self.pinged else self.timeout) - silent
+
+    async def _send_wal(self, cursor: ReadCursor, step: Send, state: ServerState) -> None:
+        try:
+            data = await asyncio.to_thread(self.sk.read_wal, step.start, step.end - step.start)
+        except StorageError:
+            if self.sk.positions.value.generation != state.generation:
+                return  # cut while read: the cursor decides again
+            raise
+        if self.sk.positions.value.generation != state.generation or len(data) != step.end - step.start:
+            return  # a cut raced the read: what was read may be gone; the cursor decides again
+        wal_end = readable_end(state, cursor.term)
+        self.writer.writelines((pgwire.copy_data_header(pgrepl.XLOGDATA_HEADER + len(data)),
+                                pgrepl.xlogdata_header(step.start, max(wal_end, step.end), now()), data))
+        cursor.advance(step.end)
+        self.sent_bytes += len(data)
+        await self.writer.drain()  # at most one message per reader waits in memory
+
+    async def _receive(self) -> None:
+        """The reader's messages while streaming: status moves the slot; CopyDone ends the stream."""
+        while True:
+            msg = await self.receive()
+            self.last_heard = time.monotonic()
+            self.pinged = False
+            if type(msg) is pgwire.CopyData:
+                try:
+                    reply = pgrepl.parse_copy_data(msg.data)
+                except pgrepl.ReplicationProtocolError as e:
+                    raise StreamEnded(f"invalid standby message: {e}") from None
+                if type(reply) is pgrepl.StandbyStatus:
+                    if self.slot is not None and reply.flush:
+                        self.slots.advance(self.slot, reply.flush, self.sk.reader_state().timeline)
+                    if reply.reply_requested:
+                        end = readable_end(self.sk.reader_state(), self.cmd.term)
+                        self.writer.write(pgwire.copy_data(pgrepl.encode_keepalive(end, now(), False)))
+                elif type(reply) is not pgrepl.HotStandbyFeedback:
+                    raise StreamEnded(f"unexpected standby message {type(reply).__name__}")
+            elif type(msg) is pgwire.CopyDone:
+                self.client_done = True
+                return
+            elif type(msg) is pgwire.CopyFail:
+                raise StreamEnded(f"the reader ended the stream with CopyFail: {msg.message}")
+            elif type(msg) is pgwire.Terminate:
+                raise StreamEnded("the reader terminated the connection")
+            else:
+                raise StreamEnded(f"unexpected message {type(msg).__name__} while streaming")
+
+
+__all__ = ["ReadRefused", "StreamEnded", "WalSender", "WAL_SENDER_TIMEOUT"]
