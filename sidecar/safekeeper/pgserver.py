@@ -232,6 +232,10 @@ class Connection:
             break
         params = packet.params
         self.user = params["user"]
+        if o.ssl_context is not None and not encrypted:
+            # As a hostssl line: with certificates, WAL and SCRAM exchanges never travel in clear.
+            raise Fatal(f'this reader port accepts only TLS connections (user "{self.user}")',
+                        pgwire.INVALID_AUTHORIZATION, hint="connect with sslmode=verify-full sslrootcert=ca.crt")
         self.log = self.log.bind(user=self.user, application_name=params.get("application_name", ""))
         if not (pgwire.is_replication(params) or (params.get("database") == "replication"
                                                   and "replication" not in params)):

@@ -75,9 +75,9 @@ class Deployment(LocalDeployment):
         certs = self.certs_dir("reader", "client")
         ssl = {"sslmode": "disable"} if certs is None else \
             {"sslmode": "verify-full", "sslrootcert": str(certs / "ca.crt")}
-        return make_conninfo(host=address.host, port=address.port, user="walsidecar",
-                             passfile=str(self.reader_passfile), dbname="replication", connect_timeout=10,
-                             **{**ssl, **params})
+        return make_conninfo(**{"host": address.host, "port": address.port, "user": "walsidecar",
+                                "passfile": str(self.reader_passfile), "dbname": "replication",
+                                "connect_timeout": 10, **ssl, **params})
 
     def history_start(self, i: int) -> int:
         data = load_control(self.sk_dir(i))
