@@ -139,7 +139,11 @@ class WalSender:
                                 pgrepl.xlogdata_header(step.start, max(wal_end, step.end), now()), data))
         cursor.advance(step.end)
         self.sent_bytes += len(data)
-        await self.writer.drain()  # at most one message per reader waits in memory
+        try:
+            async with asyncio.timeout(self.timeout):
+                await self.writer.drain()  # at most one message per reader waits in memory
+        except TimeoutError:
+            raise StreamEnded(f"terminating the stream: the reader took no WAL for {self.timeout:g}s") from None
 
     async def _receive(self) -> None:
         """The reader's messages while streaming: status moves the slot; CopyDone ends the stream."""
