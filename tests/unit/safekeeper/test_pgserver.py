@@ -1,0 +1,221 @@
+"""The reader port in process, against a stand-in safekeeper: SCRAM, bounds of the startup phase, the
+end of a timeline and the commit cap as walsender.c does them."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from pathlib import Path
+
+import pytest
+from scramp import ScramClient
+
+from support.helpers import run, until
+from sidecar import pgrepl, pgwire, readerauth
+from sidecar.consensus.messages import TimelineEntry
+from sidecar.consensus.reading import ServerState
+from sidecar.readerauth import AuthFile
+from sidecar.safekeeper.pgserver import ReaderPort, ReaderServer
+from sidecar.safekeeper.positions import Positions, PositionWatch
+from sidecar.safekeeper.slots import Slots
+
+SEG = 16 << 20
+SWITCH = SEG + 3000
+
+
+class Standin:
+    """What the reader port needs of a safekeeper: WAL bytes are a pattern of their LSN."""
+
+    node_id = 1
+    system_id = 7301
+    wal_seg_size = SEG
+
+    def __init__(self, tmp: Path) -> None:
+        self.positions = PositionWatch(Positions(3, SEG + 5000, SEG + 4000, 0))
+        self.slots = Slots(tmp)
+        self.timeline, self.history = 2, (TimelineEntry(1, SWITCH),)
+
+    def reader_state(self) -> ServerState:
+        p = self.positions.value
+        return ServerState(p.term, p.flush_lsn, p.commit_lsn, p.generation, self.timeline, self.history, SEG)
+
+    def read_wal(self, lsn: int, size: int) -> bytes:
+        return bytes((i * 7) & 0xFF for i in range(lsn, lsn + size))
+
+
+class Client:
+    """A frontend speaking the protocol by hand."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def connect(cls, port: int) -> Client:
+        return cls(*await asyncio.open_connection("127.0.0.1", port))
+
+    def startup(self, **params: str) -> None:
+        body = struct.pack(">I", pgwire.PROTOCOL_3_0) + b"".join(
+            k.encode() + b"\0" + v.encode() + b"\0" for k, v in params.items()) + b"\0"
+        self.writer.write(struct.pack(">I", len(body) + 4) + body)
+
+    def send(self, kind: bytes, body: bytes = b"") -> None:
+        self.writer.write(pgwire.HEADER.pack(kind, len(body) + 4) + body)
+
+    def query(self, text: str) -> None:
+        self.send(b"Q", text.encode() + b"\0")
+
+    async def message(self) -> tuple[bytes, bytes]:
+        kind, length = pgwire.HEADER.unpack(await self.reader.readexactly(5))
+        return kind, await self.reader.readexactly(length - 4)
+
+    async def until(self, kind: bytes) -> list[tuple[bytes, bytes]]:
+        """Messages up to and including the first of `kind`."""
+        out = []
+        while True:
+            m = await self.message()
+            out.append(m)
+            if m[0] == kind:
+                return out
+
+    async def login(self, password: str, user: str = "reader") -> list[tuple[bytes, bytes]]:
+        self.startup(user=user, replication="true")
+        kind, body = await self.message()
+        assert kind == b"R" and body[:4] == b"\0\0\0\x0a" and b"SCRAM-SHA-256\0" in body
+        scram = ScramClient(["SCRAM-SHA-256"], user, password)  # libpq sends no name here; pg8000 does
+        first = scram.get_client_first().encode()
+        self.send(b"p", b"SCRAM-SHA-256\0" + struct.pack(">I", len(first)) + first)
+        kind, body = await self.message()
+        if kind == b"E":
+            return [(kind, body)]
+        assert body[:4] == b"\0\0\0\x0b"
+        scram.set_server_first(body[4:].decode())
+        self.send(b"p", scram.get_client_final().encode())
+        out = []
+        while not out or out[-1][0] not in (b"Z", b"E"):
+            out.append(await self.message())
+        if out[0][0] == b"E":
+            return out[-1:]
+        if out[0][0] == b"R":
+            assert out[0][1][:4] == b"\0\0\0\x0c"
+            scram.set_server_final(out[0][1][4:].decode())
+        return out
+
+
+def error_of(body: bytes) -> dict[str, str]:
+    return {f[:1].decode(): f[1:].decode() for f in body.split(b"\0") if f}
+
+
+def serve(tmp: Path, test, **kwargs):  # noqa: ANN001, ANN201
+    """Run `test(server, sk)` against a reader port with one reader, 'reader' / 'secret'."""
+    auth = tmp / "readers.auth"
+    readerauth.add(auth, "reader", "secret")
+
+    async def main() -> None:
+        sk = Standin(tmp)
+        server = ReaderServer(sk, ReaderPort("127.0.0.1", 0, AuthFile(auth)), **kwargs)
+        await server.start()
+        try:
+            await test(server, sk)
+        finally:
+            await server.close()
+    run(main(), timeout=30)
+
+
+def test_scram_logs_in_and_a_wrong_password_is_refused(tmp_path: Path) -> None:
+    async def test(server: ReaderServer, sk: Standin) -> None:
+        c = await Client.connect(server.port)
+        got = await c.login("secret")
+        kinds = [k for k, _ in got]
+        assert kinds[0] == b"R" and b"K" in kinds and kinds[-1] == b"Z"
+        statuses = dict(body.split(b"\0")[:2] for k, body in got if k == b"S")
+        assert statuses[b"server_version"].startswith(b"15.") and statuses[b"integer_datetimes"] == b"on"
+        c.query("IDENTIFY_SYSTEM")
+        rows = [body for k, body in await c.until(b"Z") if k == b"D"]
+        assert b"7301" in rows[0] and b"0/1000FA0" in rows[0]  # xlogpos: the commit position
+        bad = await Client.connect(server.port)
+        got = await bad.login("wrong")
+        assert got[0][0] == b"E" and error_of(got[0][1])["C"] == "28P01"
+        stranger = await Client.connect(server.port)
+        got = await stranger.login("secret", user="nobody")
+        assert got[0][0] == b"E" and error_of(got[0][1])["M"] == 'password authentication failed for user "nobody"'
+    serve(tmp_path, test)
+
+
+def test_a_silent_client_is_dropped_and_the_readers_are_capped(tmp_path: Path) -> None:
+    async def test(server: ReaderServer, sk: Standin) -> None:
+        silent = await Client.connect(server.port)
+        kind, body = await silent.message()
+        assert kind == b"E" and "timeout" in error_of(body)["M"]
+        assert await silent.reader.read() == b""
+        held = [await Client.connect(server.port) for _ in range(2)]
+        await until(lambda: len(server.connections) == 2, "the server to take both")
+        third = await Client.connect(server.port)
+        kind, body = await third.message()
+        assert kind == b"E" and error_of(body)["C"] == "53300"
+        for h in held:
+            h.writer.close()
+    serve(tmp_path, test, startup_timeout=0.2, max_readers=2)
+
+
+def test_the_end_of_a_timeline_is_told_as_walsender_c_does(tmp_path: Path) -> None:
+    async def test(server: ReaderServer, sk: Standin) -> None:
+        c = await Client.connect(server.port)
+        await c.login("secret")
+        c.query("TIMELINE_HISTORY 2")
+        rows = [body for k, body in await c.until(b"Z") if k == b"D"]
+        assert b"00000002.history" in rows[0] and b"1\t0/1000BB8\t" in rows[0]
+        c.query(f"START_REPLICATION PHYSICAL 0/{SEG:X} TIMELINE 1")
+        kind, _ = await c.message()
+        assert kind == b"W"
+        received = bytearray()
+        while True:
+            kind, body = await c.message()
+            if kind == b"c":
+                break
+            msg = pgrepl.parse_copy_data(body)
+            assert isinstance(msg, pgrepl.XLogData) and msg.start == SEG + len(received)
+            received += msg.data
+        assert len(received) == SWITCH - SEG and bytes(received) == sk.read_wal(SEG, SWITCH - SEG)
+        c.send(b"c")
+        got = await c.until(b"Z")
+        assert [k for k, _ in got] == [b"T", b"D", b"C", b"Z"]
+        assert b"next_tli" in got[0][1] and got[1][1] == pgwire.data_row(["2", "0/1000BB8"])[5:]
+        assert got[2][1] == b"START_STREAMING\0"
+    serve(tmp_path, test)
+
+
+def test_a_stream_on_the_current_timeline_is_capped_at_the_commit_and_follows_it(tmp_path: Path) -> None:
+    async def test(server: ReaderServer, sk: Standin) -> None:
+        c = await Client.connect(server.port)
+        await c.login("secret")
+        c.query(f"START_REPLICATION PHYSICAL 0/{SWITCH:X}")
+        assert (await c.message())[0] == b"W"
+        end = SWITCH
+        while end < SEG + 4000:
+            msg = pgrepl.parse_copy_data((await c.message())[1])
+            assert isinstance(msg, pgrepl.XLogData) and msg.wal_end == SEG + 4000
+            end = msg.start + len(msg.data)
+        assert end == SEG + 4000
+        # Ask for a reply: whatever was sent before it has arrived, and nothing beyond the commit was.
+        c.send(b"d", pgrepl.encode_status(end, end, 0, 0, True))
+        msg = pgrepl.parse_copy_data((await c.message())[1])
+        assert msg == pgrepl.Keepalive(SEG + 4000, msg.send_time, False)
+        sk.positions.publish(Positions(3, SEG + 5000, SEG + 4500, 0))
+        msg = pgrepl.parse_copy_data((await c.message())[1])
+        assert isinstance(msg, pgrepl.XLogData) and (msg.start, len(msg.data)) == (SEG + 4000, 500)
+        c.send(b"c")  # the reader ends it: CopyDone back, then the command completes
+        assert [k for k, _ in await c.until(b"Z")] == [b"c", b"C", b"Z"]
+        c.query("IDENTIFY_SYSTEM")
+        assert (await c.until(b"Z"))[-1][0] == b"Z"
+    serve(tmp_path, test)
+
+
+@pytest.mark.parametrize("garbage", [b"\x00\x00\x00\x08\x00\x00\x00\x00", b"\xff" * 8])
+def test_garbage_before_the_startup_packet_is_fatal(tmp_path: Path, garbage: bytes) -> None:
+    async def test(server: ReaderServer, sk: Standin) -> None:
+        c = await Client.connect(server.port)
+        c.writer.write(garbage)
+        kind, body = await c.message()
+        assert kind == b"E" and error_of(body)["C"] == "08P01" and error_of(body)["S"] == "FATAL"
+        assert await c.reader.read() == b""
+    serve(tmp_path, test)
