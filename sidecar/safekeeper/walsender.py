@@ -158,7 +158,9 @@ class WalSender:
                     raise StreamEnded(f"invalid standby message: {e}") from None
                 if type(reply) is pgrepl.StandbyStatus:
                     if self.slot is not None and reply.flush:
-                        self.slots.advance(self.slot, reply.flush, self.sk.reader_state().timeline)
+                        s = self.sk.reader_state()
+                        self.slots.advance(self.slot, reply.flush, pgrepl.timeline_of(s.history, s.timeline,
+                                                                                      reply.flush))
                     if reply.reply_requested:
                         end = readable_end(self.sk.reader_state(), self.cmd.term)
                         self.writer.write(pgwire.copy_data(pgrepl.encode_keepalive(end, now(), False)))
