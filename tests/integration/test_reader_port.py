@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import pwd
 import shutil
 import socket
@@ -214,6 +215,60 @@ def test_a_reader_never_receives_wal_beyond_the_commit_position(deployment: Depl
         assert not violations, violations
         got = stream.received_lsn
         assert bytes(received) == read_wal(d.pg.pg_wal_dir, start, got)
+
+    run(main(), timeout=240)
+
+
+def test_a_reader_streams_on_across_a_term_that_cuts_its_safekeepers_tail(deployment: Deployment) -> None:
+    d = deployment
+    fill_wal(d, 2000)
+    base = wait_for(lambda: commit_position(d, 1) >= d.flush_lsn() and commit_position(d, 1), timeout=60,
+                    what="the commit position to reach the primary's flush")
+    start = base - base % DEFAULT_SEGMENT_SIZE
+
+    async def main() -> None:
+        conn = await connect_replication(d.reader_dsn(1), "across-terms")
+        received = bytearray()
+        ahead_seen: list[int] = []
+        stream = ReplicationStream(conn, start_lsn=start, timeline=1, slot=None,
+                                   on_wal=lambda lsn, data: received.extend(data))
+        await stream.start()
+        try:
+            await until(lambda: stream.received_lsn >= base, "the WAL up to the commit position")
+            # Safekeeper 1 alone stores WAL beyond the commit position ...
+            d.safekeepers[2].kill9()
+            d.safekeepers[3].kill9()
+            commit = await asyncio.to_thread(commit_position, d, 1)
+            thread, result = start_commit(d.pg.dsn(), "INSERT INTO load SELECT g, repeat('t', 500) "
+                                                      "FROM generate_series(1, 3000) g")
+            await until(lambda: syncrep_waiters(d) >= 1, "the commit to wait for the quorum", timeout=30)
+            with d.sql() as c:
+                ahead = parse_lsn(c.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()[0])
+            await until(lambda: len(read_wal(d.sk_dir(1) / "wal", commit, ahead)) == ahead - commit,
+                        "safekeeper 1 to store WAL beyond the commit position", timeout=30)
+            ahead_seen.append(ahead)
+            # ... which a term elected without it cuts: a proposer of safekeepers 2 and 3 only, then all three.
+            term = d.term(1)
+            d.kill("proposer")
+            d.start_safekeeper(2)
+            d.start_safekeeper(3)
+            d.start_proposer("--safekeepers", ",".join(d.addresses[1:]))
+            await asyncio.to_thread(wait_for, lambda: d.term(2) > term, 60, 0.05, "a term without safekeeper 1")
+            d.stop("proposer")
+            d.start_proposer()
+            await asyncio.to_thread(thread.join, 120)
+            assert result.get("done"), result
+            await asyncio.to_thread(wait_for, lambda: d.term(1) > term + 1, 60, 0.05, "safekeeper 1 in the new term")
+            with d.sql() as c:
+                end = commit_lsn_of(c, "INSERT INTO load VALUES (-2, 'after the cut')")
+            await until(lambda: stream.received_lsn >= end, "the reader to go on past the cut", timeout=60)
+        finally:
+            await stream.close()
+        got = stream.received_lsn
+        assert bytes(received) == read_wal(d.pg.pg_wal_dir, start, got)
+        # Safekeeper 1 joined the new term with its tail cut at the start of the term it missed.
+        cuts = [parse_lsn(m) for m in re.findall(r"elected .* truncate_lsn=(\S+)", d.log_path("safekeeper1").read_text())]
+        assert cuts and cuts[-1] < ahead_seen[0], (cuts, ahead_seen)
 
     run(main(), timeout=240)
 
