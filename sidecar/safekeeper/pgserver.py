@@ -172,11 +172,12 @@ class Connection:
         try:
             try:
                 async with asyncio.timeout(self.server.startup_timeout):
-                    await self._startup()
+                    started = await self._startup()
             except TimeoutError:
                 raise Fatal(f"canceling authentication due to timeout ({self.server.startup_timeout:g}s)",
                             pgwire.PROTOCOL_VIOLATION) from None
-            await self._commands()
+            if started:
+                await self._commands()
         except Fatal as e:
             self.log.warning("reader refused", reason=str(e), sqlstate=e.sqlstate, user=self.user or None)
             await self.fatal(e)
@@ -205,7 +206,8 @@ class Connection:
 
     # ---- startup ----------------------------------------------------------------------------
 
-    async def _startup(self) -> None:
+    async def _startup(self) -> bool:
+        """SSL negotiation, the startup packet and authentication; False for a CancelRequest."""
         o = self.server.options
         encrypted = False
         while True:
@@ -226,7 +228,7 @@ class Connection:
                 self.writer.write(pgwire.SSL_REFUSE)
                 continue
             if isinstance(packet, pgwire.CancelRequest):
-                raise asyncio.IncompleteReadError(b"", None)  # nothing runs that a cancel could stop
+                return False  # nothing runs that a cancel could stop; PostgreSQL closes without a word
             if not isinstance(packet, pgwire.Startup):
                 raise pgwire.ProtocolViolation(f"{type(packet).__name__} after the connection was encrypted")
             break
@@ -251,6 +253,7 @@ class Connection:
             + pgwire.ready_for_query())
         await self.writer.drain()
         self.log.info("reader connected", tls=encrypted)
+        return True
 
     async def _authenticate(self) -> None:
         o = self.server.options

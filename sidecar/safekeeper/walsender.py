@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from sidecar import pgrepl, pgwire
+from sidecar.consensus.messages import TimelineEntry
 from sidecar.consensus.reading import ReadCursor, ReadRefused, Send, ServerState, TimelineDone, Wait, readable_end
 from sidecar.lsn import format_lsn
 from sidecar.safekeeper.positions import PositionWatch
@@ -46,8 +47,8 @@ def now() -> int:
 class WalSender:
     """Streams one reader; `run()` returns when the stream ended normally (the command completes)."""
 
-    def __init__(self, sk: Served, writer: asyncio.StreamWriter, receive: Callable[[], Awaitable[pgwire.FrontendMessage]],
-                 cmd: pgrepl.StartReplication, slot: Slot | None, slots: Slots, log: Any,
+    def __init__(self, sk: Served, writer: asyncio.StreamWriter,
+                 receive: Callable[[], Awaitable[pgwire.FrontendMessage]], cmd: pgrepl.StartReplication, slot: Slot | None, slots: Slots, log: Any,
                  timeout: float = WAL_SENDER_TIMEOUT) -> None:
         self.sk, self.writer, self.receive = sk, writer, receive
         self.cmd, self.slot, self.slots = cmd, slot, slots
@@ -67,24 +68,24 @@ class WalSender:
                       slot=self.cmd.slot, term=self.cmd.term or None)
         receiver = asyncio.create_task(self._receive())
         try:
-            next_tli = await self._send(cursor, receiver)
+            ended = await self._send(cursor, receiver)
         finally:
             receiver.cancel()
             with contextlib.suppress(asyncio.CancelledError, StreamEnded):
                 await receiver
-        if historic or next_tli is not None:
-            switch = next_tli or pgrepl.timeline_end(self.sk.reader_state().history, self.sk.reader_state().timeline,
-                                                      cursor.timeline)
-            if switch is not None:
-                self.writer.write(pgwire.result([("next_tli", pgwire.INT8_OID), ("next_tli_startpos", pgwire.TEXT_OID)],
-                                                [(str(switch.timeline), format_lsn(switch.switch_lsn))], "START_STREAMING"))
-                return
-        self.writer.write(pgwire.command_complete("START_STREAMING"))
+        if ended is None and historic:  # the reader stopped first: it is still told what follows
+            s = self.sk.reader_state()
+            ended = pgrepl.timeline_end(s.history, s.timeline, cursor.timeline)
+        if ended is not None:
+            self.writer.write(pgwire.result([("next_tli", pgwire.INT8_OID), ("next_tli_startpos", pgwire.TEXT_OID)],
+                                            [(str(ended.timeline), format_lsn(ended.switch_lsn))], "START_STREAMING"))
+        else:
+            self.writer.write(pgwire.command_complete("START_STREAMING"))
 
-    async def _send(self, cursor: ReadCursor, receiver: asyncio.Task[None]) -> Any:
-        """Send until the reader or the timeline ends; the TimelineEntry that follows, if it ended."""
+    async def _send(self, cursor: ReadCursor, receiver: asyncio.Task[None]) -> TimelineEntry | None:
+        """Send until the reader or the timeline ends; the timeline that follows, if it ended."""
         changed: asyncio.Task[Any] | None = None
-        done_sent: Any = None
+        done_sent: TimelineEntry | None = None
         try:
             while True:
                 if receiver.done():

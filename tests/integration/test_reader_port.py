@@ -267,7 +267,8 @@ def test_a_reader_streams_on_across_a_term_that_cuts_its_safekeepers_tail(deploy
         got = stream.received_lsn
         assert bytes(received) == read_wal(d.pg.pg_wal_dir, start, got)
         # Safekeeper 1 joined the new term with its tail cut at the start of the term it missed.
-        cuts = [parse_lsn(m) for m in re.findall(r"elected .* truncate_lsn=(\S+)", d.log_path("safekeeper1").read_text())]
+        log = d.log_path("safekeeper1").read_text()
+        cuts = [parse_lsn(m) for m in re.findall(r"elected .* truncate_lsn=(\S+)", log)]
         assert cuts and cuts[-1] < ahead_seen[0], (cuts, ahead_seen)
 
     run(main(), timeout=240)
