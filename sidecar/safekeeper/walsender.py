@@ -48,8 +48,8 @@ class WalSender:
     """Streams one reader; `run()` returns when the stream ended normally (the command completes)."""
 
     def __init__(self, sk: Served, writer: asyncio.StreamWriter,
-                 receive: Callable[[], Awaitable[pgwire.FrontendMessage]], cmd: pgrepl.StartReplication, slot: Slot | None, slots: Slots, log: Any,
-                 timeout: float = WAL_SENDER_TIMEOUT) -> None:
+                 receive: Callable[[], Awaitable[pgwire.FrontendMessage]], cmd: pgrepl.StartReplication,
+                 slot: Slot | None, slots: Slots, log: Any, timeout: float = WAL_SENDER_TIMEOUT) -> None:
         self.sk, self.writer, self.receive = sk, writer, receive
         self.cmd, self.slot, self.slots = cmd, slot, slots
         self.log = log
