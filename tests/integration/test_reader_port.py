@@ -274,6 +274,44 @@ def test_a_reader_streams_on_across_a_term_that_cuts_its_safekeepers_tail(deploy
     run(main(), timeout=240)
 
 
+def rss(pid: int) -> int:
+    """Resident memory of a process, in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def test_a_reader_that_stops_reading_holds_no_wal_in_memory_and_commits_go_on(deployment: Deployment) -> None:
+    d = deployment
+    fill_wal(d, 2000)
+    base = wait_for(lambda: commit_position(d, 1) >= d.flush_lsn() and commit_position(d, 1), timeout=60,
+                    what="the commit position to reach the primary's flush")
+    start = base - base % DEFAULT_SEGMENT_SIZE
+    pid = d.safekeepers[1].pid
+
+    async def main() -> None:
+        conn = await connect_replication(d.reader_dsn(1), "stalled")
+        stream = ReplicationStream(conn, start_lsn=start, timeline=1, slot=None, on_wal=lambda lsn, data: None,
+                                   server_timeout=None)
+        await stream.start()
+        try:
+            await until(lambda: stream.received_lsn >= base, "the WAL up to the commit position")
+            stream.pause()
+            before = rss(pid)
+            # 64 MiB of WAL, one commit at a time, while the reader takes none of it.
+            end = await asyncio.to_thread(fill_wal, d, 200000)
+            grown = rss(pid) - before
+            assert grown < 32 << 20, f"the safekeeper grew by {grown >> 20} MiB while its reader did not read"
+            assert end - base > 48 << 20
+            stream.resume()
+            await until(lambda: stream.received_lsn >= end, "the reader to catch up once it reads", timeout=120)
+        finally:
+            await stream.close()
+
+    run(main(), timeout=240)
+
+
 # ---- (d) bad input ---------------------------------------------------------------------------------
 
 
