@@ -10,6 +10,7 @@ import shutil
 import socket
 import ssl
 import struct
+import subprocess
 from pathlib import Path
 
 import psycopg
@@ -424,6 +425,12 @@ def test_slots_are_created_listed_and_dropped(deployment: Deployment) -> None:
     with replication(d, 1) as r:
         r.execute("DROP_REPLICATION_SLOT keep1")
         assert r.execute("READ_REPLICATION_SLOT keep1").fetchone() == (None, None, None)
+    # pg_receivewal's own --create-slot and --drop-slot.
+    for flag in ("--create-slot", "--drop-slot"):
+        out = subprocess.run([str(find_bin_dir() / "pg_receivewal"), "-d", d.reader_dsn(1), "-S", "made_by_tool", flag],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert identify_slot(d, 1, "made_by_tool")[0] == ("physical" if flag == "--create-slot" else None)
 
 
 # ---- (e) TLS and the auth file -----------------------------------------------------------------------
