@@ -88,6 +88,8 @@ def startup_length(header: bytes) -> int:
 
 def parse_startup(body: bytes) -> StartupPacket:
     """The startup packet after its length word."""
+    if len(body) < 4:
+        raise ProtocolViolation(f"invalid length of startup packet: {len(body) + 4} bytes")
     (code,) = _I32.unpack_from(body)
     if code == SSL_REQUEST_CODE and len(body) == 4:
         return SslRequest()

@@ -88,13 +88,21 @@ def check_private(path: Path) -> os.stat_result:
     return st
 
 
-def load(path: Path) -> dict[str, str]:
-    """Reader name -> verifier text; AuthFileError naming the line that is wrong."""
+def _read(path: Path) -> str:
     check_private(path)
     try:
-        text = path.read_text()
+        return path.read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise AuthFileError(f"cannot read the reader auth file {path}: {e}") from None
+
+
+def load(path: Path) -> dict[str, str]:
+    """Reader name -> verifier text; AuthFileError naming the line that is wrong."""
+    return parse(path, _read(path))
+
+
+def parse(path: Path, text: str) -> dict[str, str]:
+    """The entries of the auth file `path` whose content is `text`."""
     out: dict[str, str] = {}
     for lineno, line in enumerate(text.splitlines(), 1):
         line = line.strip()
@@ -110,11 +118,6 @@ def load(path: Path) -> dict[str, str]:
             raise AuthFileError(f"{path} line {lineno}: {e}") from None
         out[name] = verifier
     return out
-
-
-def verifiers(path: Path) -> dict[str, Verifier]:
-    """Reader name -> parsed verifier."""
-    return {name: parse_verifier(v) for name, v in load(path).items()}
 
 
 def _save(path: Path, entries: dict[str, str]) -> None:
@@ -150,21 +153,20 @@ def remove(path: Path, name: str) -> None:
 
 
 class AuthFile:
-    """The auth file as the server reads it: loaded again whenever it changes on disk."""
+    """The auth file as the server reads it: parsed again whenever its content changes."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._key: tuple[int, int, int] | None = None
+        self._text: str | None = None
         self._verifiers: dict[str, Verifier] = {}
         self.reload()
 
     def reload(self) -> None:
-        """Read the file if it changed since the last read; AuthFileError if it cannot be used now."""
-        st = check_private(self.path)
-        key = (st.st_ino, st.st_mtime_ns, st.st_size)
-        if key != self._key:
-            self._verifiers = verifiers(self.path)
-            self._key = key
+        """Read the file (small: one line per reader); AuthFileError if it cannot be used now."""
+        text = _read(self.path)
+        if text != self._text:
+            self._verifiers = {name: parse_verifier(v) for name, v in parse(self.path, text).items()}
+            self._text = text
 
     def lookup(self, name: str) -> Verifier | None:
         return self._verifiers.get(name)

@@ -153,3 +153,17 @@ def test_error_and_notice_fields() -> None:
     assert b"SFATAL\0" in body and b"D" not in body.split(b"\0")[-2][:1]
     kind, body = fields(pgwire.notice_response("hello"))
     assert kind == b"N" and b"SNOTICE\0" in body and b"C00000\0" in body
+
+
+def test_random_bytes_are_refused_with_protocol_violation_only() -> None:
+    import random
+    rng = random.Random(14)
+    for _ in range(3000):
+        data = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 40)))
+        kind = bytes([rng.choice(b"QpdcfXPBZ\xff")])
+        for parse in (pgwire.parse_startup, pgwire.parse_sasl_initial, lambda b: pgwire.parse_message(kind, b),
+                      lambda b: pgwire.message_length((kind + b + bytes(4))[:5])):
+            try:
+                parse(data)
+            except ProtocolViolation:
+                pass

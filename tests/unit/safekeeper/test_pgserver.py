@@ -219,3 +219,21 @@ def test_garbage_before_the_startup_packet_is_fatal(tmp_path: Path, garbage: byt
         assert kind == b"E" and error_of(body)["C"] == "08P01" and error_of(body)["S"] == "FATAL"
         assert await c.reader.read() == b""
     serve(tmp_path, test)
+
+
+def test_the_auth_file_is_read_again_when_it_changes(tmp_path: Path) -> None:
+    async def test(server: ReaderServer, sk: Standin) -> None:
+        later = await Client.connect(server.port)
+        assert (await later.login("pw2", user="later"))[0][0] == b"E"
+        readerauth.add(tmp_path / "readers.auth", "later", "pw2")
+        ok = await Client.connect(server.port)
+        assert (await ok.login("pw2", user="later"))[-1][0] == b"Z"
+        readerauth.remove(tmp_path / "readers.auth", "later")
+        gone = await Client.connect(server.port)
+        assert (await gone.login("pw2", user="later"))[0][0] == b"E"
+        (tmp_path / "readers.auth").chmod(0o644)  # unusable now: every reader is refused, the port stays up
+        refused = await Client.connect(server.port)
+        refused.startup(user="reader", replication="true")
+        kind, body = await refused.message()
+        assert kind == b"E" and error_of(body)["C"] == "28000"
+    serve(tmp_path, test)
