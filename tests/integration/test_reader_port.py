@@ -11,7 +11,9 @@ import socket
 import ssl
 import struct
 import subprocess
+import threading
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -160,23 +162,48 @@ def test_a_standby_streams_from_a_safekeeper_and_has_every_acknowledged_row(depl
 # ---- (c) nothing beyond the commit position --------------------------------------------------------
 
 
-def test_a_reader_never_receives_wal_beyond_the_commit_position(deployment: Deployment) -> None:
-    d = deployment
+def committed(d: Deployment) -> tuple[int, int]:
+    """Commit WAL and wait until safekeeper 1 serves all of it: (its commit position, its segment's start)."""
     fill_wal(d, 2000)
     base = wait_for(lambda: commit_position(d, 1) >= d.flush_lsn() and commit_position(d, 1), timeout=60,
                     what="the commit position to reach the primary's flush")
-    start = base - base % DEFAULT_SEGMENT_SIZE
+    return base, base - base % DEFAULT_SEGMENT_SIZE
+
+
+async def reader(d: Deployment, start: int, name: str, received: bytearray, **kwargs: Any) -> ReplicationStream:
+    """A started stream from safekeeper 1's reader port, from `start`, gathering the WAL into `received`."""
+    conn = await connect_replication(d.reader_dsn(1), name)
+    stream = ReplicationStream(conn, start_lsn=start, timeline=1, slot=None,
+                               on_wal=lambda lsn, data: received.extend(data), **kwargs)
+    await stream.start()
+    return stream
+
+
+async def run_ahead(d: Deployment) -> tuple[int, int, threading.Thread, dict]:
+    """Stop safekeepers 2 and 3 and start a commit, which hangs while safekeeper 1 stores its WAL beyond
+    the commit position: (that commit position, the end of what safekeeper 1 stores, the commit's thread
+    and result)."""
+    d.safekeepers[2].kill9()
+    d.safekeepers[3].kill9()
+    commit = await asyncio.to_thread(commit_position, d, 1)
+    thread, result = start_commit(d.pg.dsn(), "INSERT INTO load SELECT g, repeat('z', 500) "
+                                              "FROM generate_series(1, 3000) g")
+    await until(lambda: syncrep_waiters(d) >= 1, "the commit to wait for the quorum", timeout=30)
+    with d.sql() as c:
+        ahead = parse_lsn(c.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()[0])
+    assert ahead > commit
+    await until(lambda: len(read_wal(d.sk_dir(1) / "wal", commit, ahead)) == ahead - commit,
+                "safekeeper 1 to store the WAL the quorum has not acknowledged", timeout=30)
+    return commit, ahead, thread, result
+
+
+def test_a_reader_never_receives_wal_beyond_the_commit_position(deployment: Deployment) -> None:
+    d = deployment
+    base, start = committed(d)
 
     async def main() -> None:
-        conn = await connect_replication(d.reader_dsn(1), "checker")
         received = bytearray()
-        violations: list[str] = []
-
-        def on_wal(lsn: int, data: memoryview) -> None:
-            received.extend(data)
-
-        stream = ReplicationStream(conn, start_lsn=start, timeline=1, slot=None, on_wal=on_wal)
-        await stream.start()
+        stream = await reader(d, start, "checker", received)
 
         async def synced() -> int:
             """Everything the safekeeper sent before now has arrived: ask for a reply and wait for it."""
@@ -187,67 +214,35 @@ def test_a_reader_never_receives_wal_beyond_the_commit_position(deployment: Depl
 
         try:
             await until(lambda: stream.received_lsn >= base, "the WAL up to the commit position")
-            # Two of three safekeepers down: commits hang while safekeeper 1 stores WAL beyond the commit.
-            d.safekeepers[2].kill9()
-            d.safekeepers[3].kill9()
-            commit = await asyncio.to_thread(commit_position, d, 1)
-            thread, result = start_commit(d.pg.dsn(), "INSERT INTO load SELECT g, repeat('z', 500) "
-                                                      "FROM generate_series(1, 3000) g")
-            await until(lambda: syncrep_waiters(d) >= 1, "the commit to wait for the quorum", timeout=30)
-            with d.sql() as c:
-                primary_end = parse_lsn(c.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()[0])
-            assert primary_end > commit
-            await until(lambda: len(read_wal(d.sk_dir(1) / "wal", commit, primary_end)) == primary_end - commit,
-                        "safekeeper 1 to store the WAL the quorum has not acknowledged", timeout=30)
-            ahead = await synced()
-            if ahead > commit:
-                violations.append(f"received up to {format_lsn(ahead)} with the commit at {format_lsn(commit)}")
+            commit, ahead, thread, result = await run_ahead(d)
+            got = await synced()
+            assert got <= commit, f"received up to {format_lsn(got)} with the commit at {format_lsn(commit)}"
             assert stream.server_wal_end <= commit
             # The quorum returns: the commit moves on, and so does the reader, to the same bytes.
             d.start_safekeeper(2)
             await asyncio.to_thread(thread.join, 120)
             assert result.get("done"), result
-            end = primary_end
-            await until(lambda: stream.received_lsn >= end, "the reader to receive the committed WAL", timeout=60)
+            await until(lambda: stream.received_lsn >= ahead, "the reader to receive the committed WAL", timeout=60)
             served = await asyncio.to_thread(commit_position, d, 1)
             assert stream.received_lsn <= served
         finally:
             await stream.close()
-        assert not violations, violations
-        got = stream.received_lsn
-        assert bytes(received) == read_wal(d.pg.pg_wal_dir, start, got)
+        assert bytes(received) == read_wal(d.pg.pg_wal_dir, start, stream.received_lsn)
 
     run(main(), timeout=240)
 
 
 def test_a_reader_streams_on_across_a_term_that_cuts_its_safekeepers_tail(deployment: Deployment) -> None:
     d = deployment
-    fill_wal(d, 2000)
-    base = wait_for(lambda: commit_position(d, 1) >= d.flush_lsn() and commit_position(d, 1), timeout=60,
-                    what="the commit position to reach the primary's flush")
-    start = base - base % DEFAULT_SEGMENT_SIZE
+    base, start = committed(d)
 
     async def main() -> None:
-        conn = await connect_replication(d.reader_dsn(1), "across-terms")
         received = bytearray()
-        ahead_seen: list[int] = []
-        stream = ReplicationStream(conn, start_lsn=start, timeline=1, slot=None,
-                                   on_wal=lambda lsn, data: received.extend(data))
-        await stream.start()
+        stream = await reader(d, start, "across-terms", received)
         try:
             await until(lambda: stream.received_lsn >= base, "the WAL up to the commit position")
             # Safekeeper 1 alone stores WAL beyond the commit position ...
-            d.safekeepers[2].kill9()
-            d.safekeepers[3].kill9()
-            commit = await asyncio.to_thread(commit_position, d, 1)
-            thread, result = start_commit(d.pg.dsn(), "INSERT INTO load SELECT g, repeat('t', 500) "
-                                                      "FROM generate_series(1, 3000) g")
-            await until(lambda: syncrep_waiters(d) >= 1, "the commit to wait for the quorum", timeout=30)
-            with d.sql() as c:
-                ahead = parse_lsn(c.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()[0])
-            await until(lambda: len(read_wal(d.sk_dir(1) / "wal", commit, ahead)) == ahead - commit,
-                        "safekeeper 1 to store WAL beyond the commit position", timeout=30)
-            ahead_seen.append(ahead)
+            _, ahead, thread, result = await run_ahead(d)
             # ... which a term elected without it cuts: a proposer of safekeepers 2 and 3 only, then all three.
             term = d.term(1)
             d.kill("proposer")
@@ -265,12 +260,11 @@ def test_a_reader_streams_on_across_a_term_that_cuts_its_safekeepers_tail(deploy
             await until(lambda: stream.received_lsn >= end, "the reader to go on past the cut", timeout=60)
         finally:
             await stream.close()
-        got = stream.received_lsn
-        assert bytes(received) == read_wal(d.pg.pg_wal_dir, start, got)
+        assert bytes(received) == read_wal(d.pg.pg_wal_dir, start, stream.received_lsn)
         # Safekeeper 1 joined the new term with its tail cut at the start of the term it missed.
         log = d.log_path("safekeeper1").read_text()
         cuts = [parse_lsn(m) for m in re.findall(r"elected .* truncate_lsn=(\S+)", log)]
-        assert cuts and cuts[-1] < ahead_seen[0], (cuts, ahead_seen)
+        assert cuts and cuts[-1] < ahead, (cuts, ahead)
 
     run(main(), timeout=240)
 
@@ -285,17 +279,11 @@ def rss(pid: int) -> int:
 
 def test_a_reader_that_stops_reading_holds_no_wal_in_memory_and_commits_go_on(deployment: Deployment) -> None:
     d = deployment
-    fill_wal(d, 2000)
-    base = wait_for(lambda: commit_position(d, 1) >= d.flush_lsn() and commit_position(d, 1), timeout=60,
-                    what="the commit position to reach the primary's flush")
-    start = base - base % DEFAULT_SEGMENT_SIZE
+    base, start = committed(d)
     pid = d.safekeepers[1].pid
 
     async def main() -> None:
-        conn = await connect_replication(d.reader_dsn(1), "stalled")
-        stream = ReplicationStream(conn, start_lsn=start, timeline=1, slot=None, on_wal=lambda lsn, data: None,
-                                   server_timeout=None)
-        await stream.start()
+        stream = await reader(d, start, "stalled", bytearray(), server_timeout=None)
         try:
             await until(lambda: stream.received_lsn >= base, "the WAL up to the commit position")
             stream.pause()
