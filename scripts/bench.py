@@ -258,7 +258,7 @@ class Setup:
     # -- building
 
     def build(self) -> None:
-        self.base.mkdir(parents=True)
+        self.base.mkdir(parents=True, exist_ok=True)  # LocalDeployment made it for the reader credentials
         os.chmod(self.base, 0o755)
         subprocess.run(["cp", "-a", str(self._template), str(self.cluster.data_dir)], check=True, timeout=300)
         self.cluster.set({"port": str(self.port), "synchronous_standby_names": STANDBY_NAMES[self.config]})
