@@ -164,19 +164,14 @@ class Broker:
     def __init__(self, endpoints: Sequence[str], certs_dir: Path | None = None, timeout: float = TIMEOUT) -> None:
         import etcd3gw  # here: a safekeeper without --broker never loads it
 
-        from sidecar.tls import node_files
         self.endpoints = parse_endpoints(endpoints)
-        tls: dict[str, str] = {}
-        if certs_dir is not None and any(e.startswith("https") for e in self.endpoints):
-            ca, cert, key = node_files(certs_dir)  # TlsError saying how to make what is missing
-            tls = {"ca_cert": str(ca), "cert_cert": str(cert), "cert_key": str(key)}
         self._clients = []
         for url in self.endpoints:
             parts = urlsplit(url)
             assert parts.hostname is not None
             self._clients.append(etcd3gw.Etcd3Client(
                 host=parts.hostname, port=parts.port or 2379, protocol=parts.scheme, timeout=timeout,
-                api_path="/v3/", **(tls if parts.scheme == "https" else {})))
+                api_path="/v3/", session=_session(certs_dir if parts.scheme == "https" else None)))
         self._current = 0
         self._errors: tuple[type[BaseException], ...] = (etcd3gw.exceptions.Etcd3Exception, OSError, ValueError,
                                                          KeyError, TypeError)
@@ -270,6 +265,21 @@ class Broker:
         txn = {"compare": [{"key": _b64(key), "result": "EQUAL", "target": "LEASE", "lease": lease}],
                "success": [{"request_delete_range": {"key": _b64(key)}}], "failure": []}
         await self._call("resign", lambda c: c.transaction(txn))
+
+
+def _session(certs_dir: Path | None) -> Any:
+    """An HTTP session trusting only the deployment's CA and presenting its certificate, given `certs_dir`."""
+    import requests
+
+    from sidecar.tls import node_files
+    session = requests.Session()
+    # Not REQUESTS_CA_BUNDLE, proxies or .netrc from the environment: etcd is reached as configured.
+    session.trust_env = False
+    if certs_dir is not None:
+        ca, cert, key = node_files(certs_dir)  # TlsError saying how to make what is missing
+        session.verify = str(ca)
+        session.cert = (str(cert), str(key))
+    return session
 
 
 def _etcd_message(e: Any) -> str:
