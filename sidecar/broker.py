@@ -31,6 +31,7 @@ ROOT = "walsidecar"
 TIMEOUT = 3.0  # seconds per request to one endpoint
 CLUSTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 MAX_VALUE = 1024  # bytes: anything longer under our prefix is not ours
+STALE_AFTER = 15.0  # seconds without a publish after which `check` calls an entry stale
 T = TypeVar("T")
 
 
@@ -144,6 +145,25 @@ def group_states(kvs: Mapping[str, str]) -> dict[str, dict[int, dict[int, Safeke
     out: dict[str, dict[int, dict[int, SafekeeperState]]] = {}
     for (cluster, timeline, node), values in sorted(raw.items()):
         out.setdefault(cluster, {}).setdefault(timeline, {})[node] = SafekeeperState.from_keys(node, values)
+    return out
+
+
+@dataclass(frozen=True)
+class TimelineEntries:
+    """What the broker holds for one timeline of one cluster."""
+
+    safekeepers: dict[int, SafekeeperState]
+    uploader: int | None  # the id holding the upload lease
+
+
+async def read_clusters(broker: Broker, cluster: str | None = None) -> dict[str, dict[int, TimelineEntries]]:
+    """Every cluster's (or `cluster`'s) timelines as published: {cluster: {timeline: entries}}."""
+    kvs = await broker.read_prefix(f"{ROOT}/{cluster}/" if cluster else f"{ROOT}/")
+    out: dict[str, dict[int, TimelineEntries]] = {}
+    for name, timelines in group_states(kvs).items():
+        for tl, states in timelines.items():
+            up = kvs.get(uploader_key(name, tl), "")
+            out.setdefault(name, {})[tl] = TimelineEntries(states, int(up) if up.isdigit() else None)
     return out
 
 

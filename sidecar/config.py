@@ -288,9 +288,9 @@ class StatusSettings(BrokerSettings, SafekeepersMixin, PrimarySettings, TlsSetti
 
     @model_validator(mode="after")
     def _something(self) -> StatusSettings:
-        if not (self.proposer_metrics or self.safekeepers or self.pg_dsn):
+        if not (self.proposer_metrics or self.safekeepers or self.pg_dsn or self.broker):
             raise ValueError("nothing to ask: give --proposer-metrics (the proposer's --metrics address), "
-                             "--safekeepers, or --pg-dsn")
+                             "--safekeepers, --pg-dsn or --broker")
         return self
 
 
