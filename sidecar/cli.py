@@ -86,8 +86,10 @@ def _publisher(s: SafekeeperSettings, sk: Any) -> Any:
     if any(e.startswith("http://") for e in s.broker) and not s.insecure:
         get_logger(node=s.id).warning("--broker over plain http: anyone on the network path can read and alter "
                                       "the safekeepers' published state; use https:// with etcd --client-cert-auth")
+    # With an archive, the uploader asks publisher.election before each upload.
     return Publisher(sk, Broker(s.broker, s.certs_dir), ttl=s.broker_lease, cluster=s.cluster,
-                     advertise=s.advertise, advertise_pg=s.advertise_pg)
+                     advertise=s.advertise, advertise_pg=s.advertise_pg,
+                     elect_uploader=bool(getattr(s, "archive", None)))
 
 
 def _reader_port(s: SafekeeperSettings) -> Any:

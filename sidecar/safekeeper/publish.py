@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
 from typing import Protocol
 
 from sidecar.broker import (
@@ -38,16 +37,16 @@ class Published(Protocol):
 class Publisher:
     """Keeps `walsidecar/<cluster>/<timeline>/safekeepers/<id>/` up to date under this safekeeper's lease.
 
-    With `election`, each round also campaigns for the timeline's upload lease (see broker.LeaseElection).
+    With `elect_uploader`, each round also campaigns for the timeline's upload lease: `election` is then the
+    uploader's UploadElection (see broker.LeaseElection).
     """
 
     def __init__(self, sk: Published, broker: Broker, *, ttl: int, cluster: str | None = None,
                  advertise: str | None = None, advertise_pg: str | None = None,
-                 backup_lsn: Callable[[], int] = lambda: 0, elect_uploader: bool = False) -> None:
+                 elect_uploader: bool = False) -> None:
         self.sk, self.broker = sk, broker
         self.cluster_option = cluster
         self.advertise, self.advertise_pg = advertise, advertise_pg
-        self.backup_lsn = backup_lsn
         self.lease = Lease(broker, ttl)
         v = sk.view()
         self.node_id = v.node_id
@@ -68,7 +67,7 @@ class Publisher:
         """What to publish now."""
         p, history = v.positions, v.state.term_history
         return SafekeeperState(
-            v.node_id, flush_lsn=p.flush_lsn, commit_lsn=p.commit_lsn, backup_lsn=self.backup_lsn(), term=p.term,
+            v.node_id, flush_lsn=p.flush_lsn, commit_lsn=p.commit_lsn, backup_lsn=v.state.backup_lsn, term=p.term,
             last_log_term=history[-1].term if history else 0, proposer_connected=v.proposer_connected,
             last_updated=time.time(), address=self.advertise or v.listen,
             pg_address=self.advertise_pg or v.reader_listen or "")
