@@ -87,6 +87,7 @@ async def gather(s: StatusSettings) -> dict[str, Any]:
         got_broker = got["broker"]
         doc["broker"] = {"endpoints": list(s.broker), "error": str(got_broker)} \
             if isinstance(got_broker, BaseException) else got_broker
+        _rows_from_broker(doc["broker"], rows)
     _fill_lag(doc, rows)
     doc["safekeepers"] = sorted(rows.values(), key=lambda r: (r["id"] is None, r["id"] or 0, r["address"]))
     return doc
@@ -122,6 +123,19 @@ async def _broker(s: StatusSettings) -> dict[str, Any]:
              "proposer_connected": st.proposer_connected, "age_seconds": round(now - st.last_updated, 1),
              "address": st.address, "pg_address": st.pg_address or None} for st in e.safekeepers.values()]}
             for tl, e in timelines.items()} for name, timelines in clusters.items()}}
+
+
+def _rows_from_broker(b: dict[str, Any], rows: dict[str, dict[str, Any]]) -> None:
+    """Safekeepers nobody else told of get a row from the broker (one cluster's latest timeline only)."""
+    clusters = b.get("clusters") or {}
+    if len(clusters) != 1:
+        return
+    timelines = next(iter(clusters.values()))
+    for e in timelines[max(timelines, key=int)]["safekeepers"]:
+        rows.setdefault(e["address"], {
+            "address": e["address"], "id": e["id"], "state": "streaming" if e["proposer_connected"] else "idle",
+            "term": e["term"], "flush_lsn": e["flush_lsn"], "lag_bytes": None, "lag_seconds": None,
+            "last_contact_seconds": e["age_seconds"]})
 
 
 def _fill_lag(doc: dict[str, Any], rows: dict[str, dict[str, Any]]) -> None:
