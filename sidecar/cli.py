@@ -59,6 +59,7 @@ def safekeeper(s: SafekeeperSettings) -> None:
     try:
         ctx = server_security(s.certs_dir, s.link_security)
         sk = Safekeeper.open(s.id, s.data_dir, host, port, ctx, reader_port=_reader_port(s))
+        sk.publisher = _publisher(s, sk)
         monitor = SafekeeperMonitor(sk)
         endpoint = _endpoint(monitor, s.metrics, s.certs_dir)
     except (ControlFileError, StartupError, TlsError, AuthFileError, SlotsFileError) as e:
@@ -74,6 +75,21 @@ def safekeeper(s: SafekeeperSettings) -> None:
         raise click.ClickException(str(e)) from e
     if sk.fatal is not None:
         sys.exit(1)
+
+
+def _publisher(s: SafekeeperSettings, sk: Any) -> Any:
+    """The broker publisher of --broker (None without it)."""
+    from sidecar.broker import Broker
+    from sidecar.safekeeper.publish import Publisher
+    if not s.broker:
+        return None
+    if any(e.startswith("http://") for e in s.broker) and not s.insecure:
+        get_logger(node=s.id).warning("--broker over plain http: anyone on the network path can read and alter "
+                                      "the safekeepers' published state; use https:// with etcd --client-cert-auth")
+    # With an archive, the uploader asks publisher.election before each upload.
+    return Publisher(sk, Broker(s.broker, s.certs_dir), ttl=s.broker_lease, cluster=s.cluster,
+                     advertise=s.advertise, advertise_pg=s.advertise_pg,
+                     elect_uploader=bool(getattr(s, "archive", None)))
 
 
 def _reader_port(s: SafekeeperSettings) -> Any:

@@ -176,7 +176,53 @@ class SafekeepersMixin(Settings):
         return self
 
 
-class SafekeeperSettings(TlsSettings):
+def _broker_endpoints(value: tuple[str, ...]) -> tuple[str, ...]:
+    from sidecar.broker import parse_endpoints
+    return parse_endpoints(value)
+
+
+def _cluster_name(value: str | None) -> str | None:
+    from sidecar.broker import check_cluster_name
+    return check_cluster_name(value) if value is not None else None
+
+
+class BrokerSettings(Settings):
+    """The broker (etcd) where safekeepers publish their state, and the cluster's name there."""
+
+    broker: Annotated[tuple[str, ...], NoDecode, BeforeValidator(_split), AfterValidator(_broker_endpoints),
+                      Metavar("URL,...")] = Field(
+        (), description="etcd endpoints of one etcd cluster, http://HOST:PORT or https://HOST:PORT, comma-separated. "
+                        "Over https the --certs-dir certificate is the client certificate (etcd --client-cert-auth).")
+    cluster: Annotated[str | None, AfterValidator(_cluster_name)] = Field(
+        None, description="The cluster's name in the broker's keys (walsidecar/<cluster>/...) and the archive's "
+                          "layout; default: the primary's system id.")
+
+
+class SafekeeperBrokerSettings(BrokerSettings):
+    """What a safekeeper publishes to the broker, and for how long it outlives it."""
+
+    broker_lease: int = Field(10, ge=2, le=600, description="Seconds a safekeeper's broker keys outlive its last "
+                              "renewal (the etcd lease TTL): a dead safekeeper's entry and its upload lease go "
+                              "after this.")
+    advertise: PeerAddress | None = Field(None, description="HOST:PORT peers and tools reach the proposer port "
+                                                            "(--listen) at, as published to the broker; default "
+                                                            "--listen.")
+    advertise_pg: PeerAddress | None = Field(None, description="HOST:PORT readers reach the reader port (--pg-listen) at, as "
+                                                     "published to the broker; default --pg-listen.")
+
+    @model_validator(mode="after")
+    def _advertised(self) -> SafekeeperBrokerSettings:
+        if not self.broker:
+            return self
+        for name, listen_name in (("advertise", "listen"), ("advertise_pg", "pg_listen")):
+            listen = getattr(self, listen_name, None)
+            if getattr(self, name) is None and listen and Address.parse(listen, port_zero=True).host in ("0.0.0.0", "::"):
+                raise ValueError(f"{name}: {flag(listen_name)} {listen} listens on every address; give {flag(name)} "
+                                 "HOST:PORT, the address others reach it at, for the broker")
+        return self
+
+
+class SafekeeperSettings(SafekeeperBrokerSettings, TlsSettings):
     """walsidecar safekeeper: store WAL durably and vote in proposer elections."""
 
     command: ClassVar[str] = "safekeeper"
@@ -217,7 +263,7 @@ class StartSettings(SafekeepersMixin, PrimarySettings, TlsSettings):
                                      "for the quorum (commits are hanging); 0 turns it off.")
 
 
-class CheckSettings(SafekeepersMixin, PrimarySettings, TlsSettings):
+class CheckSettings(BrokerSettings, SafekeepersMixin, PrimarySettings, TlsSettings):
     """walsidecar check: one line per check of the primary, the safekeepers and the sidecar."""
 
     command: ClassVar[str] = "check"
@@ -228,7 +274,7 @@ class CheckSettings(SafekeepersMixin, PrimarySettings, TlsSettings):
     timeout: Timeout = 5.0
 
 
-class StatusSettings(SafekeepersMixin, PrimarySettings, TlsSettings):
+class StatusSettings(BrokerSettings, SafekeepersMixin, PrimarySettings, TlsSettings):
     """walsidecar status: each safekeeper's and the proposer's state."""
 
     command: ClassVar[str] = "status"
@@ -242,9 +288,9 @@ class StatusSettings(SafekeepersMixin, PrimarySettings, TlsSettings):
 
     @model_validator(mode="after")
     def _something(self) -> StatusSettings:
-        if not (self.proposer_metrics or self.safekeepers or self.pg_dsn):
+        if not (self.proposer_metrics or self.safekeepers or self.pg_dsn or self.broker):
             raise ValueError("nothing to ask: give --proposer-metrics (the proposer's --metrics address), "
-                             "--safekeepers, or --pg-dsn")
+                             "--safekeepers, --pg-dsn or --broker")
         return self
 
 

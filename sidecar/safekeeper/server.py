@@ -28,6 +28,7 @@ from sidecar.metrics import SafekeeperMetrics
 from sidecar.safekeeper.control import ControlData, save_control
 from sidecar.safekeeper.pgserver import ReaderPort, ReaderServer
 from sidecar.safekeeper.positions import Positions, PositionWatch
+from sidecar.safekeeper.publish import Publisher
 from sidecar.safekeeper.slots import Slots
 from sidecar.safekeeper.startup import open_data_dir
 from sidecar.safekeeper.storage import DiskFull, NoWal, StorageError, WalInDoubt, WalStorage, is_disk_full
@@ -82,6 +83,7 @@ class Safekeeper:
         self._sessions: set[AcceptorSession] = set()
         self.fatal: BaseException | None = None  # the error that stops the process
         self.stopped: str | None = None  # why nothing is accepted any more (a full disk, or fatal)
+        self.publisher: Publisher | None = None  # with --broker: runs while serving
         # Lines logged by this safekeeper (bound with node=) also carry its term and flush LSN.
         set_context_provider("node", self._log_context)
 
@@ -125,7 +127,8 @@ class Safekeeper:
             reader_listen=f"{self.readers.options.host}:{self.readers.port}" if self.readers is not None else None,
             readers=len(self.readers.connections) if self.readers is not None else 0,
             streaming_readers=self.readers.streaming if self.readers is not None else 0,
-            slots=tuple(SlotView(s.name, s.restart_lsn, s.timeline, s.temporary, s.active) for s in self.slots))
+            slots=tuple(SlotView(s.name, s.restart_lsn, s.timeline, s.temporary, s.active) for s in self.slots),
+            broker=self.publisher.view() if self.publisher is not None else None)
 
     # ---- what readers see (safekeeper/pgserver.py, walsender.py) ------------------------------
 
@@ -181,6 +184,7 @@ class Safekeeper:
         self._serving = asyncio.current_task()
         flusher = asyncio.create_task(self._flusher())
         slot_saver = asyncio.create_task(self.slots.run())
+        publisher = asyncio.create_task(self.publisher.run()) if self.publisher is not None else None
         try:
             if self.readers is not None:
                 await self.readers.start()
@@ -191,7 +195,7 @@ class Safekeeper:
             self._server.close()
             if self.readers is not None:
                 await self.readers.close()
-            for task in (flusher, slot_saver):
+            for task in (flusher, slot_saver, *([publisher] if publisher is not None else [])):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
