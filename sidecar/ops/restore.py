@@ -79,7 +79,9 @@ def restore_wal(s: RestoreWalSettings, name: str, target: Path) -> Exit:
                                               "safekeepers serve only those")
             data = _segment(s, name, tli, segno)
     except Failure as e:
-        log.error("not restored", file=name, reason=str(e), exit_code=int(e.code))
+        # PostgreSQL asks for files that do not exist as a matter of course (the next timeline's history).
+        say = log.info if e.code is Exit.NOT_FOUND else log.error
+        say("not restored", file=name, reason=str(e), exit_code=int(e.code))
         return e.code
     try:
         write_atomically(target, data)

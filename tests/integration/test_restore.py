@@ -10,9 +10,11 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from click.testing import CliRunner
 
 from support.deployment import Deployment, commit_lsn_of, read_wal
 from support.helpers import free_port, wait_for
+from sidecar.cli import main
 from sidecar.config import RestoreWalSettings
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE, parse_lsn, segment_file_name
 from sidecar.ops.restore import Exit, restore_wal
@@ -73,6 +75,37 @@ def test_walclient_reads_committed_wal_as_the_primary_wrote_it(deployment: Deplo
             assert lsn == start and data
             break
         assert r.identify()[0] == system_id
+
+
+def test_readers_slot_create_list_drop_on_every_safekeeper(deployment: Deployment) -> None:
+    d = deployment
+    s = reader_settings(d)
+    common = ["--safekeeper-readers", ",".join(s.safekeeper_readers), "--reader-passfile", str(d.reader_passfile),
+              *d.link_args("reader", "client")]
+
+    def slot(*args: str) -> tuple[int, list[str]]:
+        out = CliRunner().invoke(main, ["readers", "slot", *args, *common])
+        return out.exit_code, out.output.splitlines()
+
+    code, lines = slot("create", "archiver")
+    assert code == 0 and len(lines) == 3 and all("created slot archiver" in line for line in lines), lines
+    code, lines = slot("create", "archiver")
+    assert code == 1 and all("already exists" in line and "42710" in line for line in lines), lines
+    code, lines = slot("list", "archiver", "other")
+    assert code == 0 and all("archiver has no position yet; other does not exist" in line for line in lines), lines
+    # A reader streaming with the slot moves it on the safekeeper it reads from.
+    with d.sql() as c:
+        end = commit_lsn_of(c, "INSERT INTO load VALUES (-2, 'slot')")
+    commit = wait_for(lambda: (p := commit_position(d, 2)) >= end and p, timeout=60, what="a commit")
+    with WalReader(d.reader_addresses[1], s) as r:
+        for lsn, data in r.stream(commit - commit % SEG, slot="archiver", stop_at=commit):
+            pass
+        assert r.read_slot("archiver") == (commit, 1)
+    code, lines = slot("drop", "archiver")
+    assert code == 0 and len(lines) == 3, lines
+    code, lines = slot("list", "archiver")
+    assert all("archiver does not exist" in line for line in lines), lines
+    assert CliRunner().invoke(main, ["readers", "slot", "create", "Bad-Name", *common]).exit_code == 2
 
 
 # ---- restore-wal ---------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""restore-wal's pieces that need no safekeeper: names, exit codes, the atomic write, the reader conninfo."""
+"""restore-wal's pieces that need no safekeeper: names, exit codes, unreachable safekeepers, the atomic write."""
 
 from __future__ import annotations
 
@@ -7,12 +7,9 @@ import socket
 from pathlib import Path
 
 import pytest
-from psycopg.conninfo import conninfo_to_dict
 
-from sidecar.address import Address
 from sidecar.config import RestoreWalSettings
 from sidecar.ops.restore import Exit, restore_wal, write_atomically
-from sidecar.walclient import reader_conninfo
 
 
 def closed_port() -> int:
@@ -24,20 +21,6 @@ def closed_port() -> int:
 def settings(*ports: int, **kw: object) -> RestoreWalSettings:
     return RestoreWalSettings(safekeeper_readers=tuple(f"127.0.0.1:{p}" for p in ports), insecure=True,
                               reader_timeout=2, **kw)
-
-
-def test_the_conninfo_asks_for_replication_and_verify_full_with_certificates(tmp_path: Path) -> None:
-    for name in ("ca.crt", "node.crt", "node.key"):
-        (tmp_path / name).write_text("x")
-    s = RestoreWalSettings(safekeeper_readers=("db1:7701",), certs_dir=tmp_path, reader_passfile=tmp_path / "pgpass",
-                           reader_user="archiver")
-    info = conninfo_to_dict(reader_conninfo(Address("db1", 7701), s))
-    assert info == {"host": "db1", "port": "7701", "user": "archiver", "dbname": "replication",
-                    "replication": "true", "connect_timeout": "10", "passfile": str(tmp_path / "pgpass"),
-                    "sslmode": "verify-full", "sslrootcert": str(tmp_path / "ca.crt"),
-                    "sslcert": str(tmp_path / "node.crt"), "sslkey": str(tmp_path / "node.key")}
-    insecure = conninfo_to_dict(reader_conninfo(Address("::1", 7701), settings(1)))
-    assert insecure["sslmode"] == "prefer" and insecure["host"] == "::1" and "passfile" not in insecure
 
 
 def test_names_the_safekeepers_do_not_serve_are_not_found_without_asking(tmp_path: Path) -> None:
