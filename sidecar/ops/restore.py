@@ -129,8 +129,10 @@ def _nowhere(name: str, unreachable: list[str], bad: list[str], n: int) -> Failu
     if bad:
         return Failure(Exit.BAD_DATA, f"{name}: no safekeeper gave a good copy: " + "; ".join(bad + unreachable))
     if unreachable and len(unreachable) * 2 >= n:
-        return Failure(Exit.UNREACHABLE, f"{name}: not found on the safekeepers that answered, and "
-                                         f"{len(unreachable)} of {n} did not: " + "; ".join(unreachable))
+        head = "no safekeeper answered" if len(unreachable) >= n else \
+            f"not found on the safekeepers that answered, and {len(unreachable)} of {n} did not"
+        return Failure(Exit.UNREACHABLE, f"{name}: {head} (check --safekeeper-readers and that their reader "
+                                         "ports run): " + "; ".join(unreachable))
     return Failure(Exit.NOT_FOUND, f"{name} does not exist on the safekeepers")
 
 
