@@ -160,8 +160,9 @@ def _segment(s: RestoreWalSettings, name: str, tli: int, segno: int) -> bytes:
                 unreachable.append(f"{address}: {e.message}")
                 continue
             except ReaderError as e:
+                # It could not be asked: as good as unreachable, not a bad copy.
                 log.warning("safekeeper refused", safekeeper=str(address), reason=e.message, sqlstate=e.sqlstate)
-                bad.append(f"{address}: {e.message}")
+                unreachable.append(f"{address}: {e.message}")
                 continue
             answers.append(Answer(address, r, system_id, timeline, commit, seg_size))
         holding = [a for a in answers if a.seg_size]
@@ -183,7 +184,7 @@ def _segment(s: RestoreWalSettings, name: str, tli: int, segno: int) -> bytes:
         if len(answers) < majority:
             raise Failure(Exit.UNREACHABLE, f"{name}: only {len(answers)} of {len(addresses)} safekeepers "
                                             f"answered; a partial segment needs a majority ({majority}) to know "
-                                            "where the committed WAL ends: " + "; ".join(unreachable + bad))
+                                            "where the committed WAL ends: " + "; ".join(unreachable))
         top = max(a.commit for a in holding)
         if top <= start:
             raise Failure(Exit.NOT_FOUND, f"{name} does not exist yet: the highest commit position is "

@@ -12,7 +12,7 @@ import psycopg
 import pytest
 from click.testing import CliRunner
 
-from support.deployment import Deployment, commit_lsn_of, read_wal
+from support.deployment import Deployment, Writer, commit_lsn_of, read_wal
 from support.helpers import free_port, wait_for
 from sidecar.cli import main
 from sidecar.config import RestoreWalSettings
@@ -139,7 +139,6 @@ def test_a_wiped_primary_comes_back_from_a_base_backup_and_the_safekeepers(deplo
                      "-c", "fast", timeout=120)
 
     # The workload after the backup: single-row commits and a bulk load across segments.
-    from support.deployment import Writer
     writer = Writer(d.pg.dsn())
     writer.start()
     with d.sql() as c:
