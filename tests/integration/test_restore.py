@@ -13,9 +13,12 @@ import pytest
 from click.testing import CliRunner
 
 from support.deployment import Deployment, Writer, commit_lsn_of, read_wal
+from support.backends import PgServer
 from support.helpers import free_port, wait_for
+from sidecar.address import Address
 from sidecar.cli import main
 from sidecar.config import RestoreWalSettings
+from sidecar.consensus.messages import TimelineEntry
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE, parse_lsn, segment_file_name
 from sidecar.ops.restore import Exit, restore_wal
 from sidecar.pgcluster import LocalCluster
@@ -219,3 +222,37 @@ def test_restore_wal_refuses_what_is_not_there_or_not_intact(deployment: Deploym
             f.write(b"\xde\xad\xbe\xef" * 8)
     assert restore_wal(s, name, out) == Exit.BAD_DATA
     assert not out.exists() and [p.name for p in test_dir.iterdir() if "RECOVERYXLOG" in p.name] == []
+
+
+def test_walclient_and_restore_wal_against_postgresqls_own_walsender_after_a_promotion(pg: PgServer,
+                                                                                     test_dir: Path) -> None:
+    """The reference server: a history file, and the end of a timeline, as PostgreSQL's walsender gives them."""
+    with psycopg.connect(pg.dsn(), autocommit=True) as c:
+        c.execute("CREATE TABLE t AS SELECT generate_series(1, 1000) AS i")
+    pg.stop()
+    (pg.data_dir / "standby.signal").write_text("")
+    pg.start()
+    pg.run_bin("pg_ctl", "-D", str(pg.data_dir), "-w", "promote")
+    s = RestoreWalSettings(safekeeper_readers=(f"{pg.host}:{pg.port}",), insecure=True,
+                           reader_user="postgres")
+    with WalReader(Address.parse(s.safekeeper_readers[0]), s) as r:
+        assert r.identify()[1] == 2
+        content = r.timeline_history(2)
+        assert content == (pg.pg_wal_dir / "00000002.history").read_text()
+        switch = parse_lsn(content.split("\t")[1])
+        start = switch - switch % SEG
+        got = b"".join(data for _, data in r.stream(start, timeline=1))
+        assert len(got) == switch - start and r.timeline_end == TimelineEntry(2, switch)
+        assert r.identify()[1] == 2  # back in command mode after the end of the timeline
+    out = test_dir / "RECOVERYHISTORY"
+    assert restore_wal(s, "00000002.history", out) == Exit.RESTORED
+    assert out.read_text() == content
+    # Timeline 1 ends inside the switch segment (PostgreSQL keeps it only as .partial); timeline 2's
+    # copy is served up to the end of the WAL, zero-padded.
+    with WalReader(Address.parse(s.safekeeper_readers[0]), s) as r:
+        written = r.identify()[2] - start
+    seg = segment_file_name(2, switch // SEG)
+    assert restore_wal(s, segment_file_name(1, switch // SEG), out) == Exit.NOT_FOUND
+    assert restore_wal(s, seg, out) == Exit.RESTORED
+    data = out.read_bytes()
+    assert len(data) == SEG and data[:written] == (pg.pg_wal_dir / seg).read_bytes()[:written]
