@@ -362,7 +362,9 @@ class Safekeeper:
             if isinstance(st, NoWal):
                 return RecordEnd(0)
             await asyncio.to_thread(st.flush)
-            return await asyncio.to_thread(record_end, st, self.acceptor.state)
+            # The scan may step back over segments the remover would otherwise take from under it.
+            with st.pin(st.first_lsn() or 0, "the end-of-WAL scan of a vote"):
+                return await asyncio.to_thread(record_end, st, self.acceptor.state)
 
     def _sync_when_drained(self, reader: framing.FrameReader, writer: framing.Writer) -> None:
         """Group commit: sync once the socket is drained, so one fdatasync covers all WAL received."""
