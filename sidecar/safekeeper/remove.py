@@ -20,7 +20,7 @@ from sidecar.safekeeper.diskguard import DiskGuard
 from sidecar.safekeeper.horizon import Horizon, removal_horizon
 from sidecar.safekeeper.positions import Positions, PositionWatch
 from sidecar.safekeeper.slots import Slots
-from sidecar.safekeeper.storage import NoWal, WalStorage
+from sidecar.safekeeper.storage import NoWal, Removal, StorageError, WalStorage
 
 # While the guard holds WAL back nothing is written, so nothing wakes the remover when space is
 # freed by someone else on the filesystem: measure again this often until it lets WAL in.
@@ -47,6 +47,7 @@ class Remover:
         self.backup_lsn = backup_lsn  # the archive's uploaded position; None: no archive configured
         self.horizon = Horizon(0, "nothing stored yet")
         self.stopped_by: str | None = None  # what kept the last pass below the horizon
+        self.failed: str | None = None  # the last removal error, logged once
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -79,7 +80,15 @@ class Remover:
         if isinstance(st, WalStorage):
             first = st.first_lsn()
             if first is not None and first + st.seg_size <= h.lsn:
-                removal = await asyncio.to_thread(st.remove_below, h.lsn)
+                try:
+                    removal = await asyncio.to_thread(st.remove_below, h.lsn)
+                except StorageError as e:
+                    # Not fatal here: a failed fsync has failed the storage, and its next write stops
+                    # the safekeeper; anything else leaves the segment stored, tried again next time.
+                    if str(e) != self.failed:
+                        self.sk.log.error("removing WAL failed", error=str(e), horizon=format_lsn(h.lsn), term=p.term)
+                    self.failed = str(e)
+                    removal = Removal([], "removal failed (see the log)")
                 if removal.removed:
                     self.sk.stats.wal_removed.inc(len(removal.removed) * st.seg_size)
                     self.sk.log.info("removed WAL segments", count=len(removal.removed), first=removal.removed[0],

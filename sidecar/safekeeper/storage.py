@@ -355,9 +355,8 @@ class WalStorage:
                 path = self._path(segno)
                 try:
                     path.unlink()
-                except OSError as e:
-                    self._failed = f"removing WAL segment {path} failed: {e}"
-                    raise StorageError(self._failed) from e
+                except OSError as e:  # nothing changed: the segment is still stored, and still read
+                    raise StorageError(f"removing WAL segment {path} failed: {e}") from e
                 del self._files[segno]
             removed.append(path.name)
             # Outside the state lock (writers go on); before the next deletion, so that a crash
