@@ -353,11 +353,13 @@ class WalStorage:
                 if why is not None:
                     return Removal(removed, why)
                 path = self._path(segno)
-                try:
-                    path.unlink()
-                except OSError as e:  # nothing changed: the segment is still stored, and still read
-                    raise StorageError(f"removing WAL segment {path} failed: {e}") from e
-                del self._files[segno]
+                gone = self._files.pop(segno)  # no reader finds it from now on; writers need not wait
+            try:
+                path.unlink()
+            except OSError as e:  # nothing changed: the segment is still stored, and may still be read
+                with self._lock:
+                    self._files[segno] = gone
+                raise StorageError(f"removing WAL segment {path} failed: {e}") from e
             removed.append(path.name)
             # Outside the state lock (writers go on); before the next deletion, so that a crash
             # leaves the lowest segments gone, never one in the middle.

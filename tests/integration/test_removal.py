@@ -106,6 +106,7 @@ def test_removal_keeps_wal_bounded_slots_pin_it_and_the_disk_guard_stops_and_res
     assert check.returncode == 1, check.stdout
     line = next(x for x in check.stdout.splitlines() if f"safekeeper {d.addresses[2]}:" in x)
     assert "FAILED" in line and "disk guard" in line and 'reader slot "guard3"' in line, line
+    assert "advance or drop that reader slot" in line, line
     assert "safekeeper quorum: OK (2 of 3 usable" in check.stdout, check.stdout
 
     # The slot goes: WAL is removed, the guard lets WAL in and safekeeper 3 catches up.
