@@ -77,6 +77,7 @@ class Remover:
         """Remove what the horizon allows now, then let the guard measure."""
         h = self.horizon = self.compute(p)
         st = self.sk.storage
+        removal = Removal([])
         if isinstance(st, WalStorage):
             first = st.first_lsn()
             if first is not None and first + st.seg_size <= h.lsn:
@@ -89,16 +90,14 @@ class Remover:
                         self.sk.log.error("removing WAL failed", error=str(e), horizon=format_lsn(h.lsn), term=p.term)
                     self.failed = str(e)
                     removal = Removal([], "removal failed (see the log)")
-                if removal.removed:
-                    self.sk.stats.wal_removed.inc(len(removal.removed) * st.seg_size)
-                    self.sk.log.info("removed WAL segments", count=len(removal.removed), first=removal.removed[0],
-                                     last=removal.removed[-1], horizon=format_lsn(h.lsn), held_by=h.held_by,
-                                     term=p.term, flush_lsn=format_lsn(p.flush_lsn),
-                                     commit_lsn=format_lsn(p.commit_lsn))
-                if removal.stopped_by != self.stopped_by and removal.stopped_by is not None:
-                    self.sk.log.info("WAL removal waits for a reader", reason=removal.stopped_by,
-                                     horizon=format_lsn(h.lsn), term=p.term)
-                self.stopped_by = removal.stopped_by
+            if removal.removed:
+                self.sk.stats.wal_removed.inc(len(removal.removed) * st.seg_size)
+                self.sk.log.info("removed WAL segments", count=len(removal.removed), first=removal.removed[0],
+                                 last=removal.removed[-1], horizon=format_lsn(h.lsn), held_by=h.held_by,
+                                 term=p.term, flush_lsn=format_lsn(p.flush_lsn), commit_lsn=format_lsn(p.commit_lsn))
+        if removal.stopped_by is not None and removal.stopped_by != self.stopped_by:
+            self.sk.log.info("WAL removal waits", reason=removal.stopped_by, horizon=format_lsn(h.lsn), term=p.term)
+        self.stopped_by = removal.stopped_by
         holder = self.stopped_by or f"{h.held_by} at {format_lsn(h.lsn)}"
         if self.guard.update(st.wal_bytes(), holder):
             if self.guard.active:

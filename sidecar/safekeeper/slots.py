@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from sidecar.lsn import format_lsn, parse_lsn
