@@ -98,6 +98,11 @@ class Remover:
         if removal.stopped_by is not None and removal.stopped_by != self.stopped_by:
             self.sk.log.info("WAL removal waits", reason=removal.stopped_by, horizon=format_lsn(h.lsn), term=p.term)
         self.stopped_by = removal.stopped_by
+        self.guard_check(p)
+
+    def guard_check(self, p: Positions) -> None:
+        """Let the guard measure now; also called by the server as each new segment is begun."""
+        h, st = self.horizon, self.sk.storage
         holder = self.stopped_by or f"{h.held_by} at {format_lsn(h.lsn)}"
         if self.guard.update(st.wal_bytes(), holder):
             if self.guard.active:

@@ -272,10 +272,15 @@ class Safekeeper:
                 else:
                     actions = await self._dispatch(session, msg, log)
                     reader.max_frame = session.max_frame
+                began_segment = acc.write_lsn // seg if (seg := acc.state.wal_seg_size) else 0
                 if any(type(a) in _STATEFUL for a in actions):
                     await self._execute_stateful(actions, writer)
                 else:
                     self._apply(actions, writer)
+                if seg and acc.write_lsn // seg != began_segment and self.guard.limit is not None:
+                    # A new segment file: measured before the next message is read, so the guard
+                    # stops within one segment of its limit, not whenever the remover runs next.
+                    self.remover.guard_check(self.positions.value)
                 self._publish()
                 self._sync_when_drained(reader, writer)
                 if writer.transport.get_write_buffer_size() > 1 << 20:
