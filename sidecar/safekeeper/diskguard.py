@@ -4,6 +4,8 @@ It stops reading from the elected proposer's connection, so the proposer sees a 
 (it stops sending at its in-flight window) and commits go on with the others; nothing received
 is lost, and what was received before the stop is still flushed and acknowledged. A byte limit
 counts this safekeeper's WAL files; a percentage, the whole filesystem of the data directory.
+It measures as each new segment is begun (so it stops within a segment of the limit), after each
+removal, and every second while it holds WAL back.
 """
 
 from __future__ import annotations
