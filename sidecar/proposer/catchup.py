@@ -103,3 +103,48 @@ class PrimaryReader:
             for task in resuming:
                 task.cancel()
             await stream.close()
+
+
+class DonorReader:
+    """Reads WAL ranges from a safekeeper's reader port naming a term, so up to its flush (`walclient`).
+
+    The safekeepers' own recovery path: the fence term of `failover` feeds voters below E with it, and
+    the service a lagging safekeeper whose WAL the primary no longer has.
+    """
+
+    def __init__(self, conninfo: Callable[[str], str]) -> None:
+        self.conninfo = conninfo  # reader address -> libpq conninfo with the reader's credentials
+
+    async def copy(self, address: str, start: int, end: int, term: int, sink: Sink,
+                   link: Backlog | None = None) -> None:
+        """Hand WAL [start, end) read from `address` in `term` to `sink`, pausing while `link` has a backlog."""
+        from sidecar.walclient import WalReader
+        loop = asyncio.get_running_loop()
+        stopped = False
+
+        async def deliver(lsn: int, data: bytes) -> None:
+            if link is not None and link.buffered() > CATCHUP_BACKLOG:
+                await link.drain()
+            if not stopped:
+                sink(lsn, data)
+
+        def read() -> int:
+            got = start
+            with WalReader(self.conninfo(address)) as reader:
+                for lsn, data in reader.stream(start, term=term, stop_at=end):
+                    if stopped or lsn != got:
+                        break
+                    piece = data[: end - lsn]
+                    asyncio.run_coroutine_threadsafe(deliver(lsn, bytes(piece)), loop).result()
+                    got = lsn + len(piece)
+                    if got >= end:
+                        break
+            return got
+
+        try:
+            got = await asyncio.to_thread(read)
+        finally:
+            stopped = True
+        if got < end:
+            raise repl.ReplicationError(f"safekeeper {address} ended the stream at {format_lsn(got)} before "
+                                        f"{format_lsn(end)}")

@@ -22,6 +22,7 @@ from sidecar.linkauth import Security
 from sidecar.lsn import format_lsn, segment_start
 from sidecar.logs import get_logger
 from sidecar.proposer import pgerrors, primary
+from sidecar.proposer.actions import exhausted_text, log_event, log_fields, refused_text
 from sidecar.proposer import replication as repl
 from sidecar.proposer.catchup import PrimaryReader
 from sidecar.proposer.options import StartOptions
@@ -390,29 +391,22 @@ class ProposerService:
                         o.term_lost()
                     self._term_over.set()
                 case GreetingsRefused():
-                    reasons = "; ".join(f"safekeeper {peer}: {why}" for peer, why in sorted(a.reasons.items()))
-                    self._fatal(SafekeepersRefused(
-                        f"{len(a.reasons)} of {len(self.links)} safekeepers refuse this primary, so no quorum "
-                        f"of {self.options.quorum} can form ({reasons}); point the sidecar at the safekeepers of "
-                        "this primary's cluster"))
+                    self._fatal(SafekeepersRefused(refused_text(
+                        a, len(self.links), self.options.quorum,
+                        "point the sidecar at the safekeepers of this primary's cluster")))
                     self.log.critical("safekeepers refuse this primary", reason=str(self._refusal))
                 case DropPeer():
                     self.log.error("safekeeper broke the protocol; dropping the link", peer=a.peer,
-                                   reason=a.reason, **{k: _fmt(k, v) for k, v in a.fields.items()})
+                                   reason=a.reason, **log_fields(a.fields))
                     self.links[a.peer].drop(faulted=True)
                 case TermsExhausted():
-                    held = f"safekeeper {a.peer} holds term {a.term}" if a.peer else f"term {a.term} was reached"
-                    self._fatal(ProposerStopped(
-                        f"no term is left to campaign in: {held}, the highest term the protocol allows "
-                        f"({limits.MAX_TERM}). Something that is not this proposer gave it that term (a bug, "
-                        "or a client that can reach the safekeeper port); secure the safekeepers' ports, then "
-                        "reset that safekeeper's data directory and let it re-sync"))
+                    self._fatal(ProposerStopped(exhausted_text(a, limits.MAX_TERM)))
                     self.log.critical("no term left to campaign in", term=a.term, peer=a.peer,
                                       max_term=limits.MAX_TERM)
                 case ProposerEvent():
                     for o in self.observers:
                         o.event(a)
-                    self.log.info(a.name, **{k: _fmt(k, v) for k, v in a.fields().items()})
+                    log_event(self.log, a)
 
     def _report(self, a: ReportStatus) -> None:
         for o in self.observers:
@@ -580,7 +574,3 @@ def _gives_up(state: RetryCallState) -> bool:
     """Stop retrying only what cannot heal, after PERMANENT_TRIES: network and restarts are retried forever."""
     e = state.outcome.exception() if state.outcome is not None else None
     return e is not None and pgerrors.permanent(e) is not None and state.attempt_number >= PERMANENT_TRIES
-
-
-def _fmt(key: str, value: object) -> object:
-    return format_lsn(value) if key.endswith("_lsn") and isinstance(value, int) else value
