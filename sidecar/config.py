@@ -90,6 +90,7 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
     command: ClassVar[str] = ""
+    cli_words: ClassVar[str] = ""  # the words that run it when they are not `command` (a subcommand)
 
     log_format: Literal["plain", "json"] = Field("plain", description="Log line format.")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
@@ -297,9 +298,44 @@ class ReadersSettings(Settings):
                                                             "0600).")
 
 
+class ReaderCredentials(TlsSettings):
+    """How a command logs in to the safekeepers' reader ports (restore-wal, failover, readers slot)."""
+
+    reader_user: str = Field("walsidecar", min_length=1, description="The reader name to log in to the "
+                                                                     "safekeepers' reader ports as (`walsidecar "
+                                                                     "readers add`).")
+    reader_passfile: FilePath | None = Field(None, description="libpq password file (.pgpass format, mode 0600) "
+                                                               "holding the reader's password; default: libpq's "
+                                                               "own (PGPASSFILE, ~/.pgpass, PGPASSWORD).")
+    reader_timeout: Timeout = Field(10.0, description="Seconds to wait for a safekeeper's reader port to connect "
+                                                      "and, while streaming, to say anything.")
+
+
+ReaderAddresses = Annotated[
+    tuple[PeerAddress, ...], NoDecode, BeforeValidator(_split), AfterValidator(_distinct), Metavar("HOST:PORT,..."),
+    Field(min_length=1, description="Comma-separated HOST:PORT list of every safekeeper's reader port (their "
+                                    "--pg-listen addresses).")]
+
+
+class RestoreWalSettings(ReaderCredentials):
+    """walsidecar restore-wal: PostgreSQL's restore_command, served by the safekeepers."""
+
+    command: ClassVar[str] = "restore-wal"
+    safekeeper_readers: ReaderAddresses
+
+
+class ReaderSlotSettings(ReaderCredentials):
+    """walsidecar readers slot: reader slots on the safekeepers, over their reader ports."""
+
+    command: ClassVar[str] = "readers-slot"
+    cli_words: ClassVar[str] = "readers slot create"
+    safekeeper_readers: ReaderAddresses
+
+
 # Keys valid somewhere: a top-level key unknown to every command is a typo, not another command's option.
 ALL_SETTINGS: tuple[type[Settings], ...] = (SafekeeperSettings, StartSettings, CheckSettings, StatusSettings,
-                                            InitPostgresSettings, UpSettings, CtlSettings, ReadersSettings)
+                                            InitPostgresSettings, UpSettings, CtlSettings, ReadersSettings,
+                                            RestoreWalSettings, ReaderSlotSettings)
 
 
 def read_toml(path: Path, cls: type[Settings]) -> dict[str, Any]:
