@@ -300,8 +300,8 @@ def create_node(ca_dir: Path, certs_dir: Path, role: str, node_id: int | None, h
 
 
 def _register_operator_commands() -> None:
-    from sidecar.ops.commands import check, init_postgres, status
-    for cmd in (check, status, init_postgres):
+    from sidecar.ops.commands import check, failover, init_postgres, status
+    for cmd in (check, status, init_postgres, failover):
         main.add_command(cmd)
 
 

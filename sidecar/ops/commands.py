@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from sidecar.config import CheckSettings, InitPostgresSettings, StatusSettings, configured
+from sidecar.config import CheckSettings, FailoverSettings, InitPostgresSettings, StatusSettings, configured
 
 
 @click.command()
@@ -42,3 +42,17 @@ def init_postgres(s: InitPostgresSettings) -> None:
     """Prepare a primary with sql/install.sql: role, settings, slots and views; say what needs a restart."""
     from sidecar.ops.initpg import run_init
     sys.exit(run_init(s))
+
+
+@click.command()
+@configured(FailoverSettings)
+def failover(s: FailoverSettings) -> None:
+    """Promote a standby without losing an acknowledged commit: fence, recover, catch up, promote, resume.
+
+    \b
+    Each step says what it does. Exit code 0: the standby is the primary
+    (also when it already was); 1: a step refused or failed, nothing was
+    promoted, and the command can be run again.
+    """
+    from sidecar.ops.failover import run_failover
+    sys.exit(run_failover(s))

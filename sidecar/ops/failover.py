@@ -27,7 +27,6 @@ from sidecar.ops.probe import redact_dsn
 from sidecar.pgrepl import history_file_name, parse_timeline_history
 from sidecar.proposer.catchup import DonorReader
 from sidecar.proposer.fence import Fence, FenceError, Fenced
-from sidecar.walclient import reader_conninfo
 
 PROGRESS_INTERVAL = 2.0
 POLL_INTERVAL = 0.2
@@ -92,7 +91,7 @@ class Failover:
         self.s = s
         self.say = say
         self.security = client_security(s.certs_dir, s.link_security)
-        self.donor = DonorReader(lambda address: reader_conninfo(address, s))
+        self.donor = DonorReader(s)
 
     async def run(self) -> None:
         s, say = self.s, self.say

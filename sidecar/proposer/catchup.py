@@ -10,6 +10,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Protocol
 
+from sidecar.address import Address
+from sidecar.config import ReaderCredentials
 from sidecar.consensus.proposer import MAX_APPEND
 from sidecar.lsn import format_lsn
 from sidecar.proposer import replication as repl
@@ -112,8 +114,8 @@ class DonorReader:
     the service a lagging safekeeper whose WAL the primary no longer has.
     """
 
-    def __init__(self, conninfo: Callable[[str], str]) -> None:
-        self.conninfo = conninfo  # reader address -> libpq conninfo with the reader's credentials
+    def __init__(self, creds: ReaderCredentials) -> None:
+        self.creds = creds  # the reader's user, password file and certificates
 
     async def copy(self, address: str, start: int, end: int, term: int, sink: Sink,
                    link: Backlog | None = None) -> None:
@@ -130,7 +132,7 @@ class DonorReader:
 
         def read() -> int:
             got = start
-            with WalReader(self.conninfo(address)) as reader:
+            with WalReader(Address.parse(address), self.creds, application_name="walsidecar_recovery") as reader:
                 for lsn, data in reader.stream(start, term=term, stop_at=end):
                     if stopped or lsn != got:
                         break
