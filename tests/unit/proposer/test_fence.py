@@ -26,7 +26,7 @@ class MemorySafekeeper:
     """A real Acceptor with its WAL in memory: what server.py does around it, without sockets or disks."""
 
     def __init__(self, node_id: int, data: bytes, history: tuple[TermEntry, ...], term: int, commit: int = 0) -> None:
-        self.start, self.data = S, bytearray(data)
+        self.start, self.data = (S if history else 0), bytearray(data)
         state = AcceptorState(system_id=SYSTEM_ID, wal_seg_size=SEG, pg_version=15, timeline=1, term=term,
                               term_history=history, timeline_history=(), commit_lsn=commit, backup_lsn=0,
                               peer_horizon_lsn=0)
