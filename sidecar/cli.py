@@ -202,7 +202,7 @@ def up(s: UpSettings) -> None:
 
     try:
         Embedded(s.dir, s.pg_port, s.safekeeper_port, s.log_format, metrics_port=s.metrics_port,
-                 insecure=s.insecure, link_security=s.link_security).run()
+                 insecure=s.insecure, link_security=s.link_security, standby=s.standby).run()
     except DeploymentError as e:
         raise click.ClickException(str(e)) from e
 

@@ -278,6 +278,9 @@ class UpSettings(LinkSettings):
     safekeeper_port: int = Field(7601, ge=1, le=65533, description="First of three consecutive safekeeper ports.")
     metrics_port: int = Field(7610, ge=0, le=65532, description="First of four consecutive metrics ports "
                               "(proposer, then safekeepers 1-3); 0 picks free ports.")
+    standby: bool = Field(False, description="Also run a standby that streams from safekeeper1's reader port (on "
+                                             "--pg-port + 1), ready for `walsidecar failover`; the members keep "
+                                             "running when the primary dies.")
 
 
 class CtlSettings(Settings):
