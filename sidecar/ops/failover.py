@@ -54,7 +54,8 @@ async def read_standby(conn: psycopg.AsyncConnection) -> StandbyState:
     """What the standby is and where it stands; its timeline is the one it receives (or last checkpointed on)."""
     row = await (await conn.execute(
         "SELECT pg_is_in_recovery(), (SELECT system_identifier FROM pg_control_system()), "
-        "current_setting('wal_segment_size')::bigint, current_setting('server_version_num')::int, "
+        "(SELECT setting::bigint FROM pg_settings WHERE name = 'wal_segment_size'), "
+        "current_setting('server_version_num')::int, "
         "coalesce((SELECT received_tli FROM pg_stat_wal_receiver), "
         "         (SELECT timeline_id FROM pg_control_checkpoint())), "
         "coalesce(pg_last_wal_replay_lsn(), '0/0')::text, coalesce(pg_last_wal_receive_lsn(), '0/0')::text, "
@@ -138,7 +139,7 @@ class Failover:
     def _precheck(self, standby: StandbyState):  # type: ignore[no-untyped-def]
         async def check(a: VerifyPrimary) -> str | None:
             """Before any vote: the standby must follow the safekeepers' timelines up to E."""
-            self.say(f"  the safekeepers' log ends at {format_lsn(a.start_lsn)} (donor {a.donor})")
+            self.say(f"  the safekeepers' log ends at {format_lsn(a.start_lsn)}")
             return lineage_problem(standby, a.timeline_history, a.start_lsn)
         return check
 
@@ -213,5 +214,9 @@ def run_failover(s: FailoverSettings) -> int:
     except psycopg.OperationalError as e:
         print(f"failover stopped: cannot reach the standby: {str(e).strip()}\nnothing was promoted: run failover "
               "again", flush=True)
+        return 1
+    except psycopg.Error as e:
+        print(f"failover stopped: the standby refused a query: {str(e).strip()} (connect as a superuser)\n"
+              "nothing was promoted: run failover again", flush=True)
         return 1
     return 0

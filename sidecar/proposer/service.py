@@ -13,9 +13,9 @@ from psycopg_pool import AsyncConnectionPool
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from sidecar.consensus import codec, limits, primary_check
-from sidecar.consensus.messages import Message, Refusal
+from sidecar.consensus.messages import GreetingReply, Message, Refusal
 from sidecar.consensus.proposer import (
-    Action, DropPeer, FetchWal, GreetingsRefused, Phase, Proposer, ProposerConfig, ProposerEvent, ReportStatus,
+    Action, DropPeer, ElectionWon, FetchWal, GreetingsRefused, Phase, Proposer, ProposerConfig, ProposerEvent, ReportStatus,
     Send, StartStreaming, TermLost, TermsExhausted, VerifyPrimary,
 )
 from sidecar.linkauth import Security
@@ -24,10 +24,11 @@ from sidecar.logs import get_logger
 from sidecar.proposer import pgerrors, primary
 from sidecar.proposer.actions import exhausted_text, log_event, log_fields, refused_text
 from sidecar.proposer import replication as repl
-from sidecar.proposer.catchup import PrimaryReader
+from sidecar.proposer.catchup import DonorReader, PrimaryReader
 from sidecar.proposer.options import StartOptions
 from sidecar.proposer.peers import PeerLink
 from sidecar.proposer.view import PeerView, ProposerObserver
+from sidecar.walclient import ReaderError
 
 ELECTION_TIMEOUT = 5.0
 HEARTBEAT_INTERVAL = 1.0
@@ -92,6 +93,10 @@ class ProposerService:
             for name in options.safekeepers}
         self.replication = replication if replication is not None else repl.ReplicationClient(options.pg_dsn)
         self.reader = PrimaryReader(self.replication, options.application_name)
+        # WAL the primary no longer has comes from a safekeeper of the term, over its reader port.
+        self.peer_reader = DonorReader(options.reader_credentials) if options.reader_credentials else None
+        self._reader_ports: dict[str, int] = {}  # safekeeper -> its reader port, from its greeting
+        self._donor: str | None = None
         self.observers: list[ProposerObserver] = []
         self._primary = primary.PrimarySnapshot()
         self.stream: repl.ReplicationStream | None = None
@@ -333,6 +338,8 @@ class ProposerService:
                                refusals=n)
         else:
             self._refusals.pop(name, None)
+        if isinstance(msg, GreetingReply) and getattr(msg, "reader_port", 0):
+            self._reader_ports[name] = msg.reader_port
         if self.core is not None:
             self._run(self.core.peer_message(name, msg))
 
@@ -404,6 +411,8 @@ class ProposerService:
                     self.log.critical("no term left to campaign in", term=a.term, peer=a.peer,
                                       max_term=limits.MAX_TERM)
                 case ProposerEvent():
+                    if isinstance(a, ElectionWon):
+                        self._donor = a.donor
                     for o in self.observers:
                         o.event(a)
                     log_event(self.log, a)
@@ -523,8 +532,18 @@ class ProposerService:
             self._run(core.catchup_data(a.peer, lsn, data))
 
         try:
-            await self.reader.copy(a.start, a.end, self._timeline, sink, link)
-        except (repl.ReplicationError, psycopg.Error, OSError) as e:
+            try:
+                await self.reader.copy(a.start, a.end, self._timeline, sink, link)
+            except (repl.ReplicationError, psycopg.Error, OSError) as e:
+                source = self._catchup_source(a)
+                if source is None:
+                    raise
+                # The primary recycled it (or lost it): a safekeeper of the term has it up to its flush.
+                self.log.warning("the primary cannot serve the WAL; catching up from a safekeeper's reader port",
+                                 peer=a.peer, source=source, term=core.term, end_lsn=format_lsn(a.end),
+                                 error=pgerrors.first_line(e))
+                await self._copy_from_peer(source, a, sink)
+        except (repl.ReplicationError, psycopg.Error, OSError, ReaderError) as e:
             self.log.error("catch-up failed; will retry after reconnect", peer=a.peer, error=str(e).strip())
             link.drop()
             return
@@ -532,6 +551,24 @@ class ProposerService:
             self._fetches.pop(a.peer, None)
         if core is self.core:
             self._run(core.catchup_done(a.peer))
+
+    def _catchup_source(self, a: FetchWal) -> str | None:
+        """A safekeeper of this term holding [a.start, a.end) with a reader port: the donor first."""
+        core = self.core
+        if self.peer_reader is None or core is None:
+            return None
+        held = [n for n, p in core.peers.items()
+                if n != a.peer and p.elected and p.flush_lsn >= a.end and self._reader_ports.get(n)]
+        return self._donor if self._donor in held else (held[0] if held else None)
+
+    async def _copy_from_peer(self, source: str, a: FetchWal, sink: Callable[[int, bytes], None]) -> None:
+        """Copy what `a.peer` still needs from `source`'s reader port, in our term (up to its flush)."""
+        core = self.core
+        assert core is not None and self.peer_reader is not None
+        start = core.peers[a.peer].sent_lsn  # what the primary delivered before it failed stays sent
+        host = source.rpartition(":")[0]
+        await self.peer_reader.copy(f"{host}:{self._reader_ports[source]}", start, a.end, core.term, sink,
+                                    self.links[a.peer])
 
     # ---- plumbing --------------------------------------------------------------------------
 
