@@ -194,6 +194,7 @@ class Member:
 
     name: str
     standby: str | None = None  # application_name it streams from the primary as, if it does
+    takes_over: bool = False  # can become the primary (walsidecar failover) when the primary dies
 
     def start(self, *extra: str) -> Any: ...
 
@@ -272,6 +273,8 @@ class Standby(Primary):
     a synchronous standby of the primary (commits never wait for it). Its first start takes a base backup
     of the primary and writes primary_conninfo with the deployment's reader password file.
     """
+
+    takes_over = True
 
     def __init__(self, d: LocalDeployment, server: PgServer, name: str = "standby", source: str = "safekeeper1") -> None:
         super().__init__(server)

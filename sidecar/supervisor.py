@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sidecar.deployment import DeploymentError, LocalDeployment, Member, Standby
+from sidecar.deployment import DeploymentError, LocalDeployment, Member
 
 
 class PrimaryExited(DeploymentError):
@@ -60,7 +60,7 @@ class Supervisor:
             child = w.member.process
             code = child.returncode if child is not None else None
             if name == "primary":
-                if not any(isinstance(m, Standby) for m in self.d.members.values()):
+                if not any(m.takes_over for m in self.d.members.values()):
                     raise PrimaryExited(f"PostgreSQL (the primary) exited with code {code}; stopping everything. "
                                         f"See {w.member.log_path}")
                 # A standby can take over (walsidecar failover): the safekeepers and it stay up.
