@@ -168,16 +168,16 @@ def appends(draw: st.DrawFn) -> Append:
 
 messages = st.one_of(
     st.builds(Greeting, st.just(PROTOCOL_VERSION), text, u64, u32, u32, u32),
-    st.builds(GreetingReply, u64, u64),
+    st.builds(GreetingReply, u64, u64, st.integers(0, 0xFFFF)),
     st.builds(VoteRequest, u64),
-    st.builds(VoteReply, u64, st.booleans(), u64, term_entries, timeline_entries, u64, u32),
-    st.builds(Elected, u64, u64, term_entries),
+    st.builds(VoteReply, u64, st.booleans(), u64, term_entries, timeline_entries, u64, u32, u32),
+    st.builds(Elected, u64, u64, term_entries, u32, timeline_entries),
     st.builds(ElectedReply, u64, u64),
     appends(),
     st.builds(AppendReply, u64, u64, u64),
     st.builds(Refusal, text),
     st.just(InfoRequest()),
-    st.builds(InfoReply, u64, u64, u32, u32, u32, u64, u64, u64, u64, st.booleans()),
+    st.builds(InfoReply, u64, u64, u32, u32, u32, u64, u64, u64, u64, st.booleans(), st.integers(0, 0xFFFF)),
 )
 # Values a mutation writes over four bytes: mostly frame lengths at the limits.
 _LENGTHS = [0, 1, 2, 8, codec.MAX_FRAME, codec.MAX_FRAME + 1, U32, 16 * 1024, 0x7FFFFFFF]
@@ -432,6 +432,7 @@ def _invalid_fields(msg: Message) -> str:
                 limits.check_term(msg.term)
                 limits.check_lsn(msg.start_lsn)
                 limits.check_term_history(msg.term_history)
+                limits.check_timeline(msg.timeline, msg.timeline_history)
             case Append():
                 limits.check_term(msg.term)
                 limits.check_lsn(msg.begin_lsn)
@@ -658,7 +659,7 @@ def _message(draw: st.DrawFn, h: Harness, conn: int) -> tuple[Message | bytes, i
     if kind == "greeting":
         if draw(st.integers(0, 3)):
             return IDENTITY, None
-        return draw(st.builds(Greeting, st.sampled_from([PROTOCOL_VERSION, PROTOCOL_VERSION, 2, 0]), text,
+        return draw(st.builds(Greeting, st.sampled_from([PROTOCOL_VERSION, PROTOCOL_VERSION, 1, 3, 0]), text,
                               st.sampled_from([0, IDENTITY.system_id, 1, U64]), st.sampled_from([0, 1, 2, U32]),
                               st.sampled_from([0, 3, 1 << 20, IDENTITY.wal_seg_size, 1 << 31]),
                               st.sampled_from([0, 150000, 170000, U32]))), None
@@ -668,7 +669,10 @@ def _message(draw: st.DrawFn, h: Harness, conn: int) -> tuple[Message | bytes, i
         term = draw(st.sampled_from([a.state.term, a.state.term, _terms(draw, a)]))
         end = h._record_end(end_lsn)
         start = draw(st.sampled_from([end.flush_lsn, end.flush_lsn, _lsns(draw, a, s)]))
-        return Elected(term, start, _history(draw, a, term, start, end)), end_lsn
+        timeline = draw(st.sampled_from([0, 1, 2, 3, U32]))
+        switches = draw(st.sampled_from([(), (TimelineEntry(1, start),), (TimelineEntry(1, 0x1000000), TimelineEntry(2, start)),
+                                         (TimelineEntry(2, start),)]))
+        return Elected(term, start, _history(draw, a, term, start, end), timeline, switches), end_lsn
     if kind == "append":
         term = draw(st.sampled_from([a.elected_term, a.elected_term, a.elected_term, _terms(draw, a)]))
         begin = draw(st.sampled_from([a.write_lsn, a.write_lsn, a.write_lsn, _lsns(draw, a, s)]))

@@ -133,7 +133,8 @@ class Failover:
     def _config(self, st: StandbyState) -> ProposerConfig:
         s = self.s
         return ProposerConfig(proposer_id="walsidecar-failover", peers=s.safekeepers, quorum=s.quorum,
-                              system_id=st.system_id, timeline=st.timeline, wal_seg_size=st.wal_seg_size,
+                              system_id=st.system_id, timeline=st.timeline, timeline_history=st.history,
+                              wal_seg_size=st.wal_seg_size,
                               pg_version=st.pg_version, bootstrap_lsn=0)
 
     def _precheck(self, standby: StandbyState):  # type: ignore[no-untyped-def]

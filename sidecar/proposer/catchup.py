@@ -12,8 +12,10 @@ from typing import Protocol
 
 from sidecar.address import Address
 from sidecar.config import ReaderCredentials
+from sidecar.consensus.messages import TimelineHistory
 from sidecar.consensus.proposer import MAX_APPEND
 from sidecar.lsn import format_lsn
+from sidecar.pgrepl import timeline_end, timeline_of
 from sidecar.proposer import replication as repl
 
 CATCHUP_BACKLOG = 16 * 1024 * 1024  # bytes queued to one safekeeper before catch-up reading pauses
@@ -36,17 +38,29 @@ class PrimaryReader:
         self.replication = replication
         self.name = f"{application_name}_reader"
 
-    async def read(self, start: int, end: int, timeline: int) -> bytes:
+    async def read(self, start: int, end: int, timeline: int, history: TimelineHistory = ()) -> bytes:
         """WAL [start, end) as one piece (for the tail check: a few kilobytes)."""
         parts: list[bytes | memoryview] = []
-        await self.copy(start, end, timeline, lambda lsn, data: parts.append(data))
+        await self.copy(start, end, timeline, lambda lsn, data: parts.append(data), history=history)
         return b"".join(parts)
 
-    async def copy(self, start: int, end: int, timeline: int, sink: Sink, link: Backlog | None = None) -> None:
-        """Stream WAL [start, end) from the primary without a slot into `sink`.
+    async def copy(self, start: int, end: int, timeline: int, sink: Sink, link: Backlog | None = None,
+                   history: TimelineHistory = ()) -> None:
+        """Stream WAL [start, end) from the primary (on `timeline`, after `history`'s switches) into `sink`.
 
-        With `link`, reading pauses while that safekeeper's socket has a backlog.
+        Each piece is read on the timeline that holds it, as a standby would. With `link`, reading
+        pauses while that safekeeper's socket has a backlog.
         """
+        pos = start
+        while pos < end:
+            tli = timeline_of(history, timeline, pos)
+            switch = timeline_end(history, timeline, tli)
+            upto = min(end, switch.switch_lsn) if switch is not None else end
+            await self._copy_on(pos, upto, tli, sink, link)
+            pos = upto
+
+    async def _copy_on(self, start: int, end: int, timeline: int, sink: Sink, link: Backlog | None) -> None:
+        """Stream WAL [start, end), all on `timeline`, from the primary without a slot into `sink`."""
         conn = await self.replication.connect(self.name)
         done = asyncio.Event()
         got = start
@@ -150,3 +164,8 @@ class DonorReader:
         if got < end:
             raise repl.ReplicationError(f"safekeeper {address} ended the stream at {format_lsn(got)} before "
                                         f"{format_lsn(end)}")
+
+
+def reader_address(peer: str, port: int) -> str:
+    """The reader port of safekeeper `peer` (its HOST:PORT link address) as HOST:PORT."""
+    return f"{peer.rpartition(':')[0]}:{port}"

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from sidecar.consensus import codec, limits
-from sidecar.consensus.messages import AppendReply, GreetingReply, Message, TimelineHistory
+from sidecar.consensus.messages import AppendReply, Message, TimelineHistory
 from sidecar.consensus.proposer import (
     DropPeer, ElectionWon, FetchWal, GreetingsRefused, Phase, Proposer, ProposerConfig, ProposerEvent, ReportStatus,
     Send, StartStreaming, TermLost, TermsExhausted, VerifyPrimary,
@@ -23,6 +23,7 @@ from sidecar.linkauth import Security
 from sidecar.logs import get_logger
 from sidecar.lsn import format_lsn
 from sidecar.proposer import actions
+from sidecar.proposer.catchup import reader_address
 from sidecar.proposer.peers import PeerLink
 
 HEARTBEAT_INTERVAL = 1.0
@@ -64,7 +65,6 @@ class Fence:
         self._precheck, self._copy = precheck, copy
         self.links = {name: link_factory(name, self._up, self._message, self._down, security)
                       for name in config.peers}
-        self.reader_ports: dict[str, int] = {}  # safekeeper -> its reader port, from its greeting
         self.commits: dict[str, int] = {}  # safekeeper -> the commit position it last reported in our term
         self.donor = ""
         self.voters: tuple[str, ...] = ()
@@ -139,11 +139,7 @@ class Fence:
         self._run(self.core.peer_connected(name))
 
     def _message(self, name: str, msg: Message) -> None:
-        if isinstance(msg, GreetingReply):
-            port = getattr(msg, "reader_port", 0)
-            if port:
-                self.reader_ports[name] = port
-        elif isinstance(msg, AppendReply) and msg.term == self.core.term:
+        if isinstance(msg, AppendReply) and msg.term == self.core.term:
             self.commits[name] = msg.commit_lsn
             self._changed.set()
         self._run(self.core.peer_message(name, msg))
@@ -210,7 +206,7 @@ class Fence:
     async def _recover(self, a: FetchWal) -> None:
         """Feed `a.peer` the donor's WAL [a.start, a.end), read in our term (so up to the donor's flush)."""
         core, link = self.core, self.links[a.peer]
-        port = self.reader_ports.get(self.donor)
+        port = core.peers[self.donor].reader_port
         if not port:
             self._fail(f"the donor {self.donor} serves no readers (no --pg-listen): recovery reads its WAL "
                        "from its reader port; give it one and run failover again")
@@ -223,7 +219,7 @@ class Fence:
             self._run(core.catchup_data(a.peer, lsn, data))
 
         try:
-            await self._copy(_reader_address(self.donor, port), a.start, a.end, core.term, sink, link)
+            await self._copy(reader_address(self.donor, port), a.start, a.end, core.term, sink, link)
         except Exception as e:  # the reader's errors: the link retries after a reconnect
             self.log.error("recovery from the donor failed; retrying after a reconnect", peer=a.peer,
                            donor=self.donor, term=core.term, error=str(e))
@@ -249,8 +245,3 @@ class Fence:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             self._fail(f"internal error: {task.exception()!r}")
-
-
-def _reader_address(peer: str, port: int) -> str:
-    host = peer.rpartition(":")[0]
-    return f"{host}:{port}"

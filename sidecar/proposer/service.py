@@ -13,18 +13,19 @@ from psycopg_pool import AsyncConnectionPool
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from sidecar.consensus import codec, limits, primary_check
-from sidecar.consensus.messages import GreetingReply, Message, Refusal
+from sidecar.consensus.messages import Message, Refusal, TimelineHistory
 from sidecar.consensus.proposer import (
     Action, DropPeer, ElectionWon, FetchWal, GreetingsRefused, Phase, Proposer, ProposerConfig, ProposerEvent, ReportStatus,
     Send, StartStreaming, TermLost, TermsExhausted, VerifyPrimary,
 )
 from sidecar.linkauth import Security
 from sidecar.lsn import format_lsn, segment_start
+from sidecar.pgrepl import timeline_of
 from sidecar.logs import get_logger
 from sidecar.proposer import pgerrors, primary
 from sidecar.proposer.actions import exhausted_text, log_event, log_fields, refused_text
 from sidecar.proposer import replication as repl
-from sidecar.proposer.catchup import DonorReader, PrimaryReader
+from sidecar.proposer.catchup import DonorReader, PrimaryReader, reader_address
 from sidecar.proposer.options import StartOptions
 from sidecar.proposer.peers import PeerLink
 from sidecar.proposer.view import PeerView, ProposerObserver
@@ -34,6 +35,8 @@ ELECTION_TIMEOUT = 5.0
 HEARTBEAT_INTERVAL = 1.0
 CATCHUP_SLOT_INTERVAL = 5.0
 RECONNECT_MIN, RECONNECT_MAX = 0.5, 5.0
+# The walsender's "requested WAL segment ... has already been removed": the primary's pg_wal lacks it.
+WAL_REMOVED = "58P01"
 PERMANENT_TRIES = 3  # a wrong password or a missing database: tries before giving up (in case it was being set up)
 # How long a status that moves only write or apply may wait to be sent (see _report); commits
 # with synchronous_commit = remote_write or remote_apply may wait this much longer.
@@ -95,7 +98,6 @@ class ProposerService:
         self.reader = PrimaryReader(self.replication, options.application_name)
         # WAL the primary no longer has comes from a safekeeper of the term, over its reader port.
         self.peer_reader = DonorReader(options.reader_credentials) if options.reader_credentials else None
-        self._reader_ports: dict[str, int] = {}  # safekeeper -> its reader port, from its greeting
         self._donor: str | None = None
         self.observers: list[ProposerObserver] = []
         self._primary = primary.PrimarySnapshot()
@@ -105,6 +107,7 @@ class ProposerService:
         self._fetches: dict[str, asyncio.Task[None]] = {}
         self._replication_conn: psycopg.AsyncConnection | None = None
         self._timeline = 0
+        self._history: TimelineHistory = ()  # the primary's timeline switches, from TIMELINE_HISTORY
         self._refusal: PrimaryMismatch | None = None
         self._seg_size = 0
         self._pending: list[memoryview] = []
@@ -262,9 +265,11 @@ class ProposerService:
         if slot is None:
             raise repl.ReplicationError(f"replication slot {opts.slot} disappeared")
         self._timeline = timeline
+        # Every safekeeper learns the primary's lineage with Elected, to lay its WAL out as this pg_wal.
+        self._history = await self.replication.timeline_history(conn, timeline) if timeline > 1 else ()
         cfg = ProposerConfig(
             proposer_id=opts.application_name, peers=opts.safekeepers, quorum=opts.quorum,
-            system_id=system_id, timeline=timeline, wal_seg_size=self._seg_size,
+            system_id=system_id, timeline=timeline, timeline_history=self._history, wal_seg_size=self._seg_size,
             pg_version=self._pg_version, bootstrap_lsn=segment_start(slot[0], self._seg_size),
             buffer_limit=opts.wal_buffer_bytes, max_inflight=max(opts.wal_buffer_bytes // 2, 1 << 20))
         self._term_over = asyncio.Event()
@@ -338,8 +343,6 @@ class ProposerService:
                                refusals=n)
         else:
             self._refusals.pop(name, None)
-        if isinstance(msg, GreetingReply) and getattr(msg, "reader_port", 0):
-            self._reader_ports[name] = msg.reader_port
         if self.core is not None:
             self._run(self.core.peer_message(name, msg))
 
@@ -456,7 +459,10 @@ class ProposerService:
     async def _stream(self, start_lsn: int) -> None:
         core, conn = self.core, self._replication_conn
         assert core is not None and conn is not None
-        stream = self.replication.stream(conn, start_lsn=start_lsn, timeline=self._timeline,
+        # The timeline that holds the term start: a promoted standby serves WAL below its switch point
+        # on its old timeline, which ends there (TimelineEnded: the next term starts on the new one).
+        timeline = timeline_of(self._history, self._timeline, start_lsn)
+        stream = self.replication.stream(conn, start_lsn=start_lsn, timeline=timeline,
                                          slot=self.options.slot, on_wal=self._on_wal,
                                          on_batch_end=self._on_batch_end)
         self.stream = stream
@@ -470,7 +476,17 @@ class ProposerService:
         except repl.TimelineEnded as e:
             self.log.warning("the primary's timeline ended; starting a new term", term=core.term,
                              next_timeline=e.next_tli, switch_lsn=format_lsn(e.next_lsn))
-        except (repl.ReplicationError, psycopg.Error, OSError) as e:
+        except repl.ReplicationError as e:
+            if e.sqlstate == WAL_REMOVED and core is self.core:
+                self.log.critical("refusing to stream", term=core.term, reason=str(e))
+                self._fatal(PrimaryMismatch(
+                    f"the primary no longer holds its WAL from the term start {format_lsn(start_lsn)} on timeline "
+                    f"{timeline} ({e}): the safekeepers cannot receive the WAL that follows their committed "
+                    "WAL; copy that WAL back into its pg_wal (walsidecar restore-wal fetches it from the "
+                    "safekeepers), then start the sidecar again"))
+            else:
+                self.log.warning("replication stream failed", term=core.term, error=str(e).strip())
+        except (psycopg.Error, OSError) as e:
             self.log.warning("replication stream failed", term=core.term, error=str(e).strip())
         except Exception:
             self.log.exception("replication stream failed unexpectedly", term=core.term)
@@ -516,7 +532,12 @@ class ProposerService:
         history = await self.replication.timeline_history(conn, timeline)
         problem = primary_check.lineage_mismatch(a, flush, history)
         if problem is None and a.tail_lsn:
-            tail = await self.reader.read(a.tail_lsn, a.start_lsn, timeline)
+            try:
+                tail = await self.reader.read(a.tail_lsn, a.start_lsn, timeline, history)
+            except repl.ReplicationError as e:
+                if e.sqlstate != WAL_REMOVED:
+                    raise
+                raise PrimaryMismatch(primary_check.tail_removed(a, str(e))) from None
             problem = primary_check.tail_mismatch(a, google_crc32c.value(tail))
         if problem is not None:
             raise PrimaryMismatch(problem)
@@ -533,7 +554,7 @@ class ProposerService:
 
         try:
             try:
-                await self.reader.copy(a.start, a.end, self._timeline, sink, link)
+                await self.reader.copy(a.start, a.end, self._timeline, sink, link, self._history)
             except (repl.ReplicationError, psycopg.Error, OSError) as e:
                 source = self._catchup_source(a)
                 if source is None:
@@ -558,7 +579,7 @@ class ProposerService:
         if self.peer_reader is None or core is None:
             return None
         held = [n for n, p in core.peers.items()
-                if n != a.peer and p.elected and p.flush_lsn >= a.end and self._reader_ports.get(n)]
+                if n != a.peer and p.elected and p.flush_lsn >= a.end and p.reader_port]
         return self._donor if self._donor in held else (held[0] if held else None)
 
     async def _copy_from_peer(self, source: str, a: FetchWal, sink: Callable[[int, bytes], None]) -> None:
@@ -566,9 +587,8 @@ class ProposerService:
         core = self.core
         assert core is not None and self.peer_reader is not None
         start = core.peers[a.peer].sent_lsn  # what the primary delivered before it failed stays sent
-        host = source.rpartition(":")[0]
-        await self.peer_reader.copy(f"{host}:{self._reader_ports[source]}", start, a.end, core.term, sink,
-                                    self.links[a.peer])
+        await self.peer_reader.copy(reader_address(source, core.peers[source].reader_port), start, a.end,
+                                    core.term, sink, self.links[a.peer])
 
     # ---- plumbing --------------------------------------------------------------------------
 
