@@ -506,6 +506,7 @@ class Chaos:
         d.mark("proposer", f"round {n}: kill -9 of the primary, then failover")
         died = time.monotonic()
         os.kill(old.postmaster_pid(), signal.SIGKILL)
+        killed = time.monotonic()  # commits sent after this can only be acknowledged by the new primary
         d.kill("proposer")  # its primary is gone; the new primary gets its own sidecar
         proc = subprocess.run(
             sidecar_argv("failover", "--standby-dsn", standby.server.dsn(), "--safekeepers", ",".join(d.addresses),
@@ -522,9 +523,9 @@ class Chaos:
         d.start("proposer")
         for w in self.writers:
             w.dsn = new.dsn()
-        self.wait(lambda: any(done > died for w in self.writers for _, done in w.times[-50:]), self.round_timeout,
+        self.wait(lambda: any(sent > killed for w in self.writers for sent, _ in w.times[-50:]), self.round_timeout,
                   "the first acknowledged commit on the new primary")
-        s.failover_seconds.append(min(done for w in self.writers for _, done in w.times[-10_000:] if done > died)
+        s.failover_seconds.append(min(done for w in self.writers for sent, done in w.times[-10_000:] if sent > killed)
                                   - died)
         s.failovers += 1
         old.teardown()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -299,6 +300,7 @@ class Standby(Primary):
                         timeout=300)
         # The server runs as its own OS user: it gets copies of the CA certificate and the password file.
         certs = self.data_dir / "walsidecar-reader"
+        shutil.rmtree(certs, ignore_errors=True)  # a base backup of a promoted standby has its copies
         certs.mkdir(mode=0o700)
         passfile = certs / "reader.pgpass"
         passfile.write_bytes(self.d.reader_passfile.read_bytes())
