@@ -10,7 +10,8 @@ import click
 
 from sidecar import __version__
 from sidecar.address import parse_address, parse_listen
-from sidecar.config import CtlSettings, ReadersSettings, SafekeeperSettings, StartSettings, UpSettings, configured
+from sidecar.config import (CtlSettings, ReaderSlotSettings, ReadersSettings, SafekeeperSettings, StartSettings,
+                            UpSettings, configured)
 from sidecar.logs import get_logger
 
 
@@ -148,6 +149,48 @@ def readers_list(s: ReadersSettings) -> None:
         raise click.ClickException(str(e)) from e
     for n in names:
         click.echo(n)
+
+
+@readers.group("slot")
+def readers_slot() -> None:
+    """Reader slots on every safekeeper, over their reader ports: create, drop, list."""
+
+
+def _slot_name(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    from sidecar.pgrepl import ReplicationProtocolError, check_slot_name
+    try:
+        for name in (value if isinstance(value, tuple) else (value,)):
+            check_slot_name(name)
+    except ReplicationProtocolError as e:
+        raise click.BadParameter(str(e)) from None
+    return value
+
+
+@readers_slot.command("create")
+@click.argument("name", callback=_slot_name)
+@configured(ReaderSlotSettings)
+def readers_slot_create(s: ReaderSlotSettings, name: str) -> None:
+    """Create physical slot NAME on every safekeeper (exit 1 if any refused)."""
+    from sidecar.ops import readerslots
+    sys.exit(readerslots.create(s, name))
+
+
+@readers_slot.command("drop")
+@click.argument("name", callback=_slot_name)
+@configured(ReaderSlotSettings)
+def readers_slot_drop(s: ReaderSlotSettings, name: str) -> None:
+    """Drop slot NAME on every safekeeper (exit 1 if any refused)."""
+    from sidecar.ops import readerslots
+    sys.exit(readerslots.drop(s, name))
+
+
+@readers_slot.command("list")
+@click.argument("names", nargs=-1, required=True, callback=_slot_name)
+@configured(ReaderSlotSettings)
+def readers_slot_list(s: ReaderSlotSettings, names: tuple[str, ...]) -> None:
+    """Where slots NAMES stand on every safekeeper (READ_REPLICATION_SLOT; exit 1 if one did not answer)."""
+    from sidecar.ops import readerslots
+    sys.exit(readerslots.show(s, names))
 
 
 @main.command()
@@ -304,8 +347,8 @@ def create_node(ca_dir: Path, certs_dir: Path, role: str, node_id: int | None, h
 
 
 def _register_operator_commands() -> None:
-    from sidecar.ops.commands import check, failover, init_postgres, status
-    for cmd in (check, status, init_postgres, failover):
+    from sidecar.ops.commands import check, failover, init_postgres, restore_wal, status
+    for cmd in (check, status, init_postgres, restore_wal, failover):
         main.add_command(cmd)
 
 

@@ -269,6 +269,7 @@ class _Stream:
             if time.monotonic() - self.last_status >= STATUS_INTERVAL:
                 self._status()
             if stop_at is not None and self.expected >= stop_at:
+                self._status()  # the slot, if any, moves to the end before the stream does
                 return
 
     def _wait(self) -> None:
@@ -323,6 +324,7 @@ class _Stream:
                 # The server ended the timeline; libpq holds the rest until our CopyDone.
                 if self.client_ended:
                     raise ReaderError(f"{self.reader.address} ended COPY twice")
+                self._status()
                 self.client_ended = True
                 self._put(lambda: self.pg.put_copy_end(None))
             elif res.status == pq.ExecStatus.COPY_OUT or res.status == pq.ExecStatus.COPY_BOTH:

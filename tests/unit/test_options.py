@@ -55,7 +55,9 @@ def test_the_readme_script_rewrites_a_stale_table() -> None:
 
 @pytest.mark.parametrize("cls", ALL_SETTINGS, ids=lambda c: c.command)
 def test_every_field_is_an_option_with_help(cls: type[Settings]) -> None:
-    command = main.commands[cls.command]
+    command: click.Command = main
+    for word in (cls.cli_words or cls.command).split():
+        command = command.commands[word]  # type: ignore[attr-defined]
     options = {p.name: p for p in command.params if isinstance(p, click.Option)}
     assert set(options) == set(cls.model_fields) | {"config_file"}
     for name, field in cls.model_fields.items():
