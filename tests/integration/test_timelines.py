@@ -162,6 +162,21 @@ def test_a_promoted_standby_holding_every_committed_byte_becomes_the_primary(dep
         content, ended = run(read_timeline_1())
         assert content == history
         assert (ended.next_tli, ended.next_lsn) == (2, switch)
+
+        # pg_receivewal, resuming after the last timeline-1 segment it holds, follows the switch itself.
+        recv = test_dir / "recv"
+        recv.mkdir()
+        before = segment_file_name(1, switch // SEG - 1)
+        (recv / before).write_bytes((d.sk_dir(1) / "wal" / before).read_bytes())
+        receiver = procs.start([str(standby.bin_dir / "pg_receivewal"), "-d", d.reader_dsn(1), "-D", str(recv),
+                                "--no-loop", "-v"], name="pg_receivewal")
+        wait_for(lambda: stored(recv, switch_seg).exists() and (recv / "00000002.history").exists(), timeout=60,
+                 what="pg_receivewal to follow timeline 2")
+        receiver.interrupt()
+        assert (recv / "00000002.history").read_bytes() == history
+        old = recv / (segment_file_name(1, switch // SEG) + ".partial")
+        assert old.read_bytes()[:switch % SEG] == (standby.pg_wal_dir / switch_seg).read_bytes()[:switch % SEG]
+        assert "switched to timeline 2 at " + format_lsn(switch) in receiver.log_path.read_text()
     finally:
         standby.teardown()
 
