@@ -119,15 +119,21 @@ class Failover:
                 say(f"2/5 recover: {', '.join(fence.committed_on())} hold the WAL up to E = "
                     f"{format_lsn(fenced.start_lsn)} in term {fenced.term}; E is committed: every reader may have it")
                 say(f"3/5 catch up: waiting for the standby to replay up to {format_lsn(fenced.start_lsn)}")
-                await self._catch_up(conn, fenced.start_lsn)
+                await self._catch_up(conn, fenced.start_lsn, fence)
+                say("4/5 promote: checking the standby's timeline history against the safekeepers'")
+                standby = await read_standby(conn)
+                problem = lineage_problem(standby, fenced.timeline_history, fenced.start_lsn)
+                if problem is not None:
+                    raise FailoverError(f"not promoting: {problem}")
+                # The term is held to the end: had the old primary's sidecar taken a newer one, its
+                # commits past E would not be on the standby.
+                try:
+                    fence.check()
+                except FenceError as e:
+                    raise FailoverError(f"not promoting: the fence term was lost: {e}") from None
+                await self._promote(conn, fenced)
             finally:
                 await fence.close()
-            say("4/5 promote: checking the standby's timeline history against the safekeepers'")
-            standby = await read_standby(conn)
-            problem = lineage_problem(standby, fenced.timeline_history, fenced.start_lsn)
-            if problem is not None:
-                raise FailoverError(f"not promoting: {problem}")
-            await self._promote(conn, fenced)
             await self._resume(conn)
 
     def _config(self, st: StandbyState) -> ProposerConfig:
@@ -144,10 +150,14 @@ class Failover:
             return lineage_problem(standby, a.timeline_history, a.start_lsn)
         return check
 
-    async def _catch_up(self, conn: psycopg.AsyncConnection, end: int) -> None:
+    async def _catch_up(self, conn: psycopg.AsyncConnection, end: int, fence: Fence) -> None:
         """Wait until the standby replayed `end`, saying how far it is; refuse when it stops moving."""
         last, moved, said = -1, time.monotonic(), 0.0
         while True:
+            try:
+                fence.check()
+            except FenceError as e:
+                raise FailoverError(f"not promoting: the fence term was lost: {e}") from None
             st = await read_standby(conn)
             if not st.in_recovery:
                 raise FailoverError("the standby was promoted by someone else while catching up; check it "

@@ -89,6 +89,11 @@ class Fence:
         history = donor_vote.timeline_history if donor_vote is not None else ()
         return Fenced(core.term, core.term_start, self.donor, self.voters, history)
 
+    def check(self) -> None:
+        """FenceError if the term was lost since (another proposer took a higher one): do not promote then."""
+        if self._failed is not None:
+            raise self._failed
+
     async def close(self) -> None:
         """Leave the term: the safekeepers keep its promise and its WAL; the next proposer starts above it."""
         for t in list(self._tasks):
