@@ -8,7 +8,9 @@ from collections.abc import Callable
 import pytest
 
 from sidecar.consensus.acceptor import Acceptor, AcceptorError, Persist, RecordEnd, Reply, Truncate, Write
-from sidecar.consensus.messages import Append, AppendReply, Message, Refusal, TermEntry
+from sidecar.consensus.messages import (
+    PROTOCOL_VERSION, Append, AppendReply, Greeting, Message, Refusal, TermEntry, VoteRequest,
+)
 from sidecar.consensus.proposer import ProposerConfig, VerifyPrimary
 from sidecar.consensus.session import AcceptorSession
 from sidecar.consensus.state import AcceptorState
@@ -211,3 +213,31 @@ def test_empty_safekeepers_have_nothing_to_fail_over_to() -> None:
     sks = [MemorySafekeeper(i, b"", (), term=0) for i in (1, 2, 3)]
     with pytest.raises(FenceError, match="hold no WAL"):
         asyncio.run(fenced(Cluster(*sks)))
+
+
+def test_a_term_taken_from_the_fence_afterwards_is_reported_by_check() -> None:
+    """The old primary's sidecar, alive after all, wins a newer term: failover must not promote then."""
+    full = wal(3000)
+    sks = [MemorySafekeeper(i, full, (TermEntry(1, S),), term=1) for i in (1, 2, 3)]
+    cluster = Cluster(*sks)
+
+    async def scenario() -> str:
+        fence = cluster.fence()
+        try:
+            result = await fence.run(10)
+            fence.check()  # held
+            for sk in sks[:2]:  # another proposer greets and asks a quorum for a higher term
+                other = AcceptorSession(sk.acceptor)
+                other.receive(Greeting(PROTOCOL_VERSION, "old", SYSTEM_ID, 1, SEG, 15))
+                end = RecordEnd(sk.end) if other.needs_record_end(VoteRequest(result.term + 1)) else None
+                sk.execute(other.receive(VoteRequest(result.term + 1), end))
+            for _ in range(100):  # the fence's next heartbeat learns it
+                try:
+                    fence.check()
+                except FenceError as e:
+                    return str(e)
+                await asyncio.sleep(0.05)
+            return "still held"
+        finally:
+            await fence.close()
+    assert "another proposer took term 3" in asyncio.run(scenario())
