@@ -175,9 +175,12 @@ class Acceptor:
             raise AcceptorError(
                 f"Elected for term {msg.term} would truncate WAL at {format_lsn(point)}, below the "
                 f"commit position {format_lsn(commit)} this safekeeper knows: acknowledged WAL is never cut")
-        # commit_lsn stays: the WAL below it is acknowledged even where this store lacks it
-        # (written but lost unsynced in a crash), and the new term rewrites those bytes unchanged.
-        new = replace(self.state, term_history=msg.term_history)
+        # A cut below commit_lsn (allowed only down to the end of the stored WAL's last complete
+        # record) lowers it there: the new term writes those positions again, maybe with other bytes
+        # (a torn record's, counted raw), and readers may have them only once it acknowledges them.
+        commit = min(commit, point)
+        new = replace(self.state, term_history=msg.term_history, commit_lsn=commit,
+                      peer_horizon_lsn=min(self.state.peer_horizon_lsn, commit))
         adopt: list[AcceptorAction] = []
         if msg.timeline and (msg.timeline, msg.timeline_history) != (new.timeline, new.timeline_history):
             new = replace(new, timeline=msg.timeline, timeline_history=msg.timeline_history)
