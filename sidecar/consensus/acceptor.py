@@ -20,6 +20,9 @@ from sidecar.consensus.state import AcceptorState
 from sidecar.lsn import format_lsn
 
 
+CUT_WINDOW = 256  # cut positions remembered for readers (see Acceptor.cuts)
+
+
 class AcceptorError(Exception):
     """A message the acceptor refuses: the connection is closed and no state changes."""
 
@@ -94,6 +97,10 @@ class Acceptor:
         # Stored WAL changes (writes, truncations) bump the epoch; a scan is reused until then.
         self.wal_epoch = 0
         self.cut_generation = 0  # applied Elected messages: each may cut the stored WAL, moving flush_lsn back
+        # Where each of the last CUT_WINDOW applied Elected messages cut the WAL (the last is this
+        # generation's): a reader that missed some of them learns the lowest, and whether what it was
+        # sent is still the stored WAL.
+        self.cuts: tuple[int, ...] = ()
         self._end: RecordEnd | None = None
         self._end_epoch = -1
 
@@ -191,6 +198,7 @@ class Acceptor:
         self.owner = owner
         self.wal_epoch += 1
         self.cut_generation += 1
+        self.cuts = (self.cuts + (point,))[-CUT_WINDOW:]
         self._persisted_commit = commit
         return [Truncate(point), *adopt, Persist(new), Reply(ElectedReply(msg.term, point))]
 
