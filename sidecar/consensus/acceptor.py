@@ -20,6 +20,9 @@ from sidecar.consensus.state import AcceptorState
 from sidecar.lsn import format_lsn
 
 
+CUT_WINDOW = 256  # cut positions remembered for readers (see Acceptor.cuts)
+
+
 class AcceptorError(Exception):
     """A message the acceptor refuses: the connection is closed and no state changes."""
 
@@ -94,6 +97,10 @@ class Acceptor:
         # Stored WAL changes (writes, truncations) bump the epoch; a scan is reused until then.
         self.wal_epoch = 0
         self.cut_generation = 0  # applied Elected messages: each may cut the stored WAL, moving flush_lsn back
+        # Where each of the last CUT_WINDOW applied Elected messages cut the WAL (the last is this
+        # generation's): a reader that missed some of them learns the lowest, and whether what it was
+        # sent is still the stored WAL.
+        self.cuts: tuple[int, ...] = ()
         self._end: RecordEnd | None = None
         self._end_epoch = -1
 
@@ -175,9 +182,12 @@ class Acceptor:
             raise AcceptorError(
                 f"Elected for term {msg.term} would truncate WAL at {format_lsn(point)}, below the "
                 f"commit position {format_lsn(commit)} this safekeeper knows: acknowledged WAL is never cut")
-        # commit_lsn stays: the WAL below it is acknowledged even where this store lacks it
-        # (written but lost unsynced in a crash), and the new term rewrites those bytes unchanged.
-        new = replace(self.state, term_history=msg.term_history)
+        # A cut below commit_lsn (allowed only down to the end of the stored WAL's last complete
+        # record) lowers it there: the new term writes those positions again, maybe with other bytes
+        # (a torn record's, counted raw), and readers may have them only once it acknowledges them.
+        commit = min(commit, point)
+        new = replace(self.state, term_history=msg.term_history, commit_lsn=commit,
+                      peer_horizon_lsn=min(self.state.peer_horizon_lsn, commit))
         adopt: list[AcceptorAction] = []
         if msg.timeline and (msg.timeline, msg.timeline_history) != (new.timeline, new.timeline_history):
             new = replace(new, timeline=msg.timeline, timeline_history=msg.timeline_history)
@@ -188,6 +198,7 @@ class Acceptor:
         self.owner = owner
         self.wal_epoch += 1
         self.cut_generation += 1
+        self.cuts = (self.cuts + (point,))[-CUT_WINDOW:]
         self._persisted_commit = commit
         return [Truncate(point), *adopt, Persist(new), Reply(ElectedReply(msg.term, point))]
 

@@ -139,9 +139,12 @@ class Safekeeper:
 
     def reader_state(self) -> ServerState:
         """The published positions, timeline and stored WAL as a reader's cursor sees them."""
-        p, s, st = self.positions.value, self.acceptor.state, self.storage
+        acc, p, st = self.acceptor, self.positions.value, self.storage
+        s = acc.state
+        # The cuts up to the published generation (the acceptor may be a batch ahead of it).
+        cuts = acc.cuts[:len(acc.cuts) - (acc.cut_generation - p.generation)]
         return ServerState(p.term, p.flush_lsn, p.commit_lsn, p.generation, s.timeline or 1, s.timeline_history,
-                           st.first_lsn() if isinstance(st, WalStorage) else None)
+                           st.first_lsn() if isinstance(st, WalStorage) else None, cuts)
 
     def read_wal(self, lsn: int, size: int) -> bytes:
         """Stored WAL for a reader (from any thread)."""

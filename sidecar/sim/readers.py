@@ -64,7 +64,7 @@ def server_state(sk: SimSafekeeper) -> ServerState | None:
         return None
     s = acc.state
     return ServerState(s.term, acc.flush_lsn, s.commit_lsn, acc.cut_generation, s.timeline or 1,
-                       s.timeline_history, sk.disk.start)
+                       s.timeline_history, sk.disk.start, acc.cuts)
 
 
 class Readers:

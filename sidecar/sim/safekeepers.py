@@ -3,6 +3,8 @@ acceptor's actions carried out against a simulated disk, group fsyncs, crashes a
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from sidecar.consensus.acceptor import (
     Acceptor, AcceptorAction, AcceptorError, AdoptTimeline, Persist, RecordEnd, Reply, Truncate, Write,
 )
@@ -151,6 +153,9 @@ class Safekeepers:
             if end:
                 sk.disk.truncate(end)
             write_lsn = end
+            if state.commit_lsn > end:  # startup._commit_within: WAL lost in a crash takes commit_lsn down
+                state = sk.persisted = replace(state, commit_lsn=end,
+                                               peer_horizon_lsn=min(state.peer_horizon_lsn, end))
         sk.acceptor = Acceptor(sk.node_id, state, write_lsn, MIN_SEG_SIZE)
         sk.changed()
         self.checker.durable(sk)

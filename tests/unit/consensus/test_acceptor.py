@@ -220,14 +220,18 @@ def test_elected_at_or_above_commit_keeps_commit_lsn() -> None:
     assert a.state.commit_lsn == 1200
 
 
-def test_elected_after_losing_unsynced_wal_below_commit_keeps_commit_lsn() -> None:
-    # commit_lsn was learned while the WAL up to it was written but not yet synced; a crash lost
-    # it. Cutting at the flush removes nothing acknowledged, and commit_lsn never goes down.
+def test_elected_cutting_to_the_last_record_below_commit_lowers_commit_lsn_there() -> None:
+    # commit_lsn was learned while the WAL up to it was written but not yet synced (a crash lost
+    # it), or counted a torn record's bytes raw. Cutting at the last record end removes no whole
+    # acknowledged record; the new term writes those positions again, so readers may have them
+    # only once it acknowledges them: commit_lsn goes down to the cut.
     a = Acceptor(1, configured(term=1, history=h((1, 100)), commit=1400), 1000)
     a.on_vote(VoteRequest(2), RecordEnd(1000))
     acts = a.on_elected(Elected(2, 1500, h((1, 100), (2, 1500))), RecordEnd(1000))
     assert acts[0] == Truncate(1000)
-    assert a.state.commit_lsn == 1400
+    assert a.state.commit_lsn == 1000 and acts[1].state.commit_lsn == 1000  # type: ignore[union-attr]
+    a.on_append(Append(2, 1000, 1200, 0, b"x" * 300), a.owner)
+    assert a.state.commit_lsn == 1200  # the new term's acknowledgement raises it again
 
 
 def test_elected_on_an_empty_store_starts_it_at_the_term_start() -> None:
