@@ -8,6 +8,7 @@ the process, since the in-memory state has already moved on.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from sidecar.consensus import history as hist
@@ -82,9 +83,12 @@ class Acceptor:
     """
 
     def __init__(self, node_id: int, state: AcceptorState, write_lsn: int,
-                 min_seg_size: int = limits.MIN_SEG_SIZE) -> None:
+                 min_seg_size: int = limits.MIN_SEG_SIZE, amnesic_peers: int = 0) -> None:
         self.node_id = node_id
         self.state = state
+        # An empty data directory forgot which terms it promised: until the terms of this many
+        # peers are learned (on_peer_terms) it refuses greetings, votes and Elected.
+        self.amnesic_peers = amnesic_peers
         self.write_lsn = write_lsn  # end of WAL handed to storage
         self.flush_lsn = write_lsn  # end of WAL storage has fsynced
         self.elected_term = 0  # the term whose Elected this process has applied
@@ -120,7 +124,36 @@ class Acceptor:
                          self.flush_lsn, s.commit_lsn, proposer_connected=self.owner is not None,
                          reader_port=self.reader_port)
 
+    @property
+    def amnesic(self) -> bool:
+        """True while this acceptor, opened on an empty data directory, has not learned its term."""
+        return self.amnesic_peers > 0
+
+    def amnesia_reason(self) -> str:
+        return (f"safekeeper {self.node_id} started on an empty data directory and has forgotten which terms "
+                f"it promised: it votes only after learning the term of {self.amnesic_peers} of its peers "
+                "(see its log for whom it waits for)")
+
+    def on_peer_terms(self, terms: Mapping[int, int]) -> list[AcceptorAction]:
+        """The terms peers answered (node id -> term): with enough distinct peers, adopt and persist the highest.
+
+        An answer from an amnesic peer is its term too (0 if it learned nothing yet): under one lost
+        disk at a time, every quorum this acceptor voted in still holds one peer that remembers.
+        """
+        if not self.amnesic:
+            return []
+        heard = {node: term for node, term in terms.items() if node != self.node_id}
+        for term in heard.values():
+            _check(limits.check_term, term, "a peer's term")
+        if len(heard) < self.amnesic_peers:
+            return []
+        self.amnesic_peers = 0
+        self.state = replace(self.state, term=max(self.state.term, *heard.values()))
+        return [Persist(self.state)]
+
     def on_greeting(self, msg: Greeting) -> list[AcceptorAction]:
+        if self.amnesic:  # a greeting persists the cluster's identity, which would end the amnesia at a restart
+            raise AcceptorError(self.amnesia_reason())
         if msg.protocol_version != PROTOCOL_VERSION:
             raise AcceptorError(
                 f"protocol version {msg.protocol_version} is not supported (this safekeeper speaks {PROTOCOL_VERSION}): "
@@ -146,6 +179,8 @@ class Acceptor:
     def on_vote(self, msg: VoteRequest, end: RecordEnd) -> list[AcceptorAction]:
         """Grant iff the term is new; the caller has flushed and scanned WAL into `end`."""
         _check(limits.check_term, msg.term, "VoteRequest term")
+        if self.amnesic:
+            raise AcceptorError(self.amnesia_reason())
         actions: list[AcceptorAction] = []
         granted = msg.term > self.state.term
         if granted:
@@ -162,6 +197,8 @@ class Acceptor:
     def on_elected(self, msg: Elected, end: RecordEnd, owner: object = None) -> list[AcceptorAction]:
         """Truncate at the divergence point, adopt the proposer's history; `owner` now holds the term."""
         _check(limits.check_term, msg.term, "Elected term")
+        if self.amnesic:
+            raise AcceptorError(self.amnesia_reason())
         if msg.term < self.state.term:
             return [Reply(ElectedReply(self.state.term, self.flush_lsn))]
         if msg.term > self.state.term:

@@ -13,6 +13,15 @@ def majority(n: int) -> int:
     return n // 2 + 1
 
 
+def peers_to_learn_from(n: int) -> int:
+    """How many of the other n-1 safekeepers an amnesic one must hear before it votes: N-Q+1.
+
+    Every quorum it could have voted in holds Q-1 others, and any N-Q+1 of the others meet
+    those Q-1; Q is a majority, the smallest quorum allowed, so this is enough for any quorum.
+    """
+    return min(n - majority(n) + 1, n - 1) if n > 1 else 0
+
+
 def validate_quorum(n: int, quorum: int | None) -> int:
     """Return the quorum to use for `n` safekeepers, refusing one that is not a majority."""
     if n < 1:

@@ -582,3 +582,40 @@ def test_a_protocol_version_1_proposer_is_told_what_to_do() -> None:
     a = Acceptor(1, AcceptorState(), 0)
     with pytest.raises(AcceptorError, match="protocol version 1 is not supported .*same walsidecar release"):
         a.on_greeting(greeting(protocol_version=1))
+
+
+# ---- an empty data directory: amnesia until the peers' terms are learned -----------------------
+
+def test_amnesic_acceptor_refuses_greeting_vote_and_elected_saying_what_it_waits_for() -> None:
+    a = Acceptor(3, AcceptorState(), 0, amnesic_peers=2)
+    for call in (lambda: a.on_greeting(greeting()), lambda: a.on_vote(VoteRequest(5), RecordEnd(0)),
+                 lambda: a.on_elected(Elected(5, 0x100, h((5, 0x100))), RecordEnd(0))):
+        with pytest.raises(AcceptorError, match="empty data directory.*term of 2 of its peers"):
+            call()
+    assert a.state == AcceptorState()
+    assert a.info().term == 0  # it still answers what it knows
+
+
+def test_amnesic_acceptor_waits_for_enough_distinct_peers_then_persists_the_highest_term() -> None:
+    a = Acceptor(3, AcceptorState(), 0, amnesic_peers=2)
+    assert a.on_peer_terms({1: 9}) == []
+    assert a.on_peer_terms({3: 50, 1: 9}) == []  # its own answer is not a peer's
+    assert a.amnesic
+    actions = a.on_peer_terms({1: 9, 2: 0})
+    assert actions == [Persist(AcceptorState(term=9))] and not a.amnesic
+    vote = only_reply(a.on_vote(VoteRequest(9), RecordEnd(0)))
+    assert isinstance(vote, VoteReply) and not vote.granted  # term 9 may have been promised before
+    assert isinstance(only_reply(a.on_vote(VoteRequest(10), RecordEnd(0))), VoteReply)
+    assert a.on_peer_terms({1: 99, 2: 99}) == []  # learned once: later answers change nothing
+
+
+def test_peer_terms_are_checked_before_anything_changes() -> None:
+    a = Acceptor(3, AcceptorState(), 0, amnesic_peers=1)
+    with pytest.raises(AcceptorError, match="a peer's term"):
+        a.on_peer_terms({1: limits.MAX_TERM + 1})
+    assert a.amnesic and a.state == AcceptorState()
+
+
+def test_an_acceptor_with_a_data_directory_is_not_amnesic() -> None:
+    a = Acceptor(1, configured(term=4), 0)
+    assert not a.amnesic and a.on_peer_terms({2: 7, 3: 7}) == []

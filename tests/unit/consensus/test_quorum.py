@@ -53,3 +53,8 @@ def test_quorum_position_counts_positions_below_term_start_as_zero() -> None:
 def test_quorum_position_without_enough_positions_is_zero() -> None:
     assert quorum_position([500], 2, 0) == 0
     assert quorum_position([], 1, 0) == 0
+
+
+def test_an_amnesic_safekeeper_hears_n_minus_q_plus_1_others() -> None:
+    from sidecar.consensus.quorum import peers_to_learn_from
+    assert [peers_to_learn_from(n) for n in (1, 2, 3, 4, 5, 7)] == [0, 1, 2, 2, 3, 4]
