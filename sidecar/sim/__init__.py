@@ -28,7 +28,12 @@ schedules them, `checker` reads their state, `nodes`, after every step):
   atomic. A restart finds the end of the last complete record (`wal.record_end`) and cuts
   there; a vote and an Elected first fsync and find it the same way, and a vote fingerprints that last
   record for the primary check, wherever it lies, as walcheck's `record_end` does. A crash can strike
-  between any two actions of one message (after a Truncate, before its Persist).
+  between any two actions of one message (after a Truncate, before its Persist). A disk can be
+  lost: the control file and WAL wiped, the process restarted later with the same id on an empty
+  directory, so amnesic (it asks the peers that are up for their terms, as `safekeeper/amnesia.py`
+  does, before it greets or votes; `SimConfig.amnesia_rule=False` shows the double vote without it).
+  One disk at a time, and only while N-Q+1 others hold durably, in the same terms, everything it
+  held and every acknowledged record: the rule is about lost promises, not lost WAL.
 * WAL is records (`wal.encode_record`: length, back-pointer, CRC), so "the end of the
   last complete record" is found by walking headers, as PostgreSQL does.
 * Primaries (`primaries`, their pg_wal `wal.Primary`). Each writes records and flushes to

@@ -27,7 +27,8 @@ was configured with):
    from the same Proposer instance, and no two instances stream in the same term. A
    safekeeper writes WAL only for a term at or above every term it has promised (granted
    or persisted), persists a granted term before the VoteReply leaves, and persists the
-   new term history before the ElectedReply leaves.
+   new term history before the ElectedReply leaves. A lost disk takes its promises with it (the
+   checker forgets them): what keeps its votes to one per term then is one owner per term.
 5. Readers, through the real `ReadCursor`: a piece of WAL sent to a reader never ends above the
    commit position (nor the flush position) of the safekeeper that served it, at the moment it is
    sent; and every complete record a reader receives is the acknowledged record at that position
@@ -105,6 +106,17 @@ class Checker:
             per = self.in_term.setdefault(th[-1].term, {})
             if sk.disk.durable > per.get(sk.name, 0):
                 per[sk.name] = sk.disk.durable
+
+    def holds_committed(self, disk: Disk) -> bool:
+        """True if `disk` holds every acknowledged record, byte for byte."""
+        return self._disk_holds_committed(disk, self.committed_end)
+
+    def disk_lost(self, sk: SimSafekeeper) -> None:
+        """Its promises went with its disk: one owner per term is what still holds them to account.
+
+        What it fsynced in a term stays counted (invariant 4 is about what was flushed when reported).
+        """
+        self.promised.pop(sk.name, None)
 
     def accepted(self, sk: SimSafekeeper, term: int, sender: str, what: str) -> None:
         owner = self.term_owner.setdefault(term, sender)

@@ -26,6 +26,7 @@ class SimSafekeeper:
     node_id: int
     disk: Disk = field(default_factory=Disk)
     persisted: AcceptorState = field(default_factory=AcceptorState)  # the control file
+    wiped: bool = False  # its disk was lost: no control file until the acceptor persists one
     acceptor: Acceptor | None = None  # None while the process is down
     conns: list[Connection] = field(default_factory=list)
     truncations: list[int] = field(default_factory=list)

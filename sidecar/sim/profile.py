@@ -18,6 +18,10 @@ class SimConfig:
     proposer_quorum: int | None = None  # None: a majority; anything else is a deliberately broken rule
     trace: int | None = 80  # events kept for the report; None keeps all
     disabled: frozenset[str] = frozenset()  # invariants not checked (to see what else catches a bug)
+    # A safekeeper restarted on a lost disk learns its term from its peers before voting
+    # (Acceptor.amnesic_peers); False shows what happens without that rule.
+    amnesia_rule: bool = True
+    disk_losses: float | None = None  # weight of losing a safekeeper's disk; None: drawn from the seed
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,7 @@ class Profile:
     rivals: float  # weight of starting a second, competing proposer
     rogues: float  # weight of hostile connections (term hijacks, cuts below commit, read-only writers)
     liars: float  # weight of a safekeeper reply claiming a flush it never made
+    disk_losses: float  # weight of a safekeeper's state and WAL wiped, restarted with the same id
 
     @staticmethod
     def draw(rng: random.Random, cfg: SimConfig) -> Profile:
@@ -46,4 +51,5 @@ class Profile:
             rivals=rng.choice((0.0, 0.05, 0.3)),
             rogues=rng.choice((0.0, 0.3, 1.0)),
             liars=rng.choice((0.0, 0.2, 1.0)),
+            disk_losses=rng.choice((0.0, 0.1, 0.4)) if cfg.disk_losses is None else cfg.disk_losses,
         )

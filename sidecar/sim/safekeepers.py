@@ -5,16 +5,19 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from sidecar.consensus import history as hist
 from sidecar.consensus.acceptor import (
     Acceptor, AcceptorAction, AcceptorError, AdoptTimeline, Persist, RecordEnd, Reply, Truncate, Write,
 )
 from sidecar.consensus.messages import Append, Elected, Message, Refusal, VoteRequest
+from sidecar.consensus.quorum import peers_to_learn_from
+from sidecar.consensus.state import AcceptorState
 from sidecar.sim.checker import Checker
 from sidecar.sim.context import Context
 from sidecar.sim.network import Network
 from sidecar.sim.nodes import Connection, SimSafekeeper
 from sidecar.sim.trace import pos
-from sidecar.sim.wal import record_end
+from sidecar.sim.wal import Disk, record_end
 
 MIN_SEG_SIZE = 1024  # the simulator's tiny segments are below PostgreSQL's 1 MiB minimum
 
@@ -76,6 +79,7 @@ class Safekeepers:
                     sk.disk.write(a.lsn, a.data)
                 case Persist():
                     sk.persisted = a.state
+                    sk.wiped = False
                     self.checker.durable(sk)
                 case Truncate():
                     ctx.event(sk.name, "truncates at", a.lsn)
@@ -156,8 +160,62 @@ class Safekeepers:
             if state.commit_lsn > end:  # startup._commit_within: WAL lost in a crash takes commit_lsn down
                 state = sk.persisted = replace(state, commit_lsn=end,
                                                peer_horizon_lsn=min(state.peer_horizon_lsn, end))
-        sk.acceptor = Acceptor(sk.node_id, state, write_lsn, MIN_SEG_SIZE)
+        # startup.py: an empty data directory learns its term from its peers before it votes.
+        amnesic = peers_to_learn_from(len(self.nodes)) if sk.wiped and self.ctx.cfg.amnesia_rule else 0
+        sk.acceptor = Acceptor(sk.node_id, state, write_lsn, MIN_SEG_SIZE, amnesic_peers=amnesic)
         sk.changed()
         self.checker.durable(sk)
         self.ctx.event(sk.name, "restarts", f"term={state.term}", f"flush={pos(write_lsn)}")
+        return True
+
+    def lose_disk(self) -> bool:
+        """A safekeeper's disk is lost: its control file and WAL are gone; it restarts later with the same id.
+
+        One lost disk at a time, and only while N-Q+1 others hold durably every acknowledged record
+        and everything it held, so that any quorum still recovers what it may have acknowledged:
+        the fault model the amnesia rule is for (its promises are lost, not the WAL).
+        """
+        if any(sk.wiped or (sk.acceptor is not None and sk.acceptor.amnesic) for sk in self.nodes):
+            return False
+        need = len(self.nodes) - self.checker.q + 1
+        cands = [sk for sk in self.nodes if sum(self._holds_all_of(o, sk) for o in self.nodes if o is not sk) >= need]
+        if not cands:
+            return False
+        sk = self.ctx.rng.choice(cands)
+        if sk.acceptor is not None:
+            self.crash(sk)
+        sk.disk, sk.persisted, sk.truncations, sk.wiped = Disk(), AcceptorState(), [], True
+        self.checker.disk_lost(sk)
+        sk.changed()
+        self.ctx.count("lost disks")
+        self.ctx.event(sk.name, "loses its disk")
+        return True
+
+    def _holds_all_of(self, o: SimSafekeeper, sk: SimSafekeeper) -> bool:
+        """True if o's fsynced WAL holds every acknowledged record and all of sk's WAL, byte for byte and
+        in the same terms (the same bytes under another history are cut by the next election)."""
+        d, mine = o.disk, sk.disk
+        if d.durable < self.checker.committed_end or not self.checker.holds_committed(d):
+            return False
+        if mine.start is None or mine.end == mine.start:
+            return True
+        return d.start is not None and d.start <= mine.start and d.durable >= mine.end and \
+            hist.up_to(o.persisted.term_history, mine.end) == hist.up_to(sk.persisted.term_history, mine.end) and \
+            d.read(mine.start, mine.end) == mine.read(mine.start, mine.end)
+
+    def learn_terms(self) -> bool:
+        """An amnesic safekeeper asks its peers that are up for their terms (an InfoRequest each)."""
+        cands = [sk for sk in self.nodes if sk.acceptor is not None and sk.acceptor.amnesic]
+        if not cands:
+            return False
+        sk = self.ctx.rng.choice(cands)
+        acc = sk.acceptor
+        assert acc is not None
+        terms = {o.node_id: o.acceptor.state.term for o in self.nodes
+                 if o is not sk and o.acceptor is not None and self.ctx.rng.random() < 0.8}
+        actions = acc.on_peer_terms(terms)
+        self.ctx.event(sk.name, "asks its peers' terms", terms, "learned" if actions else "not enough")
+        if actions:
+            self.ctx.count("terms learned after a lost disk")
+            self._execute(sk, None, actions)
         return True

@@ -82,6 +82,7 @@ class World:
             (0.02 * c, pgs.resume_stale), (0.15 * c, net.partition), (1.5, net.heal),
             (p.rogues * c, hostile.rogue), (p.liars * c, hostile.lie),
             (2, readers.connect), (8, readers.read),
+            (p.disk_losses * c, sks.lose_disk), (3, sks.learn_terms),
         ]
         weights, total = [], 0.0
         for w, _ in table:

@@ -296,3 +296,16 @@ def test_two_terms_with_a_lagging_and_a_stale_safekeeper() -> None:
     term2 = [r.flush_lsn for r in svc.reports[reports1:]]
     assert term2 == sorted(term2)
     assert w.stats.get("refusals by safekeepers", 0) == 0
+
+
+def test_a_lost_disk_votes_twice_without_the_amnesia_rule() -> None:
+    # A safekeeper restarted with the same id on an empty data directory forgot its promises:
+    # without learning its term from its peers it grants a term it already granted.
+    cfg = SimConfig(amnesia_rule=False, disk_losses=1.0)
+    assert _found(300, cfg).invariant in ("3 one proposer per term", "1 any quorum recovers every acknowledged record",
+                                          "2 safekeepers agree below their commit_lsn")
+
+
+def test_lost_disks_with_the_amnesia_rule_are_safe() -> None:
+    out = first_violation(range(150), SimConfig(disk_losses=1.0))
+    assert out is None, report_failure(out, SimConfig())
