@@ -54,7 +54,7 @@ def safekeeper(s: SafekeeperSettings) -> None:
     from sidecar.safekeeper.server import Safekeeper, StartupError
     from sidecar.safekeeper.slots import SlotsFileError
     from sidecar.sizes import DiskLimit, parse_size
-    from sidecar.linkauth import server_security
+    from sidecar.linkauth import client_security, server_security
     from sidecar.tls import TlsError
 
     host, port = parse_address(s.listen)
@@ -62,7 +62,8 @@ def safekeeper(s: SafekeeperSettings) -> None:
         ctx = server_security(s.certs_dir, s.link_security)
         sk = Safekeeper.open(s.id, s.data_dir, host, port, ctx, reader_port=_reader_port(s),
                              keep_wal=parse_size(s.keep_wal) if s.keep_wal else None,
-                             max_disk_usage=DiskLimit.parse(s.max_disk_usage) if s.max_disk_usage else None)
+                             max_disk_usage=DiskLimit.parse(s.max_disk_usage) if s.max_disk_usage else None,
+                             peers=s.peers, peer_security=client_security(s.certs_dir, s.link_security))
         sk.publisher = _publisher(s, sk)
         monitor = SafekeeperMonitor(sk)
         endpoint = _endpoint(monitor, s.metrics, s.certs_dir)

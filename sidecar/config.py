@@ -261,6 +261,10 @@ class SafekeeperSettings(SafekeeperBrokerSettings, TlsSettings):
                                              "the flush position (10GB, 512MiB), unless a reader slot still needs "
                                              "them. Default: keep everything. Removed WAL then exists only on the "
                                              "other safekeepers and the primary.")
+    peers: Safekeepers = Field((), description="The other safekeepers' --listen addresses (HOST:PORT,...). When "
+                                             "the data directory is empty (new, or a lost disk), it votes only "
+                                             "after N-Q+1 of them told their term, so it cannot vote twice in a "
+                                             "term it forgot. Without it, an empty safekeeper votes at once.")
     max_disk_usage: DiskLimitText = Field(None, description="Stop taking new WAL while this safekeeper's WAL files "
                                                             "take more than SIZE, or its filesystem is more than PCT% "
                                                             "full; commits go on with the other safekeepers, and it "

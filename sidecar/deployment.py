@@ -437,8 +437,10 @@ class Safekeeper(SidecarMember):
     def args(self) -> list[str]:
         readers = [] if self.reader_port is None or self.d.reader_auth is None else \
             ["--pg-listen", str(self.reader_address), "--pg-auth-file", str(self.d.reader_auth)]
+        # Its peers: an empty data directory (a lost disk) learns its term from them before it votes.
+        peers = [a for a in self.d.addresses if a != self.address]
         return ["safekeeper", "--id", str(self.node_id), "--listen", self.address, "--data-dir", str(self.data_dir),
-                *readers]
+                *readers, *(["--peers", ",".join(peers)] if peers else [])]
 
 
 class Proposer(SidecarMember):

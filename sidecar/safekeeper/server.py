@@ -22,11 +22,13 @@ from sidecar.consensus.acceptor import (
 from sidecar.consensus.messages import (
     Append, Elected, Greeting, InfoRequest, Message, Refusal, VoteReply, VoteRequest,
 )
+from sidecar.consensus.quorum import peers_to_learn_from
 from sidecar.consensus.reading import ServerState
 from sidecar.consensus.session import AcceptorSession, Role
 from sidecar.logs import get_logger, set_context_provider
 from sidecar.lsn import format_lsn
 from sidecar.metrics import SafekeeperMetrics
+from sidecar.safekeeper.amnesia import TermLearner
 from sidecar.safekeeper.control import ControlData, save_control
 from sidecar.safekeeper.diskguard import DiskGuard
 from sidecar.safekeeper.pgserver import ReaderPort, ReaderServer
@@ -94,23 +96,30 @@ class Safekeeper:
         self.fatal: BaseException | None = None  # the error that stops the process
         self.stopped: str | None = None  # why nothing is accepted any more (a full disk, or fatal)
         self.publisher: Publisher | None = None  # with --broker: runs while serving
+        self.learner: TermLearner | None = None  # an empty data directory with --peers: runs while serving
         # Lines logged by this safekeeper (bound with node=) also carry its term and flush LSN.
         set_context_provider("node", self._log_context)
 
     @classmethod
     def open(cls, node_id: int, data_dir: Path, host: str, port: int,
              security: linkauth.Security = None, reader_port: ReaderPort | None = None,
-             keep_wal: int | None = None, max_disk_usage: DiskLimit | None = None) -> Safekeeper:
+             keep_wal: int | None = None, max_disk_usage: DiskLimit | None = None,
+             peers: tuple[str, ...] = (), peer_security: linkauth.Security = None) -> Safekeeper:
         """Load the control file, check the stored WAL and find its end: a safekeeper ready to serve.
 
-        Raises ControlFileError, StartupError or SlotsFileError, with a message for the operator, when
-        it must not start.
+        With `peers` (the others' proposer ports), an empty data directory learns its term from them
+        before it votes (amnesia.py). Raises ControlFileError, StartupError or SlotsFileError, with a
+        message for the operator, when it must not start.
         """
         stats = SafekeeperMetrics(node_id)
         log = get_logger(node=node_id)
-        acceptor, storage = open_data_dir(node_id, data_dir, _disk_full_reporter(stats, log), log)
-        return cls(node_id, data_dir, host, port, security, acceptor, storage, stats, reader_port,
-                   keep_wal, max_disk_usage)
+        acceptor, storage = open_data_dir(node_id, data_dir, _disk_full_reporter(stats, log), log,
+                                          peers_to_learn_from(len(peers) + 1) if peers else 0)
+        sk = cls(node_id, data_dir, host, port, security, acceptor, storage, stats, reader_port,
+                 keep_wal, max_disk_usage)
+        if acceptor.amnesic:
+            sk.learner = TermLearner(acceptor, peers, peer_security, sk._persist_learned)
+        return sk
 
     @property
     def _stream(self) -> framing.Writer | None:
@@ -207,6 +216,7 @@ class Safekeeper:
         slot_saver = asyncio.create_task(self.slots.run())
         publisher = asyncio.create_task(self.publisher.run()) if self.publisher is not None else None
         remover = asyncio.create_task(self.remover.run())
+        learner = asyncio.create_task(self.learner.run()) if self.learner is not None else None
         try:
             if self.readers is not None:
                 await self.readers.start()
@@ -217,7 +227,7 @@ class Safekeeper:
             self._server.close()
             if self.readers is not None:
                 await self.readers.close()
-            for task in (flusher, slot_saver, remover, *([publisher] if publisher is not None else [])):
+            for task in (flusher, slot_saver, remover, *(t for t in (publisher, learner) if t is not None)):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
@@ -354,6 +364,18 @@ class Safekeeper:
                                       switches=[f"{e.timeline}@{format_lsn(e.switch_lsn)}" for e in a.history])
                     case _:
                         self._apply((a,), writer)
+
+    async def _persist_learned(self, actions: list[AcceptorAction]) -> None:
+        """The term learned from the peers: saved in turn with every other state change."""
+        try:
+            async with self._persist_lock:
+                for a in actions:
+                    if isinstance(a, Persist):
+                        await asyncio.to_thread(save_control, self.data_dir, ControlData(self.node_id, a.state))
+        except Exception as e:  # the acceptor already votes on a term the disk does not hold
+            self._stop(e, self.log)
+            return
+        self._publish()
 
     def _apply(self, actions: list[AcceptorAction] | tuple[AcceptorAction, ...], writer: framing.Writer) -> None:
         """Carry out Write and Reply actions, which need no lock and never wait."""

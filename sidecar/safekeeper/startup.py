@@ -22,19 +22,21 @@ from sidecar.safekeeper.walcheck import StartupError, check_stored_wal, record_e
 
 
 def open_data_dir(node_id: int, data_dir: Path, on_disk_full: Callable[[str], None],
-                  log: Any) -> tuple[Acceptor, WalStorage | NoWal]:
+                  log: Any, amnesic_peers: int = 0) -> tuple[Acceptor, WalStorage | NoWal]:
     """The acceptor and WAL store of `data_dir`, the WAL checked and cut at the end of its last record.
 
+    Without a control file the acceptor is amnesic until it learns its term from `amnesic_peers`
+    peers (amnesia.py); 0 lets it vote at once, as a brand-new safekeeper did before --peers.
     Raises ControlFileError or StartupError, with a message for the operator, when it must not start.
     """
     try:
-        return _open(node_id, data_dir, on_disk_full, log)
+        return _open(node_id, data_dir, on_disk_full, log, amnesic_peers)
     except (OSError, StorageError) as e:  # permissions, a vanished file, an unusable marker
         raise StartupError(f"safekeeper {node_id} cannot start from {data_dir}: {e}") from e
 
 
 def _open(node_id: int, data_dir: Path, on_disk_full: Callable[[str], None],
-          log: Any) -> tuple[Acceptor, WalStorage | NoWal]:
+          log: Any, amnesic_peers: int) -> tuple[Acceptor, WalStorage | NoWal]:
     began = time.perf_counter()
     data_dir.mkdir(parents=True, exist_ok=True)
     remove_leftovers(data_dir)
@@ -61,7 +63,16 @@ def _open(node_id: int, data_dir: Path, on_disk_full: Callable[[str], None],
                  seconds=round(time.perf_counter() - began, 3))
     log.info("safekeeper opened", term=state.term, flush_lsn=format_lsn(end),
              commit_lsn=format_lsn(state.commit_lsn), data_dir=str(data_dir))
-    return Acceptor(node_id, state, end), storage
+    if control is not None:
+        amnesic_peers = 0
+    elif amnesic_peers:
+        log.warning("empty data directory: this safekeeper may have promised terms it no longer knows; it "
+                    "votes only after learning the term from its peers", peers_needed=amnesic_peers)
+    else:
+        log.warning("empty data directory and no --peers: voting at once. Safe for a brand-new cluster; for a "
+                    "safekeeper whose disk was lost (its id reused), give --peers so that it cannot vote twice "
+                    "in a term it forgot")
+    return Acceptor(node_id, state, end, amnesic_peers=amnesic_peers), storage
 
 
 def _check_wal(st: WalStorage, state: AcceptorState, log: Any) -> tuple[int, int]:
