@@ -229,6 +229,7 @@ def start(s: StartSettings) -> None:
     from sidecar.proposer.primary import PrimaryConfigError
     from sidecar.proposer.options import StartOptions
     from sidecar.config import ReaderCredentials
+    from sidecar.sizes import parse_size
     from sidecar.proposer.service import PrimaryMismatch, ProposerService
     from sidecar.runtime import run_until_signal
     from sidecar.linkauth import client_security
@@ -247,7 +248,8 @@ def start(s: StartSettings) -> None:
         # own password file (PGPASSFILE or ~/.pgpass).
         readers = ReaderCredentials(certs_dir=s.certs_dir, insecure=s.insecure)
         service = ProposerService(StartOptions(s.pg_dsn, s.safekeepers, s.quorum, s.application_name, s.slot,
-                                               s.allow_primary_mismatch, s.wal_buffer * 1024 * 1024, ctx, readers))
+                                               s.allow_primary_mismatch, s.wal_buffer * 1024 * 1024, ctx, readers,
+                                               primary_retention=parse_size(s.primary_retention) if s.primary_retention else None))
         monitor = ProposerMonitor(service, s.quorum_wait_alert or None)  # reads the service's published view
         service.subscribe(monitor)
         endpoint = _endpoint(monitor, s.metrics, s.certs_dir)

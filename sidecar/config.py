@@ -290,6 +290,10 @@ class StartSettings(SafekeepersMixin, PrimarySettings, TlsSettings):
                                                             "quorum committed; this discards that WAL. For "
                                                             "disaster recovery only.")
     metrics: Metrics = None
+    primary_retention: Size = Field("1GB", description="WAL the primary keeps for lagging safekeepers beyond the "
+                                    "quorum's commit position (its horizon slot): a safekeeper further behind "
+                                    "catches up from a peer's reader port instead. Bounds what a dead safekeeper "
+                                    "makes the primary hold.")
     quorum_wait_alert: float = Field(10.0, ge=0, description="Log an error and set "
                                      "walsidecar_proposer_quorum_wait_alert when WAL has waited this many seconds "
                                      "for the quorum (commits are hanging); 0 turns it off.")

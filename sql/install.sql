@@ -85,7 +85,7 @@ SELECT s.slot_name,
   FROM pg_replication_slots s
  WHERE s.slot_name IN (:'slot', :'slot' || '_horizon');
 COMMENT ON VIEW walsidecar.slots IS
-  'The sidecar''s slots: stream (follows the quorum) and horizon (WAL every safekeeper has); wal_status other than reserved means WAL is at risk';
+  'The sidecar''s slots: stream (follows the quorum) and horizon (WAL every safekeeper has, at most --primary-retention below the commit position); both dropped by uninstall.sql; wal_status other than reserved means WAL is at risk';
 
 CREATE OR REPLACE VIEW walsidecar.waiting_commits AS
 SELECT a.pid, a.usename, a.datname, a.application_name, a.client_addr, a.backend_xid,

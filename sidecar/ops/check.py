@@ -270,7 +270,7 @@ class Checker:
     async def _slots(self, conn: psycopg.AsyncConnection) -> None:
         rows = {r[0]: r[1:] for r in await (await conn.execute(
             """SELECT slot_name, slot_type, active, restart_lsn::text, wal_status, safe_wal_size,
-                      pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint
+                      pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint, pg_current_wal_lsn()::text
                  FROM pg_replication_slots WHERE slot_name IN (%s, %s)""",
             (self.s.slot, catchup_slot(self.s.slot)))).fetchall()}
         for slot, critical in ((self.s.slot, True), (catchup_slot(self.s.slot), False)):
@@ -281,7 +281,7 @@ class Checker:
                 self.add(bad(name, "does not exist", f"`walsidecar start` creates it when it attaches: "
                                                      f"{self._start_command()}"))
                 continue
-            slot_type, active, restart, wal_status, safe, kept = row
+            slot_type, active, restart, wal_status, safe, kept, current = row
             drop = f"SELECT pg_drop_replication_slot('{slot}'); then restart `walsidecar start`, which recreates it " \
                    f"({self._start_command()})"
             if slot_type != "physical":
@@ -299,6 +299,9 @@ class Checker:
                 safe_txt = f", safe_wal_size {safe} bytes" if safe is not None else ""
                 detail = f"wal_status {wal_status}, {'active' if active else 'inactive'}, restart_lsn {restart}, " \
                          f"{kept} bytes retained{safe_txt}"
+                if not critical:  # the horizon slot: what the primary still keeps for the safekeepers
+                    detail = f"the primary keeps {kept} bytes of WAL for the safekeepers (restart_lsn {restart}, " \
+                             f"current WAL {current}; --primary-retention bounds it); wal_status {wal_status}{safe_txt}"
                 if wal_status == "extended":
                     self.add(_warn(name, detail, "the slot keeps more than max_wal_size: a safekeeper is lagging; "
                                                  f"see {self._status_command()}"))

@@ -23,6 +23,9 @@ class StartOptions:
     # How to log in to the safekeepers' reader ports (a config.ReaderCredentials): a lagging safekeeper
     # then catches up from another one when the primary no longer has the WAL. None: from the primary only.
     reader_credentials: Any = None
+    # Bytes of WAL the horizon slot keeps below the commit position for lagging safekeepers
+    # (--primary-retention); None: all that the slowest safekeeper lacks.
+    primary_retention: int | None = None
 
     @property
     def catchup_slot(self) -> str:

@@ -314,13 +314,17 @@ class ProposerService:
                 self._run(core.election_timeout())
 
     async def _advance_catchup_slot(self, pool: AsyncConnectionPool) -> None:
-        """Keep the catch-up slot at the WAL every safekeeper has, so laggards can catch up from pg_wal."""
+        """Keep the catch-up slot at the WAL every safekeeper has, but no more than --primary-retention
+        below the commit position: a safekeeper further behind catches up from a peer's reader port."""
         while True:
             await asyncio.sleep(CATCHUP_SLOT_INTERVAL)
             core = self.core
             if core is None or core.commit_lsn == 0:
                 continue
-            everywhere = min(core.status()[2], core.commit_lsn)
+            commit, retention = core.commit_lsn, self.options.primary_retention
+            everywhere = min(core.status()[2], commit)
+            if retention is not None:
+                everywhere = max(everywhere, commit - retention)
             if everywhere:
                 with contextlib.suppress(psycopg.Error):
                     async with pool.connection() as sql:
