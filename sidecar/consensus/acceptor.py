@@ -152,8 +152,9 @@ class Acceptor:
         return [Persist(self.state)]
 
     def on_greeting(self, msg: Greeting) -> list[AcceptorAction]:
-        if self.amnesic:  # a greeting persists the cluster's identity, which would end the amnesia at a restart
-            raise AcceptorError(self.amnesia_reason())
+        if self.amnesic:  # answered, not refused (a proposer takes refused greetings for another cluster),
+            # but nothing persisted: a control file would end the amnesia at a restart; the vote is refused
+            return [Reply(GreetingReply(self.node_id, self.state.term, self.reader_port))]
         if msg.protocol_version != PROTOCOL_VERSION:
             raise AcceptorError(
                 f"protocol version {msg.protocol_version} is not supported (this safekeeper speaks {PROTOCOL_VERSION}): "
@@ -181,6 +182,8 @@ class Acceptor:
         _check(limits.check_term, msg.term, "VoteRequest term")
         if self.amnesic:
             raise AcceptorError(self.amnesia_reason())
+        if not self.state.system_id:  # greeted while amnesic: the identity was never taken
+            raise AcceptorError("this safekeeper learned its term after the greeting: greet it again")
         actions: list[AcceptorAction] = []
         granted = msg.term > self.state.term
         if granted:

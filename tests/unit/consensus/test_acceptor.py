@@ -586,9 +586,11 @@ def test_a_protocol_version_1_proposer_is_told_what_to_do() -> None:
 
 # ---- an empty data directory: amnesia until the peers' terms are learned -----------------------
 
-def test_amnesic_acceptor_refuses_greeting_vote_and_elected_saying_what_it_waits_for() -> None:
+def test_amnesic_acceptor_refuses_vote_and_elected_saying_what_it_waits_for() -> None:
     a = Acceptor(3, AcceptorState(), 0, amnesic_peers=2)
-    for call in (lambda: a.on_greeting(greeting()), lambda: a.on_vote(VoteRequest(5), RecordEnd(0)),
+    # A greeting is answered (a refused one reads as another cluster's) but takes nothing in.
+    assert a.on_greeting(greeting()) == [Reply(GreetingReply(3, 0, 0))]
+    for call in (lambda: a.on_vote(VoteRequest(5), RecordEnd(0)),
                  lambda: a.on_elected(Elected(5, 0x100, h((5, 0x100))), RecordEnd(0))):
         with pytest.raises(AcceptorError, match="empty data directory.*term of 2 of its peers"):
             call()
@@ -603,9 +605,13 @@ def test_amnesic_acceptor_waits_for_enough_distinct_peers_then_persists_the_high
     assert a.amnesic
     actions = a.on_peer_terms({1: 9, 2: 0})
     assert actions == [Persist(AcceptorState(term=9))] and not a.amnesic
+    with pytest.raises(AcceptorError, match="greet it again"):  # a greeting while amnesic took nothing in
+        a.on_vote(VoteRequest(10), RecordEnd(0))
+    assert Persist(replace(configured(), term=9)) in a.on_greeting(greeting())
     vote = only_reply(a.on_vote(VoteRequest(9), RecordEnd(0)))
     assert isinstance(vote, VoteReply) and not vote.granted  # term 9 may have been promised before
-    assert isinstance(only_reply(a.on_vote(VoteRequest(10), RecordEnd(0))), VoteReply)
+    vote = only_reply(a.on_vote(VoteRequest(10), RecordEnd(0)))
+    assert isinstance(vote, VoteReply) and vote.granted
     assert a.on_peer_terms({1: 99, 2: 99}) == []  # learned once: later answers change nothing
 
 

@@ -1,0 +1,103 @@
+"""A safekeeper's lost disk against real PostgreSQL 15: an empty directory learns its term from its peers
+before it votes, and a brand-new safekeeper replaces a dead one after the primary recycled the WAL it needs."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from support.deployment import APP, Deployment, Writer, read_wal, start_commit, syncrep_waiters, wal_matches_primary
+from support.helpers import wait_for
+from support.procs import ProcessTracker
+from sidecar.deployment import Safekeeper
+from sidecar.lsn import DEFAULT_SEGMENT_SIZE, segment_file_name
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_wiped_safekeeper_learns_its_term_from_its_peers_before_voting(deployment: Deployment) -> None:
+    d = deployment
+    writer = Writer(d.pg.dsn())
+    writer.start()
+    wait_for(lambda: len(writer.acked) >= 50, timeout=60, what="writes before the disk loss")
+    d.safekeepers[2].kill9()
+    shutil.rmtree(d.sk_dir(2))
+    d.safekeepers[3].kill9()  # N=3: safekeeper 2 must hear both of the others
+    term = max(d.term(1), d.term(3))
+    d.start_safekeeper(2)
+    wait_for(lambda: "not voting until enough peers tell their term" in d.safekeepers[2].log_text(), timeout=30,
+             what="safekeeper 2 to wait for safekeeper 3's term")
+    wait_for(lambda: "empty data directory" in d.proposer.log_text(), timeout=30,
+             what="the proposer to log safekeeper 2's refusal")
+    assert d.term(2) == 0, "an amnesic safekeeper persisted a term before learning it"
+    d.start_safekeeper(3)
+    wait_for(lambda: "learned the term from the peers" in d.safekeepers[2].log_text(), timeout=30,
+             what="safekeeper 2 to learn its term")
+    assert d.term(2) >= term
+    seen = len(writer.acked)
+    wait_for(lambda: len(writer.acked) >= seen + 100, timeout=60, what="writes after safekeeper 2 came back")
+    acked = writer.stop()
+    assert writer.error is None
+    end = d.flush_lsn()
+    start = d.history_start(1)
+    wait_for(lambda: wal_matches_primary(d, 2, start, end), timeout=60,
+             what="the wiped safekeeper to hold the primary's WAL again")
+    with d.sql() as c:
+        assert {r[0] for r in c.execute("SELECT id FROM load")} >= set(acked)
+
+
+def test_a_new_safekeeper_replaces_a_dead_one_after_the_primary_recycled_its_wal(
+        pg_factory, procs: ProcessTracker, test_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    pg = pg_factory(settings={"synchronous_standby_names": APP, "max_wal_size": "32MB", "min_wal_size": "32MB",
+                              "wal_keep_size": "0"})
+    d = Deployment(pg, procs, test_dir)
+    # The proposer reads a peer's reader port as reader `walsidecar`, with libpq's own password file.
+    monkeypatch.setenv("PGPASSFILE", str(d.reader_passfile))
+    retention = ("--primary-retention", "1MB")
+    for i in (1, 2, 3):
+        d.start_safekeeper(i)
+    d.start_proposer(*retention)
+    d.wait_sync()
+    with d.sql() as c:
+        c.execute("CREATE TABLE load (id int, pad text)")
+        c.execute("CREATE TABLE big AS SELECT g, repeat('z', 300) AS pad FROM generate_series(1, 60000) g")
+    start = d.history_start(1)
+    first = d.pg.pg_wal_dir / segment_file_name(1, start // DEFAULT_SEGMENT_SIZE)
+    d.safekeepers[3].kill9()
+    shutil.rmtree(d.sk_dir(3))
+
+    def recycled() -> bool:
+        with d.sql() as c:
+            c.execute("INSERT INTO load SELECT g, repeat('r', 200) FROM generate_series(1, 2000) g")
+            c.execute("SELECT pg_switch_wal()")
+            c.execute("CHECKPOINT")
+        return not first.exists()
+
+    # The horizon slot keeps only 1 MB below the commit position, not what the dead safekeeper lacks.
+    wait_for(recycled, timeout=90, what=f"the primary to recycle {first.name}")
+    d.proposer.kill9()
+    del d.members["safekeeper3"]
+    d.add(Safekeeper(d, "safekeeper4", node_id=4, port=d.pick_port()))
+    d.start("safekeeper4")
+    d.start_proposer(*retention)
+    d.wait_sync()
+    with d.sql() as c:
+        c.execute("INSERT INTO load VALUES (0, 'after the replacement')")
+    end = d.flush_lsn()
+    sk4 = d.data_dir("safekeeper4") / "wal"
+    wait_for(lambda: len(read_wal(sk4, start, end)) == end - start, timeout=120,
+             what="safekeeper 4 to hold all the WAL from the first term's start")
+    assert read_wal(sk4, start, end) == read_wal(d.sk_dir(1) / "wal", start, end)
+    assert "catching up from a safekeeper's reader port" in d.proposer.log_text()
+    assert "learned the term from the peers" in d.safekeepers[4].log_text()
+    # Commits still wait for a quorum, which now counts safekeeper 4.
+    d.safekeepers[1].kill9()
+    d.safekeepers[2].kill9()
+    thread, result = start_commit(d.pg.dsn(), "INSERT INTO load VALUES (-1, 'waits')")
+    wait_for(lambda: syncrep_waiters(d) >= 1, timeout=30, what="the commit to wait for the quorum")
+    assert not result
+    d.start_safekeeper(1)
+    thread.join(timeout=60)
+    assert result.get("done"), result
