@@ -174,7 +174,8 @@ class PrimarySettings(Settings):
                                                                          "name synchronous_standby_names lists.")
     slot: Annotated[str, AfterValidator(_slot)] = Field(
         "walsidecar", description="The sidecar's physical replication slot. A second slot `<slot>_horizon` stays at "
-                                  "the position every safekeeper has, so one that was down catches up from pg_wal.")
+                                  "the position every safekeeper has (at most `start --primary-retention` behind the commit), so one "
+                                  "that was down briefly catches up from pg_wal.")
 
 
 class SafekeepersMixin(Settings):
