@@ -15,7 +15,7 @@ from sidecar import framing, linkauth, tls
 from sidecar.address import parse_address
 from sidecar.certs import Identity
 from sidecar.consensus import codec
-from sidecar.consensus.messages import Append, Message, Refusal
+from sidecar.consensus.messages import Append, GreetingReply, Message, Refusal
 from sidecar.logs import get_logger
 
 
@@ -125,7 +125,7 @@ class PeerLink:
     async def _serve(self, reader: framing.FrameReader, writer: framing.Writer) -> bool:
         """Serve one connection; True if it ended in a fault: refused before any other answer,
         a malformed message, or a failure handling one."""
-        answered = faulted = False
+        answered = faulted = past_greeting = False
         stage = "connected"  # what was going on: reading, or the name of the message being handled
         try:
             sock = writer.get_extra_info("socket")
@@ -137,8 +137,11 @@ class PeerLink:
             while True:
                 stage = "reading"
                 msg = await reader.read_message()
-                faulted = faulted or (isinstance(msg, Refusal) and not answered)
+                # A refusal before anything but the greeting's reply (a safekeeper that is not voting
+                # yet, amnesic or another cluster's) reconnects after a growing pause.
+                faulted = faulted or (isinstance(msg, Refusal) and not past_greeting)
                 answered = answered or not isinstance(msg, Refusal)
+                past_greeting = past_greeting or not isinstance(msg, (Refusal, GreetingReply))
                 stage = type(msg).__name__
                 self._on_message(self.name, msg)
         except (asyncio.IncompleteReadError, ConnectionError) as e:

@@ -13,7 +13,7 @@ from psycopg_pool import AsyncConnectionPool
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from sidecar.consensus import codec, limits, primary_check
-from sidecar.consensus.messages import Message, Refusal, TimelineHistory
+from sidecar.consensus.messages import GreetingReply, Message, Refusal, TimelineHistory
 from sidecar.consensus.proposer import (
     Action, DropPeer, ElectionWon, FetchWal, GreetingsRefused, Phase, Proposer, ProposerConfig, ProposerEvent, ReportStatus,
     Send, StartStreaming, TermLost, TermsExhausted, VerifyPrimary,
@@ -345,7 +345,7 @@ class ProposerService:
             if n & (n - 1) == 0:
                 self.log.error("safekeeper refused us and closed the connection", peer=name, reason=msg.reason,
                                refusals=n)
-        else:
+        elif not isinstance(msg, GreetingReply):  # greeted, then refused (not voting yet): still in a row
             self._refusals.pop(name, None)
         if self.core is not None:
             self._run(self.core.peer_message(name, msg))

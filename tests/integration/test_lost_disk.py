@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from support.deployment import APP, Deployment, Writer, read_wal, start_commit, syncrep_waiters, wal_matches_primary
-from support.helpers import wait_for
+from support.helpers import wait_for, walsidecar
 from support.procs import ProcessTracker
 from sidecar.deployment import Safekeeper
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE, segment_file_name
@@ -62,11 +62,13 @@ def test_a_new_safekeeper_replaces_a_dead_one_after_the_primary_recycled_its_wal
     d.wait_sync()
     with d.sql() as c:
         c.execute("CREATE TABLE load (id int, pad text)")
-        c.execute("CREATE TABLE big AS SELECT g, repeat('z', 300) AS pad FROM generate_series(1, 60000) g")
     start = d.history_start(1)
     first = d.pg.pg_wal_dir / segment_file_name(1, start // DEFAULT_SEGMENT_SIZE)
+    # Dead within the first segment: the horizon slot no longer keeps what it lacks.
     d.safekeepers[3].kill9()
     shutil.rmtree(d.sk_dir(3))
+    with d.sql() as c:
+        c.execute("CREATE TABLE big AS SELECT g, repeat('z', 300) AS pad FROM generate_series(1, 60000) g")
 
     def recycled() -> bool:
         with d.sql() as c:
@@ -77,6 +79,8 @@ def test_a_new_safekeeper_replaces_a_dead_one_after_the_primary_recycled_its_wal
 
     # The horizon slot keeps only 1 MB below the commit position, not what the dead safekeeper lacks.
     wait_for(recycled, timeout=90, what=f"the primary to recycle {first.name}")
+    check = walsidecar("check", "--pg-dsn", d.pg.dsn(), "--safekeepers", ",".join(d.addresses), *d.tls("client"))
+    assert "the primary keeps" in check.stdout and "bytes of WAL for the safekeepers" in check.stdout, check.stdout
     d.proposer.kill9()
     del d.members["safekeeper3"]
     d.add(Safekeeper(d, "safekeeper4", node_id=4, port=d.pick_port()))
