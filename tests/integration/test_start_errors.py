@@ -84,8 +84,10 @@ def test_a_safekeeper_that_does_not_answer_is_named_with_the_reason(pg_factory, 
                                                                     test_dir: Path, silent: str) -> None:
     pg: PgServer = pg_factory(settings={"synchronous_standby_names": "walsidecar"})
     d = Deployment(pg, procs, test_dir)
-    d.start_safekeeper(1)
-    d.start_safekeeper(2)
+    # A brand-new cluster whose third member never starts: each learns its term from the other alone
+    # (with all three as --peers an empty safekeeper waits for both, see test_lost_disk.py).
+    d.start_safekeeper(1, "--peers", d.addresses[1])
+    d.start_safekeeper(2, "--peers", d.addresses[0])
     refused = f"127.0.0.1:{free_port()}"
     proposer = _run_start(procs, d, pg.dsn(), [*d.addresses[:2], refused])
     log = lambda: read_log(proposer.log_path)  # noqa: E731
