@@ -66,6 +66,8 @@ class SafekeeperMonitor:
             "term": p.term,
             "term_history": [[e.term, format_lsn(e.start_lsn)] for e in s.term_history],
             "elected_term": v.elected_term,
+            # An empty data directory: not voting until this many peers told their term (amnesia.py).
+            "learning_term_from_peers": v.learning_term_from,
             "flush_lsn": format_lsn(p.flush_lsn),
             "write_lsn": format_lsn(v.write_lsn),
             "commit_lsn": format_lsn(p.commit_lsn),

@@ -151,7 +151,7 @@ class Safekeeper:
             slots=tuple(SlotView(s.name, s.restart_lsn, s.timeline, s.temporary, s.active) for s in self.slots),
             broker=self.publisher.view() if self.publisher is not None else None,
             removal_horizon=self.remover.horizon, removal_stopped_by=self.remover.stopped_by,
-            disk_guard=self.guard.reason, disk_usage=self.guard.usage)
+            disk_guard=self.guard.reason, disk_usage=self.guard.usage, learning_term_from=acc.amnesic_peers)
 
     # ---- what readers see (safekeeper/pgserver.py, walsender.py) ------------------------------
 

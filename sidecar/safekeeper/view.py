@@ -61,3 +61,4 @@ class SafekeeperView:
     removal_stopped_by: str | None = None  # a pin that kept removal below the horizon
     disk_guard: str | None = None  # why new WAL is not taken now (--max-disk-usage)
     disk_usage: DiskUsage = DiskUsage(0, 0, 0)
+    learning_term_from: int = 0  # an empty data directory: peers whose terms it still needs before voting
