@@ -82,9 +82,3 @@ class TermLearner:
         self.terms[info.node_id] = max(self.terms.get(info.node_id, 0), info.term)
         self.log.info("peer told its term", peer=peer, peer_id=info.node_id, peer_term=info.term)
 
-
-def learn_term(acceptor: Acceptor, peers: Sequence[str], security: Security,
-               execute: Callable[[list[AcceptorAction]], Awaitable[None]]) -> TermLearner | None:
-    """The learner an amnesic acceptor needs, None for one that remembers."""
-    return TermLearner(acceptor, peers, security, execute) if acceptor.amnesic else None
-
