@@ -10,7 +10,8 @@ import click
 
 from sidecar import __version__
 from sidecar.address import parse_address, parse_listen
-from sidecar.config import CtlSettings, ReadersSettings, SafekeeperSettings, StartSettings, UpSettings, configured
+from sidecar.config import (CtlSettings, ReaderSlotSettings, ReadersSettings, SafekeeperSettings, StartSettings,
+                            UpSettings, configured)
 from sidecar.logs import get_logger
 
 
@@ -52,18 +53,26 @@ def safekeeper(s: SafekeeperSettings) -> None:
     from sidecar.safekeeper.monitor import SafekeeperMonitor
     from sidecar.safekeeper.server import Safekeeper, StartupError
     from sidecar.safekeeper.slots import SlotsFileError
+    from sidecar.sizes import DiskLimit, parse_size
     from sidecar.linkauth import server_security
     from sidecar.tls import TlsError
 
     host, port = parse_address(s.listen)
     try:
         ctx = server_security(s.certs_dir, s.link_security)
-        sk = Safekeeper.open(s.id, s.data_dir, host, port, ctx, reader_port=_reader_port(s))
+        sk = Safekeeper.open(s.id, s.data_dir, host, port, ctx, reader_port=_reader_port(s),
+                             keep_wal=parse_size(s.keep_wal) if s.keep_wal else None,
+                             max_disk_usage=DiskLimit.parse(s.max_disk_usage) if s.max_disk_usage else None)
+        sk.publisher = _publisher(s, sk)
         monitor = SafekeeperMonitor(sk)
         endpoint = _endpoint(monitor, s.metrics, s.certs_dir)
     except (ControlFileError, StartupError, TlsError, AuthFileError, SlotsFileError) as e:
         raise click.ClickException(str(e)) from e
     link_warning(get_logger(node=s.id), f"listening on {s.listen}", s.insecure, s.link_security)
+    if s.keep_wal:
+        get_logger(node=s.id).warning("--keep-wal without an archive: WAL removed here exists only on the other "
+                                      "safekeepers and the primary; it is only as safe as those copies",
+                                      keep_wal=s.keep_wal)
     if s.pg_listen and s.pg_auth_file is None:
         get_logger(node=s.id).warning(
             "--pg-listen without --pg-auth-file: " + ("every reader is trusted (--insecure)" if s.insecure else
@@ -74,6 +83,21 @@ def safekeeper(s: SafekeeperSettings) -> None:
         raise click.ClickException(str(e)) from e
     if sk.fatal is not None:
         sys.exit(1)
+
+
+def _publisher(s: SafekeeperSettings, sk: Any) -> Any:
+    """The broker publisher of --broker (None without it)."""
+    from sidecar.broker import Broker
+    from sidecar.safekeeper.publish import Publisher
+    if not s.broker:
+        return None
+    if any(e.startswith("http://") for e in s.broker) and not s.insecure:
+        get_logger(node=s.id).warning("--broker over plain http: anyone on the network path can read and alter "
+                                      "the safekeepers' published state; use https:// with etcd --client-cert-auth")
+    # With an archive, the uploader asks publisher.election before each upload.
+    return Publisher(sk, Broker(s.broker, s.certs_dir), ttl=s.broker_lease, cluster=s.cluster,
+                     advertise=s.advertise, advertise_pg=s.advertise_pg,
+                     elect_uploader=bool(getattr(s, "archive", None)))
 
 
 def _reader_port(s: SafekeeperSettings) -> Any:
@@ -148,6 +172,48 @@ def readers_list(s: ReadersSettings) -> None:
         raise click.ClickException(str(e)) from e
     for n in names:
         click.echo(n)
+
+
+@readers.group("slot")
+def readers_slot() -> None:
+    """Reader slots on every safekeeper, over their reader ports: create, drop, list."""
+
+
+def _slot_name(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    from sidecar.pgrepl import ReplicationProtocolError, check_slot_name
+    try:
+        for name in (value if isinstance(value, tuple) else (value,)):
+            check_slot_name(name)
+    except ReplicationProtocolError as e:
+        raise click.BadParameter(str(e)) from None
+    return value
+
+
+@readers_slot.command("create")
+@click.argument("name", callback=_slot_name)
+@configured(ReaderSlotSettings)
+def readers_slot_create(s: ReaderSlotSettings, name: str) -> None:
+    """Create physical slot NAME on every safekeeper (exit 1 if any refused)."""
+    from sidecar.ops import readerslots
+    sys.exit(readerslots.create(s, name))
+
+
+@readers_slot.command("drop")
+@click.argument("name", callback=_slot_name)
+@configured(ReaderSlotSettings)
+def readers_slot_drop(s: ReaderSlotSettings, name: str) -> None:
+    """Drop slot NAME on every safekeeper (exit 1 if any refused)."""
+    from sidecar.ops import readerslots
+    sys.exit(readerslots.drop(s, name))
+
+
+@readers_slot.command("list")
+@click.argument("names", nargs=-1, required=True, callback=_slot_name)
+@configured(ReaderSlotSettings)
+def readers_slot_list(s: ReaderSlotSettings, names: tuple[str, ...]) -> None:
+    """Where slots NAMES stand on every safekeeper (READ_REPLICATION_SLOT; exit 1 if one did not answer)."""
+    from sidecar.ops import readerslots
+    sys.exit(readerslots.show(s, names))
 
 
 @main.command()
@@ -300,8 +366,8 @@ def create_node(ca_dir: Path, certs_dir: Path, role: str, node_id: int | None, h
 
 
 def _register_operator_commands() -> None:
-    from sidecar.ops.commands import check, init_postgres, status
-    for cmd in (check, status, init_postgres):
+    from sidecar.ops.commands import check, init_postgres, restore_wal, status
+    for cmd in (check, status, init_postgres, restore_wal):
         main.add_command(cmd)
 
 

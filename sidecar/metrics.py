@@ -73,6 +73,9 @@ class SafekeeperMetrics:
         self.disk_full = Counter("walsidecar_safekeeper_disk_full_errors",
                                  "Writes that found no space (ENOSPC): WAL, control file or the spare segment.",
                                  ["safekeeper_id"], registry=r).labels(sk)
+        self.wal_removed = Counter("walsidecar_safekeeper_wal_removed_bytes",
+                                   "WAL bytes removed below the removal horizon (whole segments).",
+                                   ["safekeeper_id"], registry=r).labels(sk)
 
     def add_collector(self, collect: Callable[[], Iterable[Metric]]) -> None:
         """Register scrape-time gauges produced by `collect`."""

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sidecar.broker import SafekeeperState
 from sidecar.consensus.state import AcceptorState
+from sidecar.safekeeper.diskguard import DiskUsage
+from sidecar.safekeeper.horizon import Horizon
 from sidecar.safekeeper.positions import Positions
 
 
@@ -17,6 +20,21 @@ class SlotView:
     timeline: int
     temporary: bool
     active: bool  # a reader streams with it now
+
+
+@dataclass(frozen=True)
+class BrokerView:
+    """What the safekeeper publishes to the broker and sees there of its peers (itself included)."""
+
+    endpoints: tuple[str, ...]
+    cluster: str | None  # None until the system id is known (no --cluster)
+    timeline: int
+    connected: bool | None  # None: not tried yet
+    error: str | None  # why the last attempt failed
+    published_ago: float | None  # seconds since the last publish that etcd took
+    peers: tuple[SafekeeperState, ...] = ()
+    uploader: int | None = None  # the id holding the upload lease, as last read
+    leading: bool = False  # this safekeeper may upload now
 
 
 @dataclass(frozen=True)
@@ -38,3 +56,8 @@ class SafekeeperView:
     readers: int = 0  # reader connections now
     streaming_readers: int = 0  # of which in START_REPLICATION
     slots: tuple[SlotView, ...] = ()
+    broker: BrokerView | None = None  # with --broker
+    removal_horizon: Horizon = Horizon(0, "nothing stored yet")  # WAL below it is removed
+    removal_stopped_by: str | None = None  # a pin that kept removal below the horizon
+    disk_guard: str | None = None  # why new WAL is not taken now (--max-disk-usage)
+    disk_usage: DiskUsage = DiskUsage(0, 0, 0)
