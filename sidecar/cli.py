@@ -58,7 +58,7 @@ def safekeeper(s: SafekeeperSettings) -> None:
     host, port = parse_address(s.listen)
     try:
         ctx = server_security(s.certs_dir, s.link_security)
-        sk = Safekeeper.open(s.id, s.data_dir, host, port, ctx, reader_port=_reader_port(s))
+        sk = Safekeeper.open(s.id, s.data_dir, host, port, ctx, reader_port=_reader_port(s), archive=_archive(s))
         monitor = SafekeeperMonitor(sk)
         endpoint = _endpoint(monitor, s.metrics, s.certs_dir)
     except (ControlFileError, StartupError, TlsError, AuthFileError, SlotsFileError) as e:
@@ -88,6 +88,12 @@ def _reader_port(s: SafekeeperSettings) -> Any:
     # Readers are libpq clients: TLS with the node certificate, no client certificate asked.
     ssl_context = https_context(s.certs_dir) if s.certs_dir is not None else None
     return ReaderPort(host, port, auth, s.insecure, ssl_context)
+
+
+def _archive(s: SafekeeperSettings) -> Any:
+    """The uploader's options from --archive, --s3-endpoint, --cluster and --archive-takeover; None without --archive."""
+    from sidecar.safekeeper.backup import ArchiveOptions
+    return ArchiveOptions(s.archive, s.s3_endpoint, s.cluster, s.archive_takeover) if s.archive else None
 
 
 @main.group()

@@ -66,6 +66,15 @@ def _distinct(value: tuple[str, ...]) -> tuple[str, ...]:
     return value
 
 
+def _archive_url(value: str | None) -> str | None:
+    if value:
+        from sidecar.objectstore import open_storage
+        if "://" not in value:
+            raise ValueError("give a URL: s3://bucket/prefix or file:///path")
+        open_storage(value)
+    return value
+
+
 def _slot(value: str) -> str:
     from sidecar.proposer.primary import check_slot_name
     return check_slot_name(value)
@@ -191,6 +200,19 @@ class SafekeeperSettings(TlsSettings):
     pg_auth_file: FilePath | None = Field(None, description="The readers' SCRAM-SHA-256 verifiers (made by "
                                                             "`walsidecar readers add`, mode 0600). Without it the "
                                                             "reader port refuses everyone, unless --insecure.")
+    # Archiving and the names the archive and the broker share.
+    archive: Annotated[str | None, AfterValidator(_archive_url), Metavar("URL")] = Field(
+        None, description="Upload committed, completed WAL segments and timeline history files to s3://bucket/prefix "
+                          "or file:///path, under <prefix>/<cluster>/<system id>/wal/; off when not given.")
+    s3_endpoint: Annotated[str | None, Metavar("URL")] = Field(
+        None, description="S3 endpoint for an s3:// archive (default: AWS's, or AWS_ENDPOINT_URL); credentials come "
+                          "from the usual AWS_* variables and files.")
+    cluster: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,63}$",
+                                description="The cluster's name in the archive's layout and the broker's keys; "
+                                            "default: the primary's system identifier.")
+    archive_takeover: float = Field(30.0, gt=0, description="Without a broker the lowest id uploads; safekeeper "
+                                    "--id N uploads a committed segment still missing from the archive after (N-1) "
+                                    "times this many seconds.")
 
     @model_validator(mode="after")
     def _reader_port(self) -> SafekeeperSettings:

@@ -51,7 +51,8 @@ class Embedded:
             insecure=insecure, link_security=link_security, log_format=log_format, log=self.log,
             spawn=start_tied_child,
             extra={"proposer": ["--metrics", self.metrics[0]],
-                   **{f"safekeeper{i}": ["--metrics", self.metrics[i]] for i in range(1, SAFEKEEPERS + 1)}})
+                   **{f"safekeeper{i}": ["--metrics", self.metrics[i], "--archive", f"file://{self.base}/archive"]
+                      for i in range(1, SAFEKEEPERS + 1)}})
 
     def run(self) -> None:
         """Run until SIGINT/SIGTERM; DeploymentError when it cannot start or PostgreSQL exits."""

@@ -73,6 +73,8 @@ class SafekeeperMetrics:
         self.disk_full = Counter("walsidecar_safekeeper_disk_full_errors",
                                  "Writes that found no space (ENOSPC): WAL, control file or the spare segment.",
                                  ["safekeeper_id"], registry=r).labels(sk)
+        self.archived = Counter("walsidecar_safekeeper_archived_bytes", "WAL bytes this safekeeper uploaded to the "
+                                "archive (--archive).", ["safekeeper_id"], registry=r).labels(sk)
 
     def add_collector(self, collect: Callable[[], Iterable[Metric]]) -> None:
         """Register scrape-time gauges produced by `collect`."""

@@ -114,8 +114,8 @@ _APPEND = Struct(">QQQQ")  # term, begin_lsn, commit_lsn, peer_horizon_lsn; data
 _APPEND_REPLY = Struct(">QQQ")  # term, flush_lsn, commit_lsn
 _REFUSAL = Struct(">H")  # len(reason)
 # node_id, system_id, wal_seg_size, pg_version, timeline, term, last_log_term, flush_lsn,
-# commit_lsn, proposer_connected
-_INFO_REPLY = Struct(">QQIIIQQQQB")
+# commit_lsn, proposer_connected, backup_lsn
+_INFO_REPLY = Struct(">QQIIIQQQQBQ")
 # AuthResponse: nonce, then certificate, host and signature, each a u16 length and its bytes;
 # AuthConfirm: certificate and signature the same way.
 
@@ -328,7 +328,8 @@ def _encode_info_request(m: InfoRequest) -> bytes:
 def _encode_info_reply(m: InfoReply) -> bytes:
     _check_info_reply(m)
     body = _INFO_REPLY.pack(m.node_id, m.system_id, m.wal_seg_size, m.pg_version, m.timeline, m.term,
-                            m.last_log_term, m.flush_lsn, m.commit_lsn, 1 if m.proposer_connected else 0)
+                            m.last_log_term, m.flush_lsn, m.commit_lsn, 1 if m.proposer_connected else 0,
+                            m.backup_lsn)
     return _framed(TAG_INFO_REPLY, body)
 
 
@@ -555,8 +556,8 @@ def _decode_info_request(body: Body) -> InfoRequest:
 
 def _decode_info_reply(body: Body) -> InfoReply:
     _need_exact(body, _INFO_REPLY.size, "InfoReply")
-    *fields, connected = _INFO_REPLY.unpack_from(body)
-    m = InfoReply(*fields, proposer_connected=_bool(connected, "proposer_connected", "InfoReply"))
+    *fields, connected, backup = _INFO_REPLY.unpack_from(body)
+    m = InfoReply(*fields, proposer_connected=_bool(connected, "proposer_connected", "InfoReply"), backup_lsn=backup)
     _check_info_reply(m)
     return m
 

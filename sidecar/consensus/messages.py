@@ -127,6 +127,7 @@ class InfoReply:
     flush_lsn: int
     commit_lsn: int
     proposer_connected: bool
+    backup_lsn: int = 0  # the archive holds every segment below it
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,10 @@ from sidecar.consensus.messages import Append, Elected, Greeting, Message, Refus
 from sidecar.consensus.reading import ServerState
 from sidecar.consensus.session import AcceptorSession, Role
 from sidecar.logs import get_logger, set_context_provider
-from sidecar.lsn import format_lsn
+from sidecar.lsn import format_lsn, segment_file_name
 from sidecar.metrics import SafekeeperMetrics
+from sidecar.consensus.state import AcceptorState
+from sidecar.safekeeper.backup import ArchiveOptions, PartialSegment, uploader_for
 from sidecar.safekeeper.control import ControlData, save_control
 from sidecar.safekeeper.pgserver import ReaderPort, ReaderServer
 from sidecar.safekeeper.positions import Positions, PositionWatch
@@ -58,7 +60,7 @@ class Safekeeper:
 
     def __init__(self, node_id: int, data_dir: Path, host: str, port: int, security: linkauth.Security,
                  acceptor: Acceptor, storage: WalStorage | NoWal, stats: SafekeeperMetrics,
-                 reader_port: ReaderPort | None = None) -> None:
+                 reader_port: ReaderPort | None = None, archive: ArchiveOptions | None = None) -> None:
         self.node_id = node_id
         # Neither: --insecure, every connection may act as a proposer.
         self.ssl_context = security if isinstance(security, ssl.SSLContext) else None
@@ -74,6 +76,8 @@ class Safekeeper:
         # The reader port (--pg-listen): proposers learn it from the greeting (0: none).
         self.readers = ReaderServer(self, reader_port) if reader_port is not None else None
         self.acceptor.reader_port = reader_port.port if reader_port is not None else 0
+        self.uploader = uploader_for(self, archive.url, archive.s3_endpoint, archive.cluster, archive.takeover,
+                                     stats.archived.inc) if archive is not None else None
         self._server: asyncio.Server | None = None  # while serve() runs
         self._serving: asyncio.Task[None] | None = None
         self._flush_lock = asyncio.Lock()
@@ -87,7 +91,8 @@ class Safekeeper:
 
     @classmethod
     def open(cls, node_id: int, data_dir: Path, host: str, port: int,
-             security: linkauth.Security = None, reader_port: ReaderPort | None = None) -> Safekeeper:
+             security: linkauth.Security = None, reader_port: ReaderPort | None = None,
+             archive: ArchiveOptions | None = None) -> Safekeeper:
         """Load the control file, check the stored WAL and find its end: a safekeeper ready to serve.
 
         Raises ControlFileError, StartupError or SlotsFileError, with a message for the operator, when
@@ -96,7 +101,7 @@ class Safekeeper:
         stats = SafekeeperMetrics(node_id)
         log = get_logger(node=node_id)
         acceptor, storage = open_data_dir(node_id, data_dir, _disk_full_reporter(stats, log), log)
-        return cls(node_id, data_dir, host, port, security, acceptor, storage, stats, reader_port)
+        return cls(node_id, data_dir, host, port, security, acceptor, storage, stats, reader_port, archive)
 
     @property
     def _stream(self) -> framing.Writer | None:
@@ -125,7 +130,10 @@ class Safekeeper:
             reader_listen=f"{self.readers.options.host}:{self.readers.port}" if self.readers is not None else None,
             readers=len(self.readers.connections) if self.readers is not None else 0,
             streaming_readers=self.readers.streaming if self.readers is not None else 0,
-            slots=tuple(SlotView(s.name, s.restart_lsn, s.timeline, s.temporary, s.active) for s in self.slots))
+            slots=tuple(SlotView(s.name, s.restart_lsn, s.timeline, s.temporary, s.active) for s in self.slots),
+            archive=self.uploader.store.location if self.uploader is not None and self.uploader.store is not None
+            else self.uploader.root.location if self.uploader is not None else None,
+            archive_error=self.uploader.error if self.uploader is not None else None)
 
     # ---- what readers see (safekeeper/pgserver.py, walsender.py) ------------------------------
 
@@ -149,6 +157,45 @@ class Safekeeper:
         if not isinstance(st, WalStorage):
             raise StorageError("this safekeeper stores no WAL yet")
         return st.read(lsn, size)
+
+    # ---- what the uploader (backup.py) reads and changes
+
+    def archive_state(self) -> AcceptorState:
+        return self.acceptor.state
+
+    def complete_segment(self, segno: int) -> Path | None:
+        st = self.storage
+        return st.complete_segment(segno) if isinstance(st, WalStorage) else None
+
+    async def read_partial(self) -> PartialSegment | None:
+        """The segment being written, up to flush_lsn, and the term that wrote it; None at a segment boundary.
+
+        Read under the flush lock, after checking that no Elected was applied since the term and flush were
+        taken: so no cut happened or is pending, and the bytes are that term's.
+        """
+        acc, st = self.acceptor, self.storage
+        if not isinstance(st, WalStorage) or not acc.state.term_history:
+            return None
+        generation, term, end = acc.cut_generation, acc.state.term_history[-1].term, acc.flush_lsn
+        seg = st.seg_size
+        start = end - end % seg
+        if end == start:
+            return None
+        async with self._flush_lock:
+            if acc.cut_generation != generation:
+                return None
+            data = await asyncio.to_thread(st.read, start, end - start)
+        return PartialSegment(segment_file_name(acc.state.timeline, start // seg, seg), term, end,
+                              data + bytes(seg - len(data)))
+
+    async def backed_up(self, lsn: int) -> None:
+        """The archive holds every segment below `lsn`: persist it as backup_lsn."""
+        actions = self.acceptor.on_backed_up(lsn)
+        if actions:
+            async with self._persist_lock:
+                for a in actions:
+                    if isinstance(a, Persist):
+                        await asyncio.to_thread(save_control, self.data_dir, ControlData(self.node_id, a.state))
 
     def _positions(self) -> Positions:
         acc = self.acceptor
@@ -181,6 +228,9 @@ class Safekeeper:
         self._serving = asyncio.current_task()
         flusher = asyncio.create_task(self._flusher())
         slot_saver = asyncio.create_task(self.slots.run())
+        tasks = [flusher, slot_saver]
+        if self.uploader is not None:
+            tasks.append(asyncio.create_task(self.uploader.run()))
         try:
             if self.readers is not None:
                 await self.readers.start()
@@ -191,10 +241,12 @@ class Safekeeper:
             self._server.close()
             if self.readers is not None:
                 await self.readers.close()
-            for task in (flusher, slot_saver):
+            for task in tasks:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            if self.uploader is not None and self.fatal is None:
+                await self.uploader.close()
             self.storage.close()
 
     def _role_of(self, ident: tls.Identity | None) -> Role:

@@ -38,3 +38,5 @@ class SafekeeperView:
     readers: int = 0  # reader connections now
     streaming_readers: int = 0  # of which in START_REPLICATION
     slots: tuple[SlotView, ...] = ()
+    archive: str | None = None  # where committed segments are uploaded (--archive), if anywhere
+    archive_error: str | None = None  # the last archiving failure, until an upload succeeds
