@@ -210,7 +210,8 @@ class S3Storage:
         digest = base64.b64encode(sha256(data)).decode()
         full = self._key(_check_key(key))
         try:
-            self.client.put_object(Bucket=self.bucket, Key=full, Body=data, ChecksumSHA256=digest, IfNoneMatch="*")
+            self.client.put_object(Bucket=self.bucket, Key=full, Body=data, ChecksumAlgorithm="SHA256",
+                                   ChecksumSHA256=digest, IfNoneMatch="*")
         except self.client.exceptions.ClientError as exc:
             code = exc.response.get("Error", {}).get("Code")
             if code not in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
@@ -224,7 +225,8 @@ class S3Storage:
 
     def replace(self, key: str, data: bytes) -> None:
         digest = base64.b64encode(sha256(data)).decode()
-        self.client.put_object(Bucket=self.bucket, Key=self._key(_check_key(key)), Body=data, ChecksumSHA256=digest)
+        self.client.put_object(Bucket=self.bucket, Key=self._key(_check_key(key)), Body=data,
+                               ChecksumAlgorithm="SHA256", ChecksumSHA256=digest)
         self._verify(key, data, digest)
 
     def _verify(self, key: str, data: bytes, digest: str) -> None:
