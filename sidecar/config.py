@@ -319,9 +319,31 @@ class ReadersSettings(Settings):
                                                             "0600).")
 
 
+class VerifyArchiveSettings(LinkSettings):
+    """walsidecar verify-archive: the archive's WAL, and with --safekeepers its gaps below their backup_lsn."""
+
+    command: ClassVar[str] = "verify-archive"
+    safekeepers: Safekeepers = Field((), description="Also ask these safekeepers (HOST:PORT,...) for their "
+                                                     "backup_lsn: every segment below it must be in the archive.")
+    certs_dir: Path | None = Field(None, description="Directory with a client certificate (`walsidecar certs "
+                                                     "create-node --role client`) to ask --safekeepers with.")
+    timeout: Timeout = 5.0
+    gaps_only: bool = Field(False, description="Only compare the archive's segment names with the safekeepers' "
+                                               "backup_lsn: no Spark, no decoding.")
+
+    @model_validator(mode="after")
+    def _asking(self) -> VerifyArchiveSettings:
+        if self.safekeepers and self.certs_dir is None and not self.insecure:
+            raise ValueError("safekeepers: give --certs-dir DIR (a client certificate) to ask them, or --insecure")
+        if self.gaps_only and not self.safekeepers:
+            raise ValueError("gaps_only: the gaps are found against the safekeepers' backup_lsn; give --safekeepers")
+        return self
+
+
 # Keys valid somewhere: a top-level key unknown to every command is a typo, not another command's option.
 ALL_SETTINGS: tuple[type[Settings], ...] = (SafekeeperSettings, StartSettings, CheckSettings, StatusSettings,
-                                            InitPostgresSettings, UpSettings, CtlSettings, ReadersSettings)
+                                            InitPostgresSettings, UpSettings, CtlSettings, ReadersSettings,
+                                            VerifyArchiveSettings)
 
 
 def read_toml(path: Path, cls: type[Settings]) -> dict[str, Any]:

@@ -33,30 +33,37 @@ SHUTDOWN_UPLOAD = 15.0  # seconds the partial segment's upload may hold up a shu
 
 
 class UploadElection(Protocol):
-    """Who uploads: asked before each upload of a segment the archive lacks (a broker's lease, or ranks)."""
+    """Who uploads (a broker's lease, or ranks): asked before each upload of a committed segment the archive
+    lacks, and told of each one found already archived by someone else."""
 
     def may_upload(self, segment_start_lsn: int) -> bool: ...
 
+    def seen_archived(self, segment_start_lsn: int) -> None: ...
+
 
 class RankElection:
-    """Without a broker: safekeeper 1 uploads at once; safekeeper N only once the segment has been missing
-    from the archive for (N-1) x `takeover` seconds since this safekeeper first saw it ready.
+    """Without a broker: safekeeper 1 uploads at once; safekeeper N once the archive has lacked what it needs
+    for (N-1) x `takeover` seconds, counted from the first lack seen after the last segment someone else
+    uploaded. Having taken over it goes on uploading at once, until it finds a segment uploaded by another
+    (a lower id is back): then it waits again.
 
-    Ids need not be dense: a missing id only delays the next one. Seeing the segment is per process, so a
-    restart starts the wait again; that delays a takeover, it never brings two different uploads.
+    Ids need not be dense: a missing id only delays the next one. The clock is per process, so a restart
+    starts the wait again; that delays a takeover, it never brings two different uploads.
     """
 
     def __init__(self, node_id: int, takeover: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.wait = (node_id - 1) * takeover
         self.clock = clock
-        self._lsn = -1
-        self._since = 0.0
+        self._missing_since: float | None = None
 
     def may_upload(self, segment_start_lsn: int) -> bool:
         now = self.clock()
-        if segment_start_lsn != self._lsn:
-            self._lsn, self._since = segment_start_lsn, now
-        return now - self._since >= self.wait
+        if self._missing_since is None:
+            self._missing_since = now
+        return now - self._missing_since >= self.wait
+
+    def seen_archived(self, segment_start_lsn: int) -> None:
+        self._missing_since = None
 
 
 @dataclass(frozen=True)
@@ -217,6 +224,7 @@ class Uploader:
             segment_file_name(timeline_of(state.timeline_history, state.timeline, lsn + seg - 1), segno, seg)
         size = await asyncio.to_thread(store.head, name)
         if size == seg:
+            self.election.seen_archived(lsn)
             return True  # puts are atomic: a whole-size object is complete
         if size is not None:
             raise ObjectConflict(f"{store.location}/{name} has {size} bytes, a segment has {seg}")

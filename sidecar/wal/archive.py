@@ -183,6 +183,18 @@ def plan_archive(storage: Storage, first: str | None = None, last: str | None = 
     return ArchivePlan(storage, seg_size, chosen, problems)
 
 
+def backup_gaps(plan: ArchivePlan, backup_lsn: int, who: str) -> list[Problem]:
+    """Segments from the archive's first one up to `backup_lsn` that it lacks: `who` said they were archived."""
+    seg = plan.seg_size
+    held = {s.segno: s.tli for s in plan.segments if not s.partial}
+    if not held:
+        return []
+    tli = max(held.values())
+    return [Problem(segno * seg, MISSING, segment_file_name(tli, segno, seg),
+                    f"not in {plan.storage.location}, yet below the backup_lsn {format_lsn(backup_lsn)} of {who}")
+            for segno in range(min(held), backup_lsn // seg) if segno not in held]
+
+
 def _bound(name: str | None, seg_size: int, default: int) -> int:
     if name is None:
         return default

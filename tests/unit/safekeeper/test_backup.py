@@ -28,10 +28,15 @@ def test_the_lowest_id_uploads_at_once_the_others_after_a_grace_growing_with_the
     assert second.may_upload(SEG) and not third.may_upload(SEG)
     clock.now += 10
     assert third.may_upload(SEG)
-    # The next segment: the wait starts again from when it is first asked about.
-    assert not second.may_upload(2 * SEG)
-    clock.now += 10
-    assert second.may_upload(2 * SEG)
+    # Having taken over, safekeeper 2 uploads the next segments at once...
+    assert second.may_upload(2 * SEG) and second.may_upload(3 * SEG)
+    # ...until it finds one uploaded by another (safekeeper 1 is back): then it waits again.
+    second.seen_archived(4 * SEG)
+    assert not second.may_upload(5 * SEG)
+    clock.now += 9.9
+    assert not second.may_upload(5 * SEG)
+    clock.now += 0.1
+    assert second.may_upload(5 * SEG)
 
 
 def test_names() -> None:

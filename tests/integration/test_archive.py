@@ -1,0 +1,117 @@
+"""The safekeepers' WAL archive on S3 (moto_server as a process): committed segments, byte-identical, no gap."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from support.deployment import APP, Deployment, Writer, commit_lsn_of
+from support.helpers import wait_for, walsidecar
+from support.procs import ProcessTracker
+from support.s3 import aws_env, make_bucket, moto_server
+from sidecar.lsn import DEFAULT_SEGMENT_SIZE as SEG
+from sidecar.lsn import format_lsn, parse_lsn, parse_segment_file_name
+from sidecar.objectstore import Storage, open_storage
+from sidecar.safekeeper.backup import partial_name
+from sidecar.safekeeper.control import load_control
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+BUCKET = "wal"
+TAKEOVER = 2.0  # seconds per rank before a higher id uploads what the archive lacks
+
+
+@pytest.fixture
+def s3(test_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    aws_env(monkeypatch)  # the safekeepers inherit the credentials
+    with moto_server(test_dir) as endpoint:
+        make_bucket(endpoint, BUCKET)
+        yield endpoint
+
+
+@pytest.fixture
+def archiving(pg_factory: Callable[..., object], procs: ProcessTracker, test_dir: Path, s3: str) -> Deployment:
+    d = Deployment(pg_factory(settings={"synchronous_standby_names": APP}), procs, test_dir)
+    for i in (1, 2, 3):
+        d.extra[f"safekeeper{i}"] = ["--archive", f"s3://{BUCKET}/archive", "--s3-endpoint", s3,
+                                     "--archive-takeover", str(TAKEOVER)]
+    d.start_all()
+    with d.sql() as c:
+        c.execute("CREATE TABLE load (id int, pad text)")
+    return d
+
+
+def backup_lsn(d: Deployment, i: int) -> int:
+    data = load_control(d.sk_dir(i))
+    return data.state.backup_lsn if data else 0
+
+
+def switch_segments(d: Deployment, n: int) -> int:
+    """Fill and switch n segments; the end of WAL after a commit in the next one."""
+    with d.sql() as c:
+        for _ in range(n):
+            c.execute("INSERT INTO load SELECT g, repeat('r', 300) FROM generate_series(1, 5000) g")
+            c.execute("SELECT pg_switch_wal()")
+        return commit_lsn_of(c, "INSERT INTO load VALUES (-1, 'after the switch')")
+
+
+def archived_segments(store: Storage) -> dict[str, int]:
+    return {n: s for n, s in store.list_files().items() if len(n) == 24}
+
+
+def assert_identical_and_gapless(d: Deployment, store: Storage, first: int, end: int) -> None:
+    """Every segment in [first, end) is in the archive, whole and byte-identical to the primary's."""
+    names = archived_segments(store)
+    segnos = sorted(parse_segment_file_name(n, SEG)[1] for n in names)
+    assert segnos[0] == first // SEG and segnos == list(range(segnos[0], segnos[-1] + 1)), names
+    assert segnos[-1] + 1 >= end // SEG
+    for name in names:
+        assert store.read(name) == (d.pg.pg_wal_dir / name).read_bytes(), f"{name} differs from the primary's"
+
+
+def test_committed_segments_are_archived_and_another_safekeeper_takes_over(
+        archiving: Deployment, s3: str, test_dir: Path) -> None:
+    d = archiving
+    with d.sql() as c:
+        sysid = c.execute("SELECT system_identifier FROM pg_control_system()").fetchone()[0]
+    store = open_storage(f"s3://{BUCKET}/archive/{sysid}/{sysid}/wal", s3_endpoint=s3)  # --cluster: the system id
+    first = d.history_start(1)
+
+    end = switch_segments(d, 3)
+    done = end - end % SEG
+    wait_for(lambda: all(backup_lsn(d, i) >= done for i in (1, 2, 3)), timeout=60,
+             what=f"every safekeeper's backup_lsn to reach {format_lsn(done)}")
+    assert_identical_and_gapless(d, store, first, done)
+
+    # The uploader (safekeeper 1, the lowest id) dies under load; safekeeper 2 takes over after its grace.
+    writer = Writer(d.pg.dsn())
+    writer.start()
+    d.members["safekeeper1"].kill()
+    end = switch_segments(d, 3)
+    acked = writer.stop()
+    assert acked and writer.error is None
+    done = end - end % SEG
+    wait_for(lambda: backup_lsn(d, 2) >= done and backup_lsn(d, 3) >= done, timeout=60,
+             what=f"safekeepers 2 and 3 to archive up to {format_lsn(done)} without safekeeper 1")
+    assert_identical_and_gapless(d, store, first, done)
+    assert not [k for k in store.list() if not k.startswith(tuple(archived_segments(store)))], \
+        "only whole segments in the archive"
+
+    addrs = ",".join(d.addresses[1:])
+    gaps = walsidecar("verify-archive", store.location, "--s3-endpoint", s3, "--safekeepers", addrs,
+                      *d.tls("client"), "--gaps-only")
+    assert gaps.returncode == 0 and "OK: no gap" in gaps.stdout, gaps.stdout + gaps.stderr
+
+    # A graceful stop uploads the segment being written under a name giving its term and end.
+    d.stop("safekeeper2")
+    term = load_control(d.sk_dir(2)).state.term_history[-1].term
+    partials = [k for k in store.list_files() if k.endswith(".partial")]
+    assert len(partials) == 1, partials
+    name = partials[0]
+    end = parse_lsn(name.split(".end-")[1].removesuffix(".partial").replace("-", "/"))
+    segment = name[:24]
+    assert name == partial_name(segment, term, end) and parse_segment_file_name(segment, SEG)[1] == end // SEG
+    data, used = store.read(name), end % SEG
+    assert len(data) == SEG and data[:used] == (d.pg.pg_wal_dir / segment).read_bytes()[:used]
+    assert data[used:] == bytes(SEG - used)
