@@ -19,6 +19,10 @@ INSTALL_HINT = "pip install 'walsidecar[analytics]' and a Java 17+ runtime (scri
 NEEDS_EXTRA = f"Needs the analytics extra: {INSTALL_HINT}."
 
 
+# What spark_options adds: passed through to Spark, not settings (verify-archive has settings besides).
+SPARK_OPTIONS = frozenset({"master", "confs", "spark_ui", "s3_endpoint", "progress", "first", "last"})
+
+
 def spark_options(fn: F) -> F:
     """--master, --conf, --spark-ui, --s3-endpoint and --progress/--no-progress."""
     options = [
