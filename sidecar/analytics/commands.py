@@ -49,14 +49,18 @@ def _imports() -> None:
         import pyarrow  # noqa: F401
         import pyspark  # noqa: F401
     except ImportError as exc:
-        raise click.ClickException(
-            f"{exc.name} is not installed: install the analytics extra: {INSTALL_HINT}"
-        ) from exc
+        raise _missing(exc) from exc
+
+
+def _missing(exc: ImportError) -> click.ClickException:
+    return click.ClickException(f"{exc.name} is not installed: install the analytics extra: {INSTALL_HINT}")
 
 
 def _plan(source: str, first: str | None, last: str | None, s3_endpoint: str | None) -> Any:
-    from sidecar.wal.archive import open_storage, plan_archive
-
+    try:
+        from sidecar.wal.archive import open_storage, plan_archive
+    except ImportError as exc:  # numpy: the plan lives beside the segment scan
+        raise _missing(exc) from exc
     try:
         return plan_archive(open_storage(source, s3_endpoint=s3_endpoint), first, last)
     except (FileNotFoundError, ValueError) as exc:
