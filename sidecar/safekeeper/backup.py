@@ -151,6 +151,7 @@ class Uploader:
         self._histories: set[str] = set()
         self._partial: tuple[int, int] | None = None  # (term, end) of the last partial uploaded
         self._waiting: int | None = None  # segment start another safekeeper should upload
+        self._not_whole: int | None = None  # the last segment found not held whole here (logged once)
 
     # ---- the loop
 
@@ -234,8 +235,10 @@ class Uploader:
         bad = check_segment(data, lsn, seg, state.system_id)
         if bad is not None:
             # Not held whole here (this safekeeper joined inside it): another one uploads it.
-            self.log.warning("segment not held whole here; leaving it to another safekeeper", segment=name,
-                             reason=bad, lsn=format_lsn(lsn))
+            if self._not_whole != lsn:
+                self._not_whole = lsn
+                self.log.warning("segment not held whole here; leaving it to another safekeeper", segment=name,
+                                 reason=bad, lsn=format_lsn(lsn))
             return False
         began = time.perf_counter()
         wrote = await asyncio.to_thread(store.put, name, data)

@@ -131,8 +131,7 @@ class Safekeeper:
             readers=len(self.readers.connections) if self.readers is not None else 0,
             streaming_readers=self.readers.streaming if self.readers is not None else 0,
             slots=tuple(SlotView(s.name, s.restart_lsn, s.timeline, s.temporary, s.active) for s in self.slots),
-            archive=self.uploader.store.location if self.uploader is not None and self.uploader.store is not None
-            else self.uploader.root.location if self.uploader is not None else None,
+            archive=(self.uploader.store or self.uploader.root).location if self.uploader is not None else None,
             archive_error=self.uploader.error if self.uploader is not None else None)
 
     # ---- what readers see (safekeeper/pgserver.py, walsender.py) ------------------------------
