@@ -57,6 +57,13 @@ if [[ ",$EXTRAS," == *,analytics,* ]] && ! java_ok; then
     apt_install openjdk-17-jre-headless
 fi
 
+# The tests start their own etcd (the broker, --broker) from Debian's etcd-server on free loopback ports;
+# etcdctl shows the keys. On a host with systemd the package also enables a default etcd service on 2379.
+if [[ ",$EXTRAS," == *,test,* ]] && ! command -v etcd >/dev/null 2>&1; then
+    echo "install.sh: no etcd; installing etcd-server and etcd-client" >&2
+    apt_install etcd-server etcd-client
+fi
+
 # scripts/chaos.py --kinds partition runs safekeepers in network namespaces: `ip netns`, veth pairs.
 if ! command -v ip >/dev/null 2>&1; then
     echo "install.sh: no ip command; installing iproute2" >&2

@@ -10,7 +10,8 @@ import click
 
 from sidecar import __version__
 from sidecar.address import parse_address, parse_listen
-from sidecar.config import CtlSettings, ReadersSettings, SafekeeperSettings, StartSettings, UpSettings, configured
+from sidecar.config import (CtlSettings, ReaderSlotSettings, ReadersSettings, SafekeeperSettings, StartSettings,
+                            UpSettings, configured)
 from sidecar.logs import get_logger
 
 
@@ -59,6 +60,9 @@ def safekeeper(s: SafekeeperSettings) -> None:
     try:
         ctx = server_security(s.certs_dir, s.link_security)
         sk = Safekeeper.open(s.id, s.data_dir, host, port, ctx, reader_port=_reader_port(s), archive=_archive(s))
+        sk.publisher = _publisher(s, sk)
+        if sk.uploader is not None and sk.publisher is not None:
+            sk.uploader.election = sk.publisher.election  # the broker's upload lease, in place of ranks
         monitor = SafekeeperMonitor(sk)
         endpoint = _endpoint(monitor, s.metrics, s.certs_dir)
     except (ControlFileError, StartupError, TlsError, AuthFileError, SlotsFileError) as e:
@@ -74,6 +78,21 @@ def safekeeper(s: SafekeeperSettings) -> None:
         raise click.ClickException(str(e)) from e
     if sk.fatal is not None:
         sys.exit(1)
+
+
+def _publisher(s: SafekeeperSettings, sk: Any) -> Any:
+    """The broker publisher of --broker (None without it)."""
+    from sidecar.broker import Broker
+    from sidecar.safekeeper.publish import Publisher
+    if not s.broker:
+        return None
+    if any(e.startswith("http://") for e in s.broker) and not s.insecure:
+        get_logger(node=s.id).warning("--broker over plain http: anyone on the network path can read and alter "
+                                      "the safekeepers' published state; use https:// with etcd --client-cert-auth")
+    # With an archive, the uploader asks publisher.election before each upload.
+    return Publisher(sk, Broker(s.broker, s.certs_dir), ttl=s.broker_lease, cluster=s.cluster,
+                     advertise=s.advertise, advertise_pg=s.advertise_pg,
+                     elect_uploader=s.archive is not None)
 
 
 def _reader_port(s: SafekeeperSettings) -> Any:
@@ -154,6 +173,48 @@ def readers_list(s: ReadersSettings) -> None:
         raise click.ClickException(str(e)) from e
     for n in names:
         click.echo(n)
+
+
+@readers.group("slot")
+def readers_slot() -> None:
+    """Reader slots on every safekeeper, over their reader ports: create, drop, list."""
+
+
+def _slot_name(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    from sidecar.pgrepl import ReplicationProtocolError, check_slot_name
+    try:
+        for name in (value if isinstance(value, tuple) else (value,)):
+            check_slot_name(name)
+    except ReplicationProtocolError as e:
+        raise click.BadParameter(str(e)) from None
+    return value
+
+
+@readers_slot.command("create")
+@click.argument("name", callback=_slot_name)
+@configured(ReaderSlotSettings)
+def readers_slot_create(s: ReaderSlotSettings, name: str) -> None:
+    """Create physical slot NAME on every safekeeper (exit 1 if any refused)."""
+    from sidecar.ops import readerslots
+    sys.exit(readerslots.create(s, name))
+
+
+@readers_slot.command("drop")
+@click.argument("name", callback=_slot_name)
+@configured(ReaderSlotSettings)
+def readers_slot_drop(s: ReaderSlotSettings, name: str) -> None:
+    """Drop slot NAME on every safekeeper (exit 1 if any refused)."""
+    from sidecar.ops import readerslots
+    sys.exit(readerslots.drop(s, name))
+
+
+@readers_slot.command("list")
+@click.argument("names", nargs=-1, required=True, callback=_slot_name)
+@configured(ReaderSlotSettings)
+def readers_slot_list(s: ReaderSlotSettings, names: tuple[str, ...]) -> None:
+    """Where slots NAMES stand on every safekeeper (READ_REPLICATION_SLOT; exit 1 if one did not answer)."""
+    from sidecar.ops import readerslots
+    sys.exit(readerslots.show(s, names))
 
 
 @main.command()
@@ -306,8 +367,8 @@ def create_node(ca_dir: Path, certs_dir: Path, role: str, node_id: int | None, h
 
 
 def _register_operator_commands() -> None:
-    from sidecar.ops.commands import check, init_postgres, status
-    for cmd in (check, status, init_postgres):
+    from sidecar.ops.commands import check, init_postgres, restore_wal, status
+    for cmd in (check, status, init_postgres, restore_wal):
         main.add_command(cmd)
 
 

@@ -99,6 +99,7 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
     command: ClassVar[str] = ""
+    cli_words: ClassVar[str] = ""  # the words that run it when they are not `command` (a subcommand)
 
     log_format: Literal["plain", "json"] = Field("plain", description="Log line format.")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
@@ -185,7 +186,53 @@ class SafekeepersMixin(Settings):
         return self
 
 
-class SafekeeperSettings(TlsSettings):
+def _broker_endpoints(value: tuple[str, ...]) -> tuple[str, ...]:
+    from sidecar.broker import parse_endpoints
+    return parse_endpoints(value)
+
+
+def _cluster_name(value: str | None) -> str | None:
+    from sidecar.broker import check_cluster_name
+    return check_cluster_name(value) if value is not None else None
+
+
+class BrokerSettings(Settings):
+    """The broker (etcd) where safekeepers publish their state, and the cluster's name there."""
+
+    broker: Annotated[tuple[str, ...], NoDecode, BeforeValidator(_split), AfterValidator(_broker_endpoints),
+                      Metavar("URL,...")] = Field(
+        (), description="etcd endpoints of one etcd cluster, http://HOST:PORT or https://HOST:PORT, comma-separated. "
+                        "Over https the --certs-dir certificate is the client certificate (etcd --client-cert-auth).")
+    cluster: Annotated[str | None, AfterValidator(_cluster_name)] = Field(
+        None, description="The cluster's name in the broker's keys (walsidecar/<cluster>/...) and the archive's "
+                          "layout; default: the primary's system id.")
+
+
+class SafekeeperBrokerSettings(BrokerSettings):
+    """What a safekeeper publishes to the broker, and for how long it outlives it."""
+
+    broker_lease: int = Field(10, ge=2, le=600, description="Seconds a safekeeper's broker keys outlive its last "
+                              "renewal (the etcd lease TTL): a dead safekeeper's entry and its upload lease go "
+                              "after this.")
+    advertise: PeerAddress | None = Field(None, description="HOST:PORT peers and tools reach the proposer port "
+                                                            "(--listen) at, as published to the broker; default "
+                                                            "--listen.")
+    advertise_pg: PeerAddress | None = Field(None, description="HOST:PORT readers reach the reader port (--pg-listen) at, as "
+                                                     "published to the broker; default --pg-listen.")
+
+    @model_validator(mode="after")
+    def _advertised(self) -> SafekeeperBrokerSettings:
+        if not self.broker:
+            return self
+        for name, listen_name in (("advertise", "listen"), ("advertise_pg", "pg_listen")):
+            listen = getattr(self, listen_name, None)
+            if getattr(self, name) is None and listen and Address.parse(listen, port_zero=True).host in ("0.0.0.0", "::"):
+                raise ValueError(f"{name}: {flag(listen_name)} {listen} listens on every address; give {flag(name)} "
+                                 "HOST:PORT, the address others reach it at, for the broker")
+        return self
+
+
+class SafekeeperSettings(SafekeeperBrokerSettings, TlsSettings):
     """walsidecar safekeeper: store WAL durably and vote in proposer elections."""
 
     command: ClassVar[str] = "safekeeper"
@@ -200,16 +247,13 @@ class SafekeeperSettings(TlsSettings):
     pg_auth_file: FilePath | None = Field(None, description="The readers' SCRAM-SHA-256 verifiers (made by "
                                                             "`walsidecar readers add`, mode 0600). Without it the "
                                                             "reader port refuses everyone, unless --insecure.")
-    # Archiving and the names the archive and the broker share.
+    # Archiving (--cluster, which names the archive's directory, is the broker's).
     archive: Annotated[str | None, AfterValidator(_archive_url), Metavar("URL")] = Field(
         None, description="Upload committed, completed WAL segments and timeline history files to s3://bucket/prefix "
                           "or file:///path, under <prefix>/<cluster>/<system id>/wal/; off when not given.")
     s3_endpoint: Annotated[str | None, Metavar("URL")] = Field(
         None, description="S3 endpoint for an s3:// archive (default: AWS's, or AWS_ENDPOINT_URL); credentials come "
                           "from the usual AWS_* variables and files.")
-    cluster: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,63}$",
-                                description="The cluster's name in the archive's layout and the broker's keys; "
-                                            "default: the primary's system identifier.")
     archive_takeover: float = Field(30.0, gt=0, description="Without a broker the lowest id uploads; safekeeper "
                                     "--id N uploads a committed segment still missing from the archive after (N-1) "
                                     "times this many seconds.")
@@ -239,7 +283,7 @@ class StartSettings(SafekeepersMixin, PrimarySettings, TlsSettings):
                                      "for the quorum (commits are hanging); 0 turns it off.")
 
 
-class CheckSettings(SafekeepersMixin, PrimarySettings, TlsSettings):
+class CheckSettings(BrokerSettings, SafekeepersMixin, PrimarySettings, TlsSettings):
     """walsidecar check: one line per check of the primary, the safekeepers and the sidecar."""
 
     command: ClassVar[str] = "check"
@@ -250,7 +294,7 @@ class CheckSettings(SafekeepersMixin, PrimarySettings, TlsSettings):
     timeout: Timeout = 5.0
 
 
-class StatusSettings(SafekeepersMixin, PrimarySettings, TlsSettings):
+class StatusSettings(BrokerSettings, SafekeepersMixin, PrimarySettings, TlsSettings):
     """walsidecar status: each safekeeper's and the proposer's state."""
 
     command: ClassVar[str] = "status"
@@ -264,9 +308,9 @@ class StatusSettings(SafekeepersMixin, PrimarySettings, TlsSettings):
 
     @model_validator(mode="after")
     def _something(self) -> StatusSettings:
-        if not (self.proposer_metrics or self.safekeepers or self.pg_dsn):
+        if not (self.proposer_metrics or self.safekeepers or self.pg_dsn or self.broker):
             raise ValueError("nothing to ask: give --proposer-metrics (the proposer's --metrics address), "
-                             "--safekeepers, or --pg-dsn")
+                             "--safekeepers, --pg-dsn or --broker")
         return self
 
 
@@ -319,6 +363,40 @@ class ReadersSettings(Settings):
                                                             "0600).")
 
 
+class ReaderCredentials(TlsSettings):
+    """How a command logs in to the safekeepers' reader ports (restore-wal, failover, readers slot)."""
+
+    reader_user: str = Field("walsidecar", min_length=1, description="The reader name to log in to the "
+                                                                     "safekeepers' reader ports as (`walsidecar "
+                                                                     "readers add`).")
+    reader_passfile: FilePath | None = Field(None, description="libpq password file (.pgpass format, mode 0600) "
+                                                               "holding the reader's password; default: libpq's "
+                                                               "own (PGPASSFILE, ~/.pgpass, PGPASSWORD).")
+    reader_timeout: Timeout = Field(10.0, description="Seconds to wait for a safekeeper's reader port to connect "
+                                                      "and, while streaming, to say anything.")
+
+
+ReaderAddresses = Annotated[
+    tuple[PeerAddress, ...], NoDecode, BeforeValidator(_split), AfterValidator(_distinct), Metavar("HOST:PORT,..."),
+    Field(min_length=1, description="Comma-separated HOST:PORT list of every safekeeper's reader port (their "
+                                    "--pg-listen addresses).")]
+
+
+class RestoreWalSettings(ReaderCredentials):
+    """walsidecar restore-wal: PostgreSQL's restore_command, served by the safekeepers."""
+
+    command: ClassVar[str] = "restore-wal"
+    safekeeper_readers: ReaderAddresses
+
+
+class ReaderSlotSettings(ReaderCredentials):
+    """walsidecar readers slot: reader slots on the safekeepers, over their reader ports."""
+
+    command: ClassVar[str] = "readers-slot"
+    cli_words: ClassVar[str] = "readers slot create"
+    safekeeper_readers: ReaderAddresses
+
+
 class VerifyArchiveSettings(LinkSettings):
     """walsidecar verify-archive: the archive's WAL, and with --safekeepers its gaps below their backup_lsn."""
 
@@ -343,7 +421,7 @@ class VerifyArchiveSettings(LinkSettings):
 # Keys valid somewhere: a top-level key unknown to every command is a typo, not another command's option.
 ALL_SETTINGS: tuple[type[Settings], ...] = (SafekeeperSettings, StartSettings, CheckSettings, StatusSettings,
                                             InitPostgresSettings, UpSettings, CtlSettings, ReadersSettings,
-                                            VerifyArchiveSettings)
+                                            RestoreWalSettings, ReaderSlotSettings, VerifyArchiveSettings)
 
 
 def read_toml(path: Path, cls: type[Settings]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ os.environ.setdefault("TESTCONTAINERS_CONNECTION_MODE", "docker_host")
 from support.backends import BACKENDS, BackendUnavailable, PgServer, make_backend
 from support import pki as pki_module
 from support.procs import ProcessTracker
+from support.etcd import EtcdServer
 from support.deployment import APP, Deployment
 from support.pki import TestPKI
 
@@ -148,3 +149,11 @@ def deployment(pg_factory: Callable[..., PgServer], procs: ProcessTracker, test_
     with d.sql() as c:
         c.execute("CREATE TABLE load (id int, pad text)")
     return d
+
+
+@pytest.fixture
+def etcd(procs: ProcessTracker, test_dir: Path) -> EtcdServer:
+    """A real etcd on 127.0.0.1 (free ports, data under the test's directory), killed by PID at teardown."""
+    server = EtcdServer(test_dir / "etcd")
+    procs.track(server.child)
+    return server.start()

@@ -6,11 +6,13 @@ import asyncio
 import json
 import shlex
 import sys
+import time
 from dataclasses import asdict, dataclass
 from typing import Literal
 
 import psycopg
 
+from sidecar.broker import STALE_AFTER, Broker, BrokerError, read_clusters
 from sidecar.config import CheckSettings
 from sidecar.consensus.messages import InfoReply
 from sidecar.lsn import format_lsn
@@ -73,6 +75,7 @@ class Checker:
         self.ssl = client_context(s.certs_dir) if s.certs_dir is not None else None  # HTTPS endpoints
         self.link = self.ssl if s.link_security == "tls" else client_security(s.certs_dir, s.link_security)
         self.standby_names: syncrep.SyncStandbyConfig | None = None
+        self.ids: dict[str, int] = {}  # safekeeper address -> the id it answered with
 
     def command(self, name: str, *options: str, certs: str = "CERTS_DIR") -> str:
         """`walsidecar NAME OPTIONS` with this check's TLS choice, ready to paste; CAPITALS are for the user to fill."""
@@ -111,6 +114,8 @@ class Checker:
             await self._streaming()
         if self.s.proposer_metrics:
             await self._proposer()
+        if self.s.broker:
+            await self._broker()
         return self.checks
 
     async def _connect(self) -> psycopg.AsyncConnection | None:
@@ -335,6 +340,7 @@ class Checker:
                                "every safekeeper needs its own --id and --data-dir"))
                 continue
             ids[r.node_id] = addr
+            self.ids[addr] = r.node_id
             if self._identity(addr, r):
                 good += 1
         q, n = self.s.quorum or len(self.s.safekeepers) // 2 + 1, len(self.s.safekeepers)
@@ -424,6 +430,62 @@ class Checker:
         else:
             self.add(_fail(name, detail + ", no quorum in the current term",
                            f"see which safekeepers are down: {self._status_command()}"))
+
+
+    async def _broker(self) -> None:
+        """Every listed safekeeper publishes in the broker, recently; the broker answers."""
+        s = self.s
+        where = ",".join(s.broker)
+        cluster = s.cluster or (str(self.system_id) if self.system_id else None)
+        if cluster is None:
+            self.add(_fail("broker", "cannot tell the cluster's name: the primary did not answer and --cluster is "
+                                     "not given", "give --cluster NAME (the safekeepers' --cluster; by default the "
+                                                  "primary's system id)"))
+            return
+        try:
+            broker = Broker(s.broker, s.certs_dir, timeout=s.timeout)
+        except TlsError as e:
+            self.add(_fail("broker", str(e), "fix --certs-dir"))
+            return
+        try:
+            timelines = (await read_clusters(broker, cluster)).get(cluster, {})
+        except BrokerError as e:
+            self.add(_fail("broker", f"unreachable: {e}. Commits and reads go on, but the uploader's hand-over and "
+                                     "WAL removal wait for it", f"start etcd at {where}, or fix --broker"))
+            return
+        finally:
+            broker.close()
+        prefix = f"walsidecar/{cluster}/"
+        if not timelines:
+            self.add(_fail("broker", f"no safekeeper publishes under {prefix} at {where}",
+                           "start the safekeepers with --broker " + where +
+                           (f" --cluster {cluster}" if s.cluster else "") + ", or give the --cluster they use"))
+            return
+        tl = max(timelines)
+        entries = timelines[tl]
+        up = f", uploader {entries.uploader}" if entries.uploader is not None else ""
+        self.add(_ok("broker", f"{where}: {len(entries.safekeepers)} safekeeper(s) publish under {prefix}{tl}/{up}"))
+        by_address = {e.address: e for e in entries.safekeepers.values()}
+        now = time.time()
+        for addr in s.safekeepers:
+            name = f"safekeeper {addr} in the broker"
+            node = self.ids.get(addr)
+            e = entries.safekeepers.get(node) if node is not None else by_address.get(addr)
+            if e is None:
+                self.add(_fail(name, f"publishes nothing under {prefix}{tl}/safekeepers/" +
+                               (f"{node}/" if node is not None else ""),
+                               f"run it with --broker {where}" + (f" --cluster {cluster}" if s.cluster else "") +
+                               f" (and --advertise {addr} if it listens on another address); if it runs so, "
+                               "read its log for the broker's error"))
+                continue
+            age = now - e.last_updated
+            detail = f"id {e.id}, term {e.term}, flush_lsn {format_lsn(e.flush_lsn)}, commit_lsn " \
+                     f"{format_lsn(e.commit_lsn)}, backup_lsn {format_lsn(e.backup_lsn)}, published {age:.1f}s ago"
+            if age > STALE_AFTER:
+                self.add(_fail(name, detail + f": stale (more than {STALE_AFTER:g}s)",
+                               "is its clock right? read its log for the broker's error"))
+            else:
+                self.add(_ok(name, detail))
 
 
 def render(s: CheckSettings, checks: list[Check], fmt: str) -> str:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
-from sidecar.config import CheckSettings, InitPostgresSettings, StatusSettings, configured
+from sidecar.config import CheckSettings, InitPostgresSettings, RestoreWalSettings, StatusSettings, configured
 
 
 @click.command()
@@ -42,3 +43,25 @@ def init_postgres(s: InitPostgresSettings) -> None:
     """Prepare a primary with sql/install.sql: role, settings, slots and views; say what needs a restart."""
     from sidecar.ops.initpg import run_init
     sys.exit(run_init(s))
+
+
+@click.command("restore-wal")
+@click.argument("name", metavar="%f")
+@click.argument("target", metavar="%p", type=click.Path(dir_okay=False, path_type=Path))
+@configured(RestoreWalSettings)
+def restore_wal(s: RestoreWalSettings, name: str, target: Path) -> None:
+    """PostgreSQL's restore_command: fetch WAL file %f from the safekeepers into %p.
+
+    restore_command = 'walsidecar restore-wal %f %p --config /etc/walsidecar/restore.toml'
+
+    \b
+    Exit codes (all below 126: PostgreSQL takes each failure as "not restored" and moves on):
+      0  restored, checked (size, page headers, record CRCs)
+      1  no safekeeper holds %f
+      2  wrong usage or options
+      3  too few safekeepers answered to know
+      4  the safekeepers that hold %f sent WAL that fails the checks
+      5  %p could not be written
+    """
+    from sidecar.ops.restore import restore_wal as run
+    sys.exit(int(run(s, name, target)))

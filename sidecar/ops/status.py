@@ -17,6 +17,7 @@ from typing import Any
 
 import psycopg
 
+from sidecar.broker import Broker, read_clusters
 from sidecar.config import StatusSettings
 from sidecar.consensus.messages import InfoReply
 from sidecar.lsn import format_lsn, parse_lsn
@@ -44,6 +45,8 @@ async def gather(s: StatusSettings) -> dict[str, Any]:
         tasks[f"sk:{addr}"] = probe_safekeeper(addr, s.timeout, link)
     if s.pg_dsn:
         tasks["primary"] = _primary(s)
+    if s.broker:
+        tasks["broker"] = _broker(s)
     results = await asyncio.gather(*tasks.values(), return_exceptions=True)
     got = dict(zip(tasks, results))
 
@@ -81,6 +84,11 @@ async def gather(s: StatusSettings) -> dict[str, Any]:
     primary = got.get("primary")
     if s.pg_dsn:
         doc["primary"] = {"error": str(primary)} if isinstance(primary, BaseException) else primary
+    if s.broker:
+        got_broker = got["broker"]
+        doc["broker"] = {"endpoints": list(s.broker), "error": str(got_broker)} \
+            if isinstance(got_broker, BaseException) else got_broker
+        _rows_from_broker(doc["broker"], rows)
     _fill_lag(doc, rows)
     doc["safekeepers"] = sorted(rows.values(), key=lambda r: (r["id"] is None, r["id"] or 0, r["address"]))
     return doc
@@ -99,6 +107,36 @@ async def _primary(s: StatusSettings) -> dict[str, Any]:
             "oldest_wait_seconds": round(st.oldest_wait_seconds, 3) if st.oldest_wait_seconds is not None else None,
             "replication_state": st.replication_state, "sync_state": st.sync_state,
             "sidecar_flush_lsn": format_lsn(st.sidecar_flush_lsn) if st.sidecar_flush_lsn is not None else None}
+
+
+async def _broker(s: StatusSettings) -> dict[str, Any]:
+    """Every safekeeper's state as published in the broker, by cluster and timeline."""
+    broker = Broker(s.broker, s.certs_dir, timeout=s.timeout)
+    try:
+        clusters = await read_clusters(broker, s.cluster)
+    finally:
+        broker.close()
+    now = time.time()
+    return {"endpoints": list(s.broker), "clusters": {
+        name: {str(tl): {"uploader": e.uploader, "safekeepers": [
+            {"id": st.id, "term": st.term, "last_log_term": st.last_log_term, "flush_lsn": format_lsn(st.flush_lsn),
+             "commit_lsn": format_lsn(st.commit_lsn), "backup_lsn": format_lsn(st.backup_lsn),
+             "proposer_connected": st.proposer_connected, "age_seconds": round(now - st.last_updated, 1),
+             "address": st.address, "pg_address": st.pg_address or None} for st in e.safekeepers.values()]}
+            for tl, e in timelines.items()} for name, timelines in clusters.items()}}
+
+
+def _rows_from_broker(b: dict[str, Any], rows: dict[str, dict[str, Any]]) -> None:
+    """Safekeepers nobody else told of get a row from the broker (one cluster's latest timeline only)."""
+    clusters = b.get("clusters") or {}
+    if len(clusters) != 1:
+        return
+    timelines = next(iter(clusters.values()))
+    for e in timelines[max(timelines, key=int)]["safekeepers"]:
+        rows.setdefault(e["address"], {
+            "address": e["address"], "id": e["id"], "state": "streaming" if e["proposer_connected"] else "idle",
+            "term": e["term"], "flush_lsn": e["flush_lsn"], "lag_bytes": None, "lag_seconds": None,
+            "last_contact_seconds": e["age_seconds"]})
 
 
 def _fill_lag(doc: dict[str, Any], rows: dict[str, dict[str, Any]]) -> None:
@@ -181,6 +219,28 @@ def _summary(doc: dict[str, Any]) -> list[str]:
             wait_txt = f"commits waiting {waiting}" + (f" (the oldest for {oldest:.1f}s)" if waiting and oldest else "")
             sync = prim.get("sync_state") or "not connected"
             lines.append(f" Primary:  flush_lsn {prim.get('flush_lsn')}, {wait_txt}, sidecar sync_state {sync}")
+    lines += _broker_lines(doc.get("broker"))
+    return lines
+
+
+def _broker_lines(b: dict[str, Any] | None) -> list[str]:
+    """The broker's view: one line per cluster and timeline, one per safekeeper published there."""
+    if b is None:
+        return []
+    where = ",".join(b["endpoints"])
+    if b.get("error"):
+        return [f" Broker:   unreachable at {where}: {b['error']}"]
+    if not b["clusters"]:
+        return [f" Broker:   {where}: no safekeeper publishes there"]
+    lines = []
+    for name, timelines in b["clusters"].items():
+        for tl, e in timelines.items():
+            up = f", uploader {e['uploader']}" if e["uploader"] is not None else ""
+            lines.append(f" Broker:   {where}: cluster {name}, timeline {tl}{up}")
+            for r in e["safekeepers"]:
+                lines.append(f"   {r['id']}: term {r['term']}, flush_lsn {r['flush_lsn']}, commit_lsn {r['commit_lsn']}, "
+                             f"backup_lsn {r['backup_lsn']}, proposer {'connected' if r['proposer_connected'] else 'not connected'}, "
+                             f"{r['age_seconds']:.1f}s ago, at {r['address']}")
     return lines
 
 
@@ -193,6 +253,9 @@ def _healthy(s: StatusSettings, doc: dict[str, Any]) -> bool:
     prop = doc.get("proposer")
     if s.proposer_metrics:
         return prop is not None and not prop.get("error") and bool(prop.get("quorum_available"))
+    if s.broker and not (s.proposer_metrics or s.safekeepers or s.pg_dsn):
+        b = doc.get("broker") or {}
+        return not b.get("error") and bool(b.get("clusters"))
     if s.safekeepers:
         answering = sum("error" not in (r.get("own") or {"error": 1}) for r in doc["safekeepers"])
         return answering >= len(s.safekeepers) // 2 + 1

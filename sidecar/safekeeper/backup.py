@@ -7,7 +7,8 @@ acceptor) is the end of the uploaded prefix; it moves segment by segment, in ord
 safekeeper did the upload. The segment being written goes up as `<name>.term-T.end-X-Y.partial` when a
 term ends and at shutdown, a name no complete segment has.
 
-One uploader at a time, chosen by an `UploadElection`; a race is harmless (puts of the same bytes).
+One uploader at a time, chosen by an `UploadElection`: with --broker the holder of the broker's upload
+lease (broker.LeaseElection), without one by rank (RankElection). A race is harmless (puts of the same bytes).
 """
 
 from __future__ import annotations
@@ -291,5 +292,5 @@ def uploader_for(sk: Archived, url: str, s3_endpoint: str | None, cluster: str |
                     on_upload)
 
 
-__all__ = ["ArchiveOptions", "Archived", "PartialSegment", "RankElection", "UploadElection", "Uploader", "default_cluster",
-           "partial_name", "uploader_for", "wal_prefix"]
+__all__ = ["ArchiveOptions", "Archived", "PartialSegment", "RankElection", "UploadElection", "Uploader",
+           "default_cluster", "partial_name", "uploader_for", "wal_prefix"]

@@ -83,6 +83,7 @@ class SafekeeperMonitor:
                       for sl in v.slots],
             "fatal": v.fatal,
             "stopped": _stopped_reason(v),
+            "broker": _broker_status(v),
         }
 
     def _collect(self) -> Iterable[Metric]:
@@ -127,6 +128,49 @@ class SafekeeperMonitor:
             active.add_metric([sid, sl.name], 1 if sl.active else 0)
         yield slots
         yield active
+        if v.broker is not None:
+            yield from _peer_gauges(sid, v)
+
+
+def _broker_status(v: SafekeeperView) -> dict[str, Any] | None:
+    b = v.broker
+    if b is None:
+        return None
+    return {"endpoints": list(b.endpoints), "cluster": b.cluster, "timeline": b.timeline, "connected": b.connected,
+            "error": b.error, "published_seconds_ago": b.published_ago, "uploader": b.uploader, "leading": b.leading,
+            "peers": [{"id": p.id, "term": p.term, "flush_lsn": format_lsn(p.flush_lsn),
+                       "commit_lsn": format_lsn(p.commit_lsn), "backup_lsn": format_lsn(p.backup_lsn),
+                       "proposer_connected": p.proposer_connected, "age_seconds": round(p.age(), 1),
+                       "address": p.address, "pg_address": p.pg_address or None} for p in b.peers]}
+
+
+def _peer_gauges(sid: str, v: SafekeeperView) -> Iterable[Metric]:
+    """What this safekeeper reads of every safekeeper of its timeline in the broker (itself included)."""
+    b = v.broker
+    assert b is not None
+    yield _one(gauge("walsidecar_safekeeper_broker_connected", "1 while the broker (etcd) takes this safekeeper's "
+                     "publishes; 0 while it does not answer (commits go on; uploader hand-over and removal wait).",
+                     labels=["safekeeper_id"]), [sid], 1 if b.connected else 0)
+    now = time.time()
+    for name, doc, value in (
+            ("flush_lsn_bytes", "A peer's flush LSN as published in the broker.", lambda p: p.flush_lsn),
+            ("commit_lsn_bytes", "A peer's commit LSN as published in the broker.", lambda p: p.commit_lsn),
+            ("backup_lsn_bytes", "End of the WAL a peer says the archive holds.", lambda p: p.backup_lsn),
+            ("term", "A peer's term as published in the broker.", lambda p: p.term),
+            ("proposer_connected", "1 while a peer says an elected proposer streams to it.",
+             lambda p: 1 if p.proposer_connected else 0),
+            ("age_seconds", "Seconds since a peer's last publish in the broker.", lambda p: max(now - p.last_updated, 0))):
+        fam = gauge(f"walsidecar_safekeeper_peer_{name}", doc, labels=["safekeeper_id", "peer_id"])
+        for p in b.peers:
+            fam.add_metric([sid, str(p.id)], value(p))
+        yield fam
+    yield _one(gauge("walsidecar_safekeeper_uploader", "1 while this safekeeper holds the timeline's upload lease.",
+                     labels=["safekeeper_id"]), [sid], 1 if b.leading else 0)
+
+
+def _one(fam: Any, labels: list[str], value: float) -> Metric:
+    fam.add_metric(labels, value)
+    return fam
 
 
 def _stopped_reason(v: SafekeeperView) -> str | None:

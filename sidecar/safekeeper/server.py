@@ -30,6 +30,7 @@ from sidecar.safekeeper.backup import ArchiveOptions, PartialSegment, uploader_f
 from sidecar.safekeeper.control import ControlData, save_control
 from sidecar.safekeeper.pgserver import ReaderPort, ReaderServer
 from sidecar.safekeeper.positions import Positions, PositionWatch
+from sidecar.safekeeper.publish import Publisher
 from sidecar.safekeeper.slots import Slots
 from sidecar.safekeeper.startup import open_data_dir
 from sidecar.safekeeper.storage import DiskFull, NoWal, StorageError, WalInDoubt, WalStorage, is_disk_full
@@ -86,6 +87,7 @@ class Safekeeper:
         self._sessions: set[AcceptorSession] = set()
         self.fatal: BaseException | None = None  # the error that stops the process
         self.stopped: str | None = None  # why nothing is accepted any more (a full disk, or fatal)
+        self.publisher: Publisher | None = None  # with --broker: runs while serving
         # Lines logged by this safekeeper (bound with node=) also carry its term and flush LSN.
         set_context_provider("node", self._log_context)
 
@@ -132,7 +134,8 @@ class Safekeeper:
             streaming_readers=self.readers.streaming if self.readers is not None else 0,
             slots=tuple(SlotView(s.name, s.restart_lsn, s.timeline, s.temporary, s.active) for s in self.slots),
             archive=(self.uploader.store or self.uploader.root).location if self.uploader is not None else None,
-            archive_error=self.uploader.error if self.uploader is not None else None)
+            archive_error=self.uploader.error if self.uploader is not None else None,
+            broker=self.publisher.view() if self.publisher is not None else None)
 
     # ---- what readers see (safekeeper/pgserver.py, walsender.py) ------------------------------
 
@@ -227,9 +230,8 @@ class Safekeeper:
         self._serving = asyncio.current_task()
         flusher = asyncio.create_task(self._flusher())
         slot_saver = asyncio.create_task(self.slots.run())
-        tasks = [flusher, slot_saver]
-        if self.uploader is not None:
-            tasks.append(asyncio.create_task(self.uploader.run()))
+        publisher = asyncio.create_task(self.publisher.run()) if self.publisher is not None else None
+        uploader = asyncio.create_task(self.uploader.run()) if self.uploader is not None else None
         try:
             if self.readers is not None:
                 await self.readers.start()
@@ -240,7 +242,7 @@ class Safekeeper:
             self._server.close()
             if self.readers is not None:
                 await self.readers.close()
-            for task in tasks:
+            for task in (flusher, slot_saver, *(t for t in (publisher, uploader) if t is not None)):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task

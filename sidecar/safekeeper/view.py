@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sidecar.broker import SafekeeperState
 from sidecar.consensus.state import AcceptorState
 from sidecar.safekeeper.positions import Positions
 
@@ -17,6 +18,21 @@ class SlotView:
     timeline: int
     temporary: bool
     active: bool  # a reader streams with it now
+
+
+@dataclass(frozen=True)
+class BrokerView:
+    """What the safekeeper publishes to the broker and sees there of its peers (itself included)."""
+
+    endpoints: tuple[str, ...]
+    cluster: str | None  # None until the system id is known (no --cluster)
+    timeline: int
+    connected: bool | None  # None: not tried yet
+    error: str | None  # why the last attempt failed
+    published_ago: float | None  # seconds since the last publish that etcd took
+    peers: tuple[SafekeeperState, ...] = ()
+    uploader: int | None = None  # the id holding the upload lease, as last read
+    leading: bool = False  # this safekeeper may upload now
 
 
 @dataclass(frozen=True)
@@ -40,3 +56,4 @@ class SafekeeperView:
     slots: tuple[SlotView, ...] = ()
     archive: str | None = None  # where committed segments are uploaded (--archive), if anywhere
     archive_error: str | None = None  # the last archiving failure, until an upload succeeds
+    broker: BrokerView | None = None  # with --broker

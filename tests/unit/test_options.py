@@ -30,7 +30,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def help_text(command: str) -> str:
-    out = CliRunner().invoke(main, [command, "--help"])
+    out = CliRunner().invoke(main, [*command.split(), "--help"])
     assert out.exit_code == 0, out.output
     return " ".join(out.output.split())
 
@@ -56,8 +56,11 @@ def test_the_readme_script_rewrites_a_stale_table() -> None:
 
 @pytest.mark.parametrize("cls", ALL_SETTINGS, ids=lambda c: c.command)
 def test_every_field_is_an_option_with_help(cls: type[Settings]) -> None:
-    command = main.commands[cls.command]
-    options = {p.name: p for p in command.params if isinstance(p, click.Option) and (p.name in cls.model_fields or p.name not in SPARK_OPTIONS)}
+    command: click.Command = main
+    for word in (cls.cli_words or cls.command).split():
+        command = command.commands[word]  # type: ignore[attr-defined]
+    options = {p.name: p for p in command.params
+               if isinstance(p, click.Option) and (p.name in cls.model_fields or p.name not in SPARK_OPTIONS)}
     assert set(options) == set(cls.model_fields) | {"config_file"}
     for name, field in cls.model_fields.items():
         assert field.description, f"{cls.__name__}.{name} has no description"
@@ -67,7 +70,7 @@ def test_every_field_is_an_option_with_help(cls: type[Settings]) -> None:
 
 @pytest.mark.parametrize("cls", ALL_SETTINGS, ids=lambda c: c.command)
 def test_help_shows_every_flag(cls: type[Settings]) -> None:
-    text = help_text(cls.command)
+    text = help_text(cls.cli_words or cls.command)
     for name in cls.model_fields:
         assert flag(name) + " " in text, f"walsidecar {cls.command} --help lacks {flag(name)}"
     assert "--config FILE" in text

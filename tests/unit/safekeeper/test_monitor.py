@@ -3,17 +3,19 @@ say what the view says, and nothing a stranger should not read."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from sidecar.broker import SafekeeperState
 from sidecar.consensus.messages import TermEntry
 from sidecar.consensus.state import AcceptorState
 from sidecar.metrics import SafekeeperMetrics
 from sidecar.safekeeper.monitor import SafekeeperMonitor
 from sidecar.safekeeper.positions import Positions
-from sidecar.safekeeper.view import SafekeeperView, SlotView
+from sidecar.safekeeper.view import BrokerView, SafekeeperView, SlotView
 
 SEG = 16 << 20
 STATE = AcceptorState(7301, SEG, 15, 2, term=5, term_history=(TermEntry(3, 0x1000000), TermEntry(5, 0x2000000)),
@@ -57,6 +59,7 @@ def test_status_is_the_view() -> None:
         "reader_listen": "127.0.0.1:7612", "readers": 2, "streaming_readers": 1,
         "slots": [{"name": "standby1", "restart_lsn": "0/2000080", "timeline": 2, "temporary": False, "active": True},
                   {"name": "new", "restart_lsn": None, "timeline": None, "temporary": False, "active": False}],
+        "broker": None,
     }
 
 
@@ -101,3 +104,25 @@ def test_gauges_follow_the_published_view() -> None:
     g = gauges(mon)
     assert g["walsidecar_safekeeper_commit_lsn_bytes"] == 0x2000200
     assert g["walsidecar_safekeeper_proposer_connected"] == 0 and g["walsidecar_safekeeper_disk_full"] == 1
+
+
+def test_peer_gauges_are_what_the_broker_showed_it() -> None:
+    peers = (SafekeeperState(1, flush_lsn=0x2000300, commit_lsn=0x2000100, term=5, proposer_connected=True,
+                             last_updated=time.time()),
+             SafekeeperState(3, flush_lsn=0x1000000, term=4, last_updated=time.time() - 60))
+    broker = BrokerView(("http://127.0.0.1:2379",), "prod", 2, connected=False, error="no etcd endpoint answered",
+                        published_ago=12.0, peers=peers, uploader=1, leading=False)
+    mon = SafekeeperMonitor(Published(replace(VIEW, broker=broker)))
+    text = generate_latest(mon.stats.registry).decode()
+    samples = {(s.name, s.labels.get("peer_id")): s.value for fam in text_string_to_metric_families(text)
+               for s in fam.samples}
+    assert samples[("walsidecar_safekeeper_broker_connected", None)] == 0
+    assert samples[("walsidecar_safekeeper_peer_flush_lsn_bytes", "1")] == 0x2000300
+    assert samples[("walsidecar_safekeeper_peer_flush_lsn_bytes", "3")] == 0x1000000
+    assert samples[("walsidecar_safekeeper_peer_term", "3")] == 4
+    assert samples[("walsidecar_safekeeper_peer_proposer_connected", "1")] == 1
+    assert samples[("walsidecar_safekeeper_peer_age_seconds", "3")] >= 60
+    assert samples[("walsidecar_safekeeper_uploader", None)] == 0
+    doc = mon.status()["broker"]
+    assert doc["cluster"] == "prod" and doc["uploader"] == 1 and doc["error"] == "no etcd endpoint answered"
+    assert [p["id"] for p in doc["peers"]] == [1, 3] and doc["peers"][1]["flush_lsn"] == "0/1000000"

@@ -1,0 +1,257 @@
+"""`walsidecar restore-wal %f %p`: PostgreSQL's restore_command, served by the safekeepers' reader ports.
+
+A segment comes whole from the first safekeeper whose commit position passes its end. The last,
+unfinished segment is given only when a majority of the safekeepers answer, up to the highest
+commit position they report (each a position a quorum flushed: invariant 5), zero-padded to the
+segment size as PostgreSQL expects of a segment. What arrives is checked (size, page headers,
+record CRCs) before `%p` is written: a temporary file, fsync, rename.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from sidecar import pgrepl
+from sidecar.address import Address
+from sidecar.config import RestoreWalSettings
+from sidecar.logs import get_logger
+from sidecar.lsn import format_lsn, parse_segment_file_name
+from sidecar.walclient import ReaderError, ReaderUnreachable, WalReader, copy_wal
+from sidecar.wal.format import WalFormatError
+from sidecar.wal.verify import check_segment_wal
+
+log = get_logger(command="restore-wal")
+
+UNDEFINED_FILE = "58P01"  # the safekeeper does not hold it (never had, or removed)
+INVALID_PARAMETER = "22023"  # a position or timeline this safekeeper cannot serve
+NO_WAL_YET = "55000"
+_NOT_HELD = (UNDEFINED_FILE, INVALID_PARAMETER)
+_HISTORY = re.compile(r"[0-9A-F]{8}\.history")
+
+
+class Exit(enum.IntEnum):
+    """restore-wal's exit codes; all below 126, so PostgreSQL treats every failure as "not restored"."""
+
+    RESTORED = 0
+    NOT_FOUND = 1  # no safekeeper holds the file: recovery moves on (streaming, or the end of recovery)
+    UNREACHABLE = 3  # too few safekeepers answered to know
+    BAD_DATA = 4  # the safekeepers that hold it sent WAL that fails the checks
+    CANNOT_WRITE = 5  # %p could not be written
+
+
+class Failure(Exception):
+    """The file was not restored: `code` for the exit, the message for stderr."""
+
+    def __init__(self, code: Exit, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Answer:
+    """What one safekeeper said to IDENTIFY_SYSTEM and SHOW wal_segment_size."""
+
+    address: Address
+    reader: WalReader
+    system_id: int
+    timeline: int
+    commit: int
+    seg_size: int  # 0: it holds no WAL yet
+
+
+def restore_wal(s: RestoreWalSettings, name: str, target: Path) -> Exit:
+    """Restore `name` into `target`; the exit code. Failures are logged with the reason and returned."""
+    try:
+        if _HISTORY.fullmatch(name):
+            data = _history(s, int(name[:8], 16))
+        else:
+            try:
+                tli, segno, partial = parse_segment_file_name(name)
+            except ValueError:
+                partial, tli = True, 0
+            if partial or tli == 0:
+                raise Failure(Exit.NOT_FOUND, f"{name} is neither a WAL segment nor a .history file; the "
+                                              "safekeepers serve only those")
+            data = _segment(s, name, tli, segno)
+    except Failure as e:
+        # PostgreSQL asks for files that do not exist as a matter of course (the next timeline's history).
+        say = log.info if e.code is Exit.NOT_FOUND else log.error
+        say("not restored", file=name, reason=str(e), exit_code=int(e.code))
+        return e.code
+    try:
+        write_atomically(target, data)
+    except OSError as e:
+        log.error("not restored: cannot write it", file=name, path=str(target), reason=e.strerror or str(e),
+                  exit_code=int(Exit.CANNOT_WRITE))
+        return Exit.CANNOT_WRITE
+    return Exit.RESTORED
+
+
+def _addresses(s: RestoreWalSettings) -> list[Address]:
+    return [Address.parse(a) for a in s.safekeeper_readers]
+
+
+def _history(s: RestoreWalSettings, tli: int) -> bytes:
+    name = pgrepl.history_file_name(tli)
+    unreachable: list[str] = []
+    bad: list[str] = []
+    for address in _addresses(s):
+        try:
+            with WalReader(address, s, application_name="walsidecar restore-wal") as r:
+                content = r.timeline_history(tli)
+        except ReaderUnreachable as e:
+            log.warning("safekeeper unreachable", safekeeper=str(address), reason=e.message)
+            unreachable.append(f"{address}: {e.message}")
+            continue
+        except ReaderError as e:
+            if e.sqlstate in _NOT_HELD:
+                log.info("safekeeper does not hold it", file=name, safekeeper=str(address))
+                continue
+            bad.append(f"{address}: {e.message}")
+            continue
+        try:
+            pgrepl.parse_timeline_history(content)
+        except pgrepl.ReplicationProtocolError as e:
+            log.warning("safekeeper sent a bad history file", file=name, safekeeper=str(address), reason=str(e))
+            bad.append(f"{address}: {e}")
+            continue
+        log.info("restored", file=name, safekeeper=str(address), bytes=len(content.encode()))
+        return content.encode()
+    raise _nowhere(name, unreachable, bad, len(_addresses(s)))
+
+
+def _nowhere(name: str, unreachable: list[str], bad: list[str], n: int) -> Failure:
+    if bad:
+        return Failure(Exit.BAD_DATA, f"{name}: no safekeeper gave a good copy: " + "; ".join(bad + unreachable))
+    if unreachable and len(unreachable) * 2 >= n:
+        head = "no safekeeper answered" if len(unreachable) >= n else \
+            f"not found on the safekeepers that answered, and {len(unreachable)} of {n} did not"
+        return Failure(Exit.UNREACHABLE, f"{name}: {head} (check --safekeeper-readers and that their reader "
+                                         "ports run): " + "; ".join(unreachable))
+    return Failure(Exit.NOT_FOUND, f"{name} does not exist on the safekeepers")
+
+
+def _segment(s: RestoreWalSettings, name: str, tli: int, segno: int) -> bytes:
+    addresses = _addresses(s)
+    majority = len(addresses) // 2 + 1
+    unreachable: list[str] = []
+    bad: list[str] = []
+    with contextlib.ExitStack() as stack:
+        answers: list[Answer] = []
+        for address in addresses:
+            r = WalReader(address, s, application_name="walsidecar restore-wal")
+            try:
+                r.connect()
+                stack.callback(r.close)
+                system_id, timeline, commit = r.identify()
+                try:
+                    seg_size = r.wal_segment_size()
+                except ReaderError as e:
+                    if e.sqlstate != NO_WAL_YET:
+                        raise
+                    seg_size = 0
+            except ReaderUnreachable as e:
+                log.warning("safekeeper unreachable", safekeeper=str(address), reason=e.message)
+                unreachable.append(f"{address}: {e.message}")
+                continue
+            except ReaderError as e:
+                # It could not be asked: as good as unreachable, not a bad copy.
+                log.warning("safekeeper refused", safekeeper=str(address), reason=e.message, sqlstate=e.sqlstate)
+                unreachable.append(f"{address}: {e.message}")
+                continue
+            answers.append(Answer(address, r, system_id, timeline, commit, seg_size))
+        holding = [a for a in answers if a.seg_size]
+        if len({a.system_id for a in holding}) > 1 or len({a.seg_size for a in holding}) > 1:
+            raise Failure(Exit.BAD_DATA, "the safekeepers disagree on the system or the segment size: " + ", ".join(
+                f"{a.address} system {a.system_id} segment {a.seg_size}" for a in holding)
+                + "; --safekeeper-readers must list the safekeepers of one deployment")
+        if not holding:
+            raise _nowhere(name, unreachable, bad, len(addresses))
+        seg_size, system_id = holding[0].seg_size, holding[0].system_id
+        start, end = segno * seg_size, (segno + 1) * seg_size
+        whole = [a for a in holding if a.commit >= end]
+        if whole:
+            got = _fetch(name, whole, start, end, tli, seg_size, system_id, bad, unreachable)
+            if got is not None:
+                return got
+            raise _nowhere(name, unreachable, bad, len(addresses))
+        # The segment is not complete anywhere: the unfinished last one, or one not written yet.
+        if len(answers) < majority:
+            raise Failure(Exit.UNREACHABLE, f"{name}: only {len(answers)} of {len(addresses)} safekeepers "
+                                            f"answered; a partial segment needs a majority ({majority}) to know "
+                                            "where the committed WAL ends: " + "; ".join(unreachable))
+        top = max(a.commit for a in holding)
+        if top <= start:
+            raise Failure(Exit.NOT_FOUND, f"{name} does not exist yet: the highest commit position is "
+                                          f"{format_lsn(top)}, before the segment's start {format_lsn(start)}")
+        ranked = sorted((a for a in holding if a.commit > start), key=lambda a: -a.commit)
+        for a in ranked:
+            got = _fetch(name, [a], start, a.commit, tli, seg_size, system_id, bad, unreachable)
+            if got is not None:
+                if a.commit < top:
+                    log.warning("served short: the safekeepers with more gave no good copy", file=name,
+                                end=format_lsn(a.commit), highest_commit=format_lsn(top))
+                return got + bytes(seg_size - len(got))
+        raise _nowhere(name, unreachable, bad, len(addresses))
+
+
+def _fetch(name: str, candidates: list[Answer], start: int, end: int, tli: int, seg_size: int, system_id: int,
+           bad: list[str], unreachable: list[str]) -> bytes | None:
+    """[start, end) of timeline `tli` from the first candidate that gives a good copy; None if none does."""
+    for a in candidates:
+        where = str(a.address)
+        try:
+            data = copy_wal(a.reader, start, end, timeline=tli)
+        except ReaderUnreachable as e:
+            log.warning("safekeeper lost while streaming", file=name, safekeeper=where, reason=e.message)
+            unreachable.append(f"{where}: {e.message}")
+            continue
+        except ReaderError as e:
+            ended = a.reader.timeline_end
+            if e.sqlstate in _NOT_HELD or ended is not None:
+                why = (f"timeline {tli} ends at {format_lsn(ended.switch_lsn)}, inside the segment"
+                       if ended is not None else e.message)
+                log.info("safekeeper does not hold it", file=name, safekeeper=where, reason=why)
+                continue
+            log.warning("safekeeper failed", file=name, safekeeper=where, reason=e.message, sqlstate=e.sqlstate)
+            bad.append(f"{where}: {e.message}")
+            continue
+        try:
+            check_segment_wal(data, start, seg_size, system_id=system_id, timeline=tli)
+        except WalFormatError as e:
+            log.error("safekeeper sent bad WAL; trying another", file=name, safekeeper=where, reason=str(e))
+            bad.append(f"{where}: bad WAL: {e}")
+            continue
+        log.info("restored", file=name, safekeeper=where, start=format_lsn(start), end=format_lsn(end),
+                 partial=end - start < seg_size)
+        return data
+    return None
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """`path` holds `data` or is untouched: a temporary file beside it, fsync, rename, fsync of the directory."""
+    tmp = path.with_name(f".{path.name}.walsidecar-tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)

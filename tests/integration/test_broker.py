@@ -1,0 +1,112 @@
+"""The safekeepers publish to a real etcd: every entry, a dead one's going with its lease, commits with etcd down."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from collections.abc import Callable
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from sidecar.broker import Broker, SafekeeperState, read_clusters
+from support.backends import PgServer
+from support.deployment import APP, Deployment, Writer
+from support.etcd import EtcdServer
+from support.helpers import free_port, wait_for, walsidecar
+from support.procs import ProcessTracker
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+LEASE = 3  # seconds: how long a dead safekeeper's entry outlives it
+
+
+def published(etcd: EtcdServer, cluster: str) -> dict[int, SafekeeperState]:
+    """The safekeepers' entries of the cluster's highest timeline, as etcd holds them now."""
+    async def read() -> dict[int, SafekeeperState]:
+        broker = Broker([etcd.url])
+        try:
+            timelines = (await read_clusters(broker, cluster)).get(cluster, {})
+        finally:
+            broker.close()
+        return timelines[max(timelines)].safekeepers if timelines else {}
+    return asyncio.run(read())
+
+
+def check(d: Deployment, etcd: EtcdServer) -> dict[str, dict]:
+    """`walsidecar check --broker`'s lines about the broker, by name."""
+    out = walsidecar("check", "--pg-dsn", d.pg.dsn(), "--safekeepers", ",".join(d.addresses), "--broker", etcd.url,
+                     "--format", "json", *d.tls("client"))
+    return {c["name"]: c for c in json.loads(out.stdout)["checks"] if "broker" in c["name"]}
+
+
+def metrics(address: str) -> dict[str, list]:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
+        return {f.name: f.samples for f in text_string_to_metric_families(resp.read().decode())}
+
+
+def acks_while(writer: Writer, condition: Callable[[], bool], more: int = 20) -> None:
+    """Wait until `more` further commits are acknowledged, checking `condition` holds before and after."""
+    assert condition()
+    start = len(writer.acked)
+    wait_for(lambda: len(writer.acked) >= start + more or writer.error, timeout=60, what=f"{more} more commits")
+    assert writer.error is None and condition()
+
+
+def test_safekeepers_publish_to_etcd_and_commits_never_wait_for_it(pg_factory: Callable[..., PgServer],
+                                                                   procs: ProcessTracker, test_dir, etcd: EtcdServer) -> None:
+    pg = pg_factory(settings={"synchronous_standby_names": APP})
+    d = Deployment(pg, procs, test_dir)
+    sk1_metrics = f"127.0.0.1:{free_port()}"
+    for i in (1, 2, 3):
+        d.extra[f"safekeeper{i}"] = ["--broker", etcd.url, "--broker-lease", str(LEASE)]
+    d.extra["safekeeper1"] += ["--metrics", sk1_metrics]
+    d.start_all()
+    with d.sql() as c:
+        c.execute("CREATE TABLE load (id int, pad text)")
+        cluster = str(c.execute("SELECT system_identifier FROM pg_control_system()").fetchone()[0])
+
+    # Every safekeeper publishes, under the system id, its term and positions and where it is reached.
+    entries = wait_for(lambda: (e := published(etcd, cluster)) and len(e) == 3 and
+                       all(s.proposer_connected and s.commit_lsn for s in e.values()) and e,
+                       timeout=30, what="three safekeepers' entries in etcd")
+    assert sorted(s.address for s in entries.values()) == sorted(d.addresses)
+    assert all(s.pg_address == str(d.members[f"safekeeper{i}"].reader_address) for i, s in entries.items())
+    assert len({s.term for s in entries.values()}) == 1 and all(s.backup_lsn == 0 for s in entries.values())
+    lines = check(d, etcd)
+    assert [c["status"] for c in lines.values()] == ["OK"] * 4, lines
+    seen = metrics(sk1_metrics)
+    assert {s.labels["peer_id"] for s in seen["walsidecar_safekeeper_peer_flush_lsn_bytes"]} == {"1", "2", "3"}
+    assert seen["walsidecar_safekeeper_broker_connected"][0].value == 1
+    status = json.loads(walsidecar("status", "--broker", etcd.url, "--format", "json", *d.tls("client")).stdout)
+    assert len(status["broker"]["clusters"][cluster]["1"]["safekeepers"]) == 3
+
+    # A safekeeper killed: its entry goes with its lease, and `check` says which one is missing.
+    d.kill("safekeeper3")
+    wait_for(lambda: set(published(etcd, cluster)) == {1, 2}, timeout=LEASE * 5, interval=0.2,
+             what="safekeeper 3's entry to go with its lease")
+    missing = check(d, etcd)[f"safekeeper {d.addresses[2]} in the broker"]
+    assert missing["status"] == "FAILED" and "publishes nothing" in missing["detail"]
+    d.start("safekeeper3")
+
+    # etcd stopped under load: commits go on, `check` says the broker is unreachable; back, the entries return.
+    writer = Writer(d.dsn())
+    writer.start()
+    try:
+        acks_while(writer, lambda: True)
+        etcd.stop()
+        acks_while(writer, lambda: not etcd.child.running, more=200)
+        down = check(d, etcd)["broker"]
+        assert down["status"] == "FAILED" and "unreachable" in down["detail"]
+        assert metrics(sk1_metrics)["walsidecar_safekeeper_broker_connected"][0].value == 0
+        restarted = time.time()
+        etcd.start()
+        wait_for(lambda: len(e := published(etcd, cluster)) == 3 and all(s.last_updated > restarted for s in e.values()),
+                 timeout=30, interval=0.2, what="all three entries published again after etcd's restart")
+        acks_while(writer, lambda: True)
+    finally:
+        acked = writer.stop()
+    assert writer.error is None
+    with d.sql() as c:
+        assert c.execute("SELECT count(*) FROM load WHERE id <= %s", (acked[-1],)).fetchone()[0] == len(acked)

@@ -1,0 +1,141 @@
+"""sidecar/broker.py against a real etcd: state keys under a lease, endpoints, the upload lease election, TLS."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import pytest
+
+from sidecar.broker import (
+    Broker, BrokerError, Lease, LeaseElection, SafekeeperState, group_states, parse_endpoints, safekeepers_prefix,
+    uploader_key,
+)
+from sidecar.certs import create_node
+from sidecar.deployment import free_port
+from support.etcd import EtcdServer
+from support.helpers import until
+from support.pki import TestPKI, foreign_ca
+from support.procs import ProcessTracker
+
+STATE = SafekeeperState(2, flush_lsn=0x3000128, commit_lsn=0x3000100, backup_lsn=0x2000000, term=7, last_log_term=6,
+                        proposer_connected=True, last_updated=1764000000.25, address="10.0.0.2:7601",
+                        pg_address="10.0.0.2:7602")
+
+
+def test_state_round_trips_through_text_keys_and_ignores_what_is_not_ours() -> None:
+    keys = STATE.to_keys()
+    assert keys["flush_lsn"] == "0/3000128" and keys["proposer_connected"] == "true" and "id" not in keys
+    prefix = safekeepers_prefix("prod", 1)
+    kvs = {f"{prefix}2/{k}": v for k, v in keys.items()}
+    kvs[f"{prefix}3/term"] = "not a number"  # a malformed field keeps its default
+    kvs["walsidecar/prod/1/uploader"] = "2"
+    kvs["walsidecar/prod/1/safekeepers/x/term"] = "1"
+    assert group_states(kvs) == {"prod": {1: {2: STATE, 3: SafekeeperState(3)}}}
+
+
+def test_endpoints_are_urls_of_http_or_https() -> None:
+    assert parse_endpoints(["http://127.0.0.1:2379", "https://etcd.example:4001/", "http://[::1]:1"]) == (
+        "http://127.0.0.1:2379", "https://etcd.example:4001", "http://[::1]:1")
+    for bad in ("127.0.0.1:2379", "ftp://h:1", "http://h:1/v3", "http://h:x"):
+        with pytest.raises(ValueError):
+            parse_endpoints([bad])
+
+
+def test_keys_live_as_long_as_their_lease_and_a_dead_endpoint_is_skipped(etcd: EtcdServer) -> None:
+    async def main() -> None:
+        # The first endpoint refuses connections: every call falls over to the second.
+        broker = Broker([f"http://127.0.0.1:{free_port()}", etcd.url])
+        try:
+            lease = Lease(broker, ttl=2)
+            prefix = safekeepers_prefix("c", 1)
+            keys = {f"{prefix}2/{k}": v for k, v in STATE.to_keys().items()}
+            assert await broker.put_all(keys, await lease.ensure())
+            assert group_states(await broker.read_prefix("walsidecar/")) == {"c": {1: {2: STATE}}}
+            # Not renewed: etcd drops the keys with the lease, and a put under it says so.
+            await until(lambda: _empty(broker, prefix), "the keys to go with the lease", timeout=15, interval=0.2)
+            assert not await broker.put_all(keys, lease.id)
+            lease.lost()
+            assert await broker.put_all(keys, await lease.ensure())
+            await broker.revoke(lease.id)
+            assert await broker.read_prefix(prefix) == {}
+        finally:
+            broker.close()
+
+    asyncio.run(main())
+
+
+async def _empty(broker: Broker, prefix: str) -> bool:
+    return await broker.read_prefix(prefix) == {}
+
+
+def test_no_endpoint_answering_is_a_broker_error() -> None:
+    async def main() -> None:
+        broker = Broker([f"http://127.0.0.1:{free_port()}"], timeout=1)
+        try:
+            with pytest.raises(BrokerError, match="no etcd endpoint answered.*connection refused"):
+                await broker.health()
+        finally:
+            broker.close()
+
+    asyncio.run(main())
+
+
+def test_one_uploader_at_a_time_and_the_next_takes_over_when_its_lease_ends(etcd: EtcdServer) -> None:
+    async def main() -> None:
+        brokers = [Broker([etcd.url]) for _ in range(3)]
+        elections = [LeaseElection(b, Lease(b, ttl=2), node_id=i + 1) for i, b in enumerate(brokers)]
+        key = uploader_key("c", 1)
+        try:
+            await elections[0].campaign(key, eligible=False)  # lagging: does not take it
+            for e in elections[1:]:
+                await e.campaign(key, eligible=True)
+            assert [e.may_upload(0) for e in elections] == [False, True, False]
+            assert [e.holder for e in elections] == [None, 2, 2]
+            # The holder falls behind: it resigns, and the next eligible one takes the key.
+            await elections[1].campaign(key, eligible=False)
+            await elections[2].campaign(key, eligible=True)
+            assert [e.may_upload(0) for e in elections] == [False, False, True]
+            # The holder dies (its lease is never renewed): after the TTL another takes over.
+            await elections[0].campaign(key, eligible=True)
+            assert not elections[0].may_upload(0)
+
+            async def taken_over() -> bool:
+                await elections[0].campaign(key, eligible=True)
+                return elections[0].may_upload(0)
+            await until(taken_over, "safekeeper 1 to take the upload lease", timeout=15, interval=0.2)
+            # The old holder, were it to wake, sees the lease as stale and stops at once.
+            assert not elections[2].may_upload(0)
+        finally:
+            for b in brokers:
+                b.close()
+
+    asyncio.run(main())
+
+
+def test_tls_with_client_certificates(procs: ProcessTracker, test_dir: Path, pki: TestPKI) -> None:
+    server_certs = test_dir / "etcd-certs"
+    create_node(pki.ca_dir, server_certs, "client", hosts=("127.0.0.1", "localhost"))
+    etcd = EtcdServer(test_dir / "etcd", certs_dir=server_certs, client_cert_auth=True)
+    procs.track(etcd.child)
+    etcd.start()
+
+    async def main() -> None:
+        broker = Broker([etcd.url], pki.certs("safekeeper", 1))
+        try:
+            assert await broker.put_all({"walsidecar/t/1/safekeepers/1/term": "3"}, await broker.grant(5))
+            assert await broker.read_prefix("walsidecar/t/") == {"walsidecar/t/1/safekeepers/1/term": "3"}
+        finally:
+            broker.close()
+        # A client that trusts etcd's certificate but whose own is from another CA: etcd refuses it.
+        stranger = foreign_ca(test_dir, "safekeeper", 1)
+        shutil.copy(pki.ca_dir / "ca.crt", stranger / "ca.crt")
+        refused = Broker([etcd.url], stranger, timeout=2)
+        try:
+            with pytest.raises(BrokerError, match="no etcd endpoint answered"):
+                await refused.health()
+        finally:
+            refused.close()
+
+    asyncio.run(main())
