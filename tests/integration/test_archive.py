@@ -115,3 +115,24 @@ def test_committed_segments_are_archived_and_another_safekeeper_takes_over(
     data, used = store.read(name), end % SEG
     assert len(data) == SEG and data[:used] == (d.pg.pg_wal_dir / segment).read_bytes()[:used]
     assert data[used:] == bytes(SEG - used)
+
+
+def test_with_a_broker_the_upload_lease_holder_uploads(pg_factory: Callable[..., object], procs: ProcessTracker,
+                                                       test_dir: Path, s3: str, etcd: object) -> None:
+    d = Deployment(pg_factory(settings={"synchronous_standby_names": APP}), procs, test_dir)
+    for i in (1, 2, 3):
+        # No takeover by rank: with a broker only the lease decides.
+        d.extra[f"safekeeper{i}"] = ["--archive", f"s3://{BUCKET}/leased", "--s3-endpoint", s3, "--cluster", "prod",
+                                     "--broker", etcd.url, "--broker-lease", "3"]  # type: ignore[attr-defined]
+    d.start_all()
+    with d.sql() as c:
+        c.execute("CREATE TABLE load (id int, pad text)")
+        sysid = c.execute("SELECT system_identifier FROM pg_control_system()").fetchone()[0]
+    end = switch_segments(d, 2)
+    done = end - end % SEG
+    wait_for(lambda: all(backup_lsn(d, i) >= done for i in (1, 2, 3)), timeout=60,
+             what=f"every safekeeper's backup_lsn to reach {format_lsn(done)}")
+    store = open_storage(f"s3://{BUCKET}/leased/prod/{sysid}/wal", s3_endpoint=s3)
+    assert_identical_and_gapless(d, store, d.history_start(1), done)
+    uploaders = [i for i in (1, 2, 3) if "segment archived " in d.members[f"safekeeper{i}"].log_path.read_text()]
+    assert len(uploaders) == 1, uploaders
