@@ -79,7 +79,7 @@ class ArchiveOptions:
 
 @dataclass(frozen=True)
 class PartialSegment:
-    """The segment being written: its file name, the term that wrote it, where its WAL ends, the bytes."""
+    """The segment being written: its file name, the term that wrote its last byte, where its WAL ends, the bytes."""
 
     name: str
     term: int
@@ -162,10 +162,11 @@ class Uploader:
         term = self.sk.positions.value.term
         while True:
             try:
+                now = self.sk.positions.value.term
+                if now > term:  # the previous term ended here: its partial segment first
+                    await self.upload_partial()
+                    term = now
                 ready = await self._upload_ready()
-                if self.sk.positions.value.term > term:
-                    term = self.sk.positions.value.term
-                    await self.upload_partial()  # the previous term ended here
                 self.error, backoff = None, RETRY
             except Exception as e:  # the archive, or a segment that cannot be read: try again later
                 self.error = f"{type(e).__name__}: {e}"

@@ -170,25 +170,29 @@ class Safekeeper:
         return st.complete_segment(segno) if isinstance(st, WalStorage) else None
 
     async def read_partial(self) -> PartialSegment | None:
-        """The segment being written, up to flush_lsn, and the term that wrote it; None at a segment boundary.
+        """The segment being written, up to flush_lsn, and the term that wrote its last byte; None at a
+        segment boundary.
 
-        Read under the flush lock, after checking that no Elected was applied since the term and flush were
-        taken: so no cut happened or is pending, and the bytes are that term's.
+        Bytes below flush_lsn change only by a cut, and every cut comes with an Elected: so they are read
+        under the flush lock after checking that no Elected was applied since flush_lsn was taken.
         """
         acc, st = self.acceptor, self.storage
-        if not isinstance(st, WalStorage) or not acc.state.term_history:
-            return None
-        generation, term, end = acc.cut_generation, acc.state.term_history[-1].term, acc.flush_lsn
-        seg = st.seg_size
-        start = end - end % seg
-        if end == start:
-            return None
-        async with self._flush_lock:
-            if acc.cut_generation != generation:
+        for _ in range(3):  # an Elected in between: take the new flush_lsn
+            if not isinstance(st, WalStorage) or not acc.state.term_history:
                 return None
-            data = await asyncio.to_thread(st.read, start, end - start)
-        return PartialSegment(segment_file_name(acc.state.timeline, start // seg, seg), term, end,
-                              data + bytes(seg - len(data)))
+            generation, history, end = acc.cut_generation, acc.state.term_history, acc.flush_lsn
+            seg = st.seg_size
+            start = end - end % seg
+            if end == start:
+                return None
+            async with self._flush_lock:
+                if acc.cut_generation != generation:
+                    continue
+                data = await asyncio.to_thread(st.read, start, end - start)
+            term = next((e.term for e in reversed(history) if e.start_lsn < end), history[0].term)
+            return PartialSegment(segment_file_name(acc.state.timeline, start // seg, seg), term, end,
+                                  data + bytes(seg - len(data)))
+        return None
 
     async def backed_up(self, lsn: int) -> None:
         """The archive holds every segment below `lsn`: persist it as backup_lsn."""

@@ -103,18 +103,28 @@ def test_committed_segments_are_archived_and_another_safekeeper_takes_over(
                       *d.tls("client"), "--gaps-only")
     assert gaps.returncode == 0 and "OK: no gap" in gaps.stdout, gaps.stdout + gaps.stderr
 
-    # A graceful stop uploads the segment being written under a name giving its term and end.
+    # A term that ends (a new proposer) and a graceful stop: each safekeeper uploads the segment it is
+    # writing, under a name giving the term that wrote it and where it ends.
+    old_term = load_control(d.sk_dir(2)).state.term_history[-1].term
+    d.stop("proposer")
+    d.start("proposer")
+    d.wait_sync()
+    wait_for(lambda: any(f".term-{old_term}." in k for k in store.list_files()), timeout=30,
+             what=f"a partial segment of term {old_term}")
+    with d.sql() as c:
+        commit_lsn_of(c, "INSERT INTO load VALUES (-2, 'in the new term')")
     d.stop("safekeeper2")
-    term = load_control(d.sk_dir(2)).state.term_history[-1].term
+    new_term = load_control(d.sk_dir(2)).state.term_history[-1].term
     partials = [k for k in store.list_files() if k.endswith(".partial")]
-    assert len(partials) == 1, partials
-    name = partials[0]
-    end = parse_lsn(name.split(".end-")[1].removesuffix(".partial").replace("-", "/"))
-    segment = name[:24]
-    assert name == partial_name(segment, term, end) and parse_segment_file_name(segment, SEG)[1] == end // SEG
-    data, used = store.read(name), end % SEG
-    assert len(data) == SEG and data[:used] == (d.pg.pg_wal_dir / segment).read_bytes()[:used]
-    assert data[used:] == bytes(SEG - used)
+    assert {int(k.split(".term-")[1].split(".")[0]) for k in partials} == {old_term, new_term} and new_term > old_term
+    for name in partials:
+        end = parse_lsn(name.split(".end-")[1].removesuffix(".partial").replace("-", "/"))
+        segment = name[:24]
+        assert name == partial_name(segment, int(name.split(".term-")[1].split(".")[0]), end)
+        assert parse_segment_file_name(segment, SEG)[1] == end // SEG
+        data, used = store.read(name), end % SEG
+        assert len(data) == SEG and data[:used] == (d.pg.pg_wal_dir / segment).read_bytes()[:used], name
+        assert data[used:] == bytes(SEG - used)
 
 
 def test_with_a_broker_the_upload_lease_holder_uploads(pg_factory: Callable[..., object], procs: ProcessTracker,
