@@ -53,13 +53,17 @@ def safekeeper(s: SafekeeperSettings) -> None:
     from sidecar.safekeeper.monitor import SafekeeperMonitor
     from sidecar.safekeeper.server import Safekeeper, StartupError
     from sidecar.safekeeper.slots import SlotsFileError
+    from sidecar.sizes import DiskLimit, parse_size
     from sidecar.linkauth import server_security
     from sidecar.tls import TlsError
 
     host, port = parse_address(s.listen)
     try:
         ctx = server_security(s.certs_dir, s.link_security)
-        sk = Safekeeper.open(s.id, s.data_dir, host, port, ctx, reader_port=_reader_port(s), archive=_archive(s))
+        sk = Safekeeper.open(s.id, s.data_dir, host, port, ctx, reader_port=_reader_port(s),
+                             keep_wal=parse_size(s.keep_wal) if s.keep_wal else None,
+                             max_disk_usage=DiskLimit.parse(s.max_disk_usage) if s.max_disk_usage else None,
+                             archive=_archive(s))
         sk.publisher = _publisher(s, sk)
         if sk.uploader is not None and sk.publisher is not None:
             sk.uploader.election = sk.publisher.election  # the broker's upload lease, in place of ranks
@@ -68,6 +72,10 @@ def safekeeper(s: SafekeeperSettings) -> None:
     except (ControlFileError, StartupError, TlsError, AuthFileError, SlotsFileError) as e:
         raise click.ClickException(str(e)) from e
     link_warning(get_logger(node=s.id), f"listening on {s.listen}", s.insecure, s.link_security)
+    if s.keep_wal:
+        get_logger(node=s.id).warning("--keep-wal without an archive: WAL removed here exists only on the other "
+                                      "safekeepers and the primary; it is only as safe as those copies",
+                                      keep_wal=s.keep_wal)
     if s.pg_listen and s.pg_auth_file is None:
         get_logger(node=s.id).warning(
             "--pg-listen without --pg-auth-file: " + ("every reader is trusted (--insecure)" if s.insecure else

@@ -94,6 +94,25 @@ Timeout = Annotated[float, Field(gt=0, description="Seconds to wait for each ans
 FilePath = Annotated[Path, Metavar("FILE")]
 
 
+def _size(value: str | None) -> str | None:
+    from sidecar.sizes import parse_size
+    if value is not None:
+        parse_size(value)
+    return value
+
+
+def _disk_limit(value: str | None) -> str | None:
+    from sidecar.sizes import DiskLimit
+    if value is not None:
+        DiskLimit.parse(value)
+    return value
+
+
+# Kept as the operator wrote them (for --help and errors); sidecar/sizes.py reads them.
+Size = Annotated[str | None, AfterValidator(_size), Metavar("SIZE")]
+DiskLimitText = Annotated[str | None, AfterValidator(_disk_limit), Metavar("SIZE|PCT%")]
+
+
 class Settings(BaseSettings):
     """Options every command has."""
 
@@ -247,6 +266,14 @@ class SafekeeperSettings(SafekeeperBrokerSettings, TlsSettings):
     pg_auth_file: FilePath | None = Field(None, description="The readers' SCRAM-SHA-256 verifiers (made by "
                                                             "`walsidecar readers add`, mode 0600). Without it the "
                                                             "reader port refuses everyone, unless --insecure.")
+    keep_wal: Size = Field(None, description="Without an archive: remove WAL segments more than this far behind "
+                                             "the flush position (10GB, 512MiB), unless a reader slot still needs "
+                                             "them. Default: keep everything. Removed WAL then exists only on the "
+                                             "other safekeepers and the primary.")
+    max_disk_usage: DiskLimitText = Field(None, description="Stop taking new WAL while this safekeeper's WAL files "
+                                                            "take more than SIZE, or its filesystem is more than PCT% "
+                                                            "full; commits go on with the other safekeepers, and it "
+                                                            "resumes once removal brings it below. Default: no limit.")
     # Archiving (--cluster, which names the archive's directory, is the broker's).
     archive: Annotated[str | None, AfterValidator(_archive_url), Metavar("URL")] = Field(
         None, description="Upload committed, completed WAL segments and timeline history files to s3://bucket/prefix "

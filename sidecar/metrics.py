@@ -73,6 +73,9 @@ class SafekeeperMetrics:
         self.disk_full = Counter("walsidecar_safekeeper_disk_full_errors",
                                  "Writes that found no space (ENOSPC): WAL, control file or the spare segment.",
                                  ["safekeeper_id"], registry=r).labels(sk)
+        self.wal_removed = Counter("walsidecar_safekeeper_wal_removed_bytes",
+                                   "WAL bytes removed below the removal horizon (whole segments).",
+                                   ["safekeeper_id"], registry=r).labels(sk)
         self.archived = Counter("walsidecar_safekeeper_archived_bytes", "WAL bytes this safekeeper uploaded to the "
                                 "archive (--archive).", ["safekeeper_id"], registry=r).labels(sk)
 

@@ -329,8 +329,13 @@ class Checker:
             if isinstance(r, ProbeError):
                 up = str(r).startswith("it refused")  # running but stopped, by a full disk say: it says why
                 start = self.command("safekeeper", "--id", "N", "--data-dir", "DIR", "--listen", addr)
-                self.add(_fail(name, str(r) if up else f"unreachable: {r}", "read its log" if up else
-                               f"start it ({start}, with its own id and data directory) or fix --safekeepers"))
+                hint = "read its log" if up else \
+                    f"start it ({start}, with its own id and data directory) or fix --safekeepers"
+                if "disk guard:" in str(r):
+                    hint = ("free what holds the removal horizon: advance or drop that reader slot "
+                            "(DROP_REPLICATION_SLOT on its reader port), let the archive catch up, lower --keep-wal; "
+                            "or raise --max-disk-usage and restart it")
+                self.add(_fail(name, str(r) if up else f"unreachable: {r}", hint))
                 continue
             tail = f"id {r.node_id}, term {r.term}, flush_lsn {format_lsn(r.flush_lsn)}" + \
                    (", proposer attached" if r.proposer_connected else "")

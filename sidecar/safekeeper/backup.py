@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -96,6 +97,8 @@ class Archived(Protocol):
     def archive_state(self) -> AcceptorState: ...
 
     def complete_segment(self, segno: int) -> Path | None: ...
+
+    def pin_wal(self, lsn: int, holder: str) -> AbstractContextManager[object]: ...
 
     async def read_partial(self) -> PartialSegment | None: ...
 
@@ -233,7 +236,8 @@ class Uploader:
             raise ObjectConflict(f"{store.location}/{name} has {size} bytes, a segment has {seg}")
         if path is None or not self.election.may_upload(lsn):
             return False
-        data = await asyncio.to_thread(path.read_bytes)
+        with self.sk.pin_wal(lsn, "the uploader"):  # removal stops below backup_lsn anyway; this says so
+            data = await asyncio.to_thread(path.read_bytes)
         bad = check_segment(data, lsn, seg, state.system_id)
         if bad is not None:
             # Not held whole here (this safekeeper joined inside it): another one uploads it.

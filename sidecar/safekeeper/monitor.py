@@ -81,6 +81,10 @@ class SafekeeperMonitor:
             "slots": [{"name": sl.name, "restart_lsn": format_lsn(sl.restart_lsn) if sl.restart_lsn else None,
                        "timeline": sl.timeline or None, "temporary": sl.temporary, "active": sl.active}
                       for sl in v.slots],
+            "removal_horizon": format_lsn(v.removal_horizon.lsn),
+            "removal_held_by": v.removal_stopped_by or v.removal_horizon.held_by,
+            "wal_bytes": v.disk_usage.wal_bytes,
+            "disk_guard": v.disk_guard,
             "fatal": v.fatal,
             "stopped": _stopped_reason(v),
             "broker": _broker_status(v),
@@ -128,6 +132,20 @@ class SafekeeperMonitor:
             active.add_metric([sid, sl.name], 1 if sl.active else 0)
         yield slots
         yield active
+        horizon = gauge("walsidecar_safekeeper_removal_horizon_lsn_bytes", "WAL below this position is removed; "
+                        "held_by says what holds it there (the archive, a reader slot, the retention, commit_lsn).",
+                        labels=["safekeeper_id", "held_by"])
+        horizon.add_metric([sid, v.removal_stopped_by or v.removal_horizon.held_by], v.removal_horizon.lsn)
+        yield horizon
+        u = v.disk_usage
+        yield g("walsidecar_safekeeper_wal_disk_bytes", "Bytes the WAL segment files of this safekeeper take.",
+                u.wal_bytes)
+        yield g("walsidecar_safekeeper_filesystem_used_bytes", "Bytes in use on the data directory's filesystem.",
+                u.fs_used)
+        yield g("walsidecar_safekeeper_filesystem_size_bytes", "Size of the data directory's filesystem.", u.fs_total)
+        yield g("walsidecar_safekeeper_disk_guard_active", "1 while disk use above --max-disk-usage stops this "
+                "safekeeper taking new WAL (commits go on with the others); /status says what holds the WAL.",
+                1 if v.disk_guard else 0)
         if v.broker is not None:
             yield from _peer_gauges(sid, v)
 

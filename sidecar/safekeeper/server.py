@@ -19,7 +19,9 @@ from sidecar.consensus import codec
 from sidecar.consensus.acceptor import (
     Acceptor, AcceptorAction, AcceptorError, Persist, RecordEnd, Reply, Truncate, Write,
 )
-from sidecar.consensus.messages import Append, Elected, Greeting, Message, Refusal, VoteReply, VoteRequest
+from sidecar.consensus.messages import (
+    Append, Elected, Greeting, InfoRequest, Message, Refusal, VoteReply, VoteRequest,
+)
 from sidecar.consensus.reading import ServerState
 from sidecar.consensus.session import AcceptorSession, Role
 from sidecar.logs import get_logger, set_context_provider
@@ -28,14 +30,17 @@ from sidecar.metrics import SafekeeperMetrics
 from sidecar.consensus.state import AcceptorState
 from sidecar.safekeeper.backup import ArchiveOptions, PartialSegment, uploader_for
 from sidecar.safekeeper.control import ControlData, save_control
+from sidecar.safekeeper.diskguard import DiskGuard
 from sidecar.safekeeper.pgserver import ReaderPort, ReaderServer
 from sidecar.safekeeper.positions import Positions, PositionWatch
 from sidecar.safekeeper.publish import Publisher
+from sidecar.safekeeper.remove import Remover
 from sidecar.safekeeper.slots import Slots
 from sidecar.safekeeper.startup import open_data_dir
-from sidecar.safekeeper.storage import DiskFull, NoWal, StorageError, WalInDoubt, WalStorage, is_disk_full
+from sidecar.safekeeper.storage import DiskFull, NoWal, StorageError, WalInDoubt, WalPin, WalStorage, is_disk_full
 from sidecar.safekeeper.view import SafekeeperView, SlotView
 from sidecar.safekeeper.walcheck import StartupError, record_end
+from sidecar.sizes import DiskLimit
 
 # Unsynced WAL up to this much is fdatasync'ed on the event loop once the proposer's socket is
 # drained (group commit, as pg_receivewal does it): the hop to a thread and back costs more CPU
@@ -61,7 +66,8 @@ class Safekeeper:
 
     def __init__(self, node_id: int, data_dir: Path, host: str, port: int, security: linkauth.Security,
                  acceptor: Acceptor, storage: WalStorage | NoWal, stats: SafekeeperMetrics,
-                 reader_port: ReaderPort | None = None, archive: ArchiveOptions | None = None) -> None:
+                 reader_port: ReaderPort | None = None, keep_wal: int | None = None,
+                 max_disk_usage: DiskLimit | None = None, archive: ArchiveOptions | None = None) -> None:
         self.node_id = node_id
         # Neither: --insecure, every connection may act as a proposer.
         self.ssl_context = security if isinstance(security, ssl.SSLContext) else None
@@ -74,6 +80,11 @@ class Safekeeper:
         self.stats = stats
         self.positions = PositionWatch(self._positions())
         self.slots = Slots(data_dir)
+        # Removal (the archive's backup_lsn, or --keep-wal) and the disk guard (--max-disk-usage).
+        self.guard = DiskGuard(max_disk_usage, data_dir)
+        self.remover = Remover(self, self.guard, keep_wal, backup_lsn=lambda: self.acceptor.state.backup_lsn
+                               if self.uploader is not None else None)
+        self.slots.on_change = self.remover.wake
         # The reader port (--pg-listen): proposers learn it from the greeting (0: none).
         self.readers = ReaderServer(self, reader_port) if reader_port is not None else None
         self.acceptor.reader_port = reader_port.port if reader_port is not None else 0
@@ -94,6 +105,7 @@ class Safekeeper:
     @classmethod
     def open(cls, node_id: int, data_dir: Path, host: str, port: int,
              security: linkauth.Security = None, reader_port: ReaderPort | None = None,
+             keep_wal: int | None = None, max_disk_usage: DiskLimit | None = None,
              archive: ArchiveOptions | None = None) -> Safekeeper:
         """Load the control file, check the stored WAL and find its end: a safekeeper ready to serve.
 
@@ -103,7 +115,8 @@ class Safekeeper:
         stats = SafekeeperMetrics(node_id)
         log = get_logger(node=node_id)
         acceptor, storage = open_data_dir(node_id, data_dir, _disk_full_reporter(stats, log), log)
-        return cls(node_id, data_dir, host, port, security, acceptor, storage, stats, reader_port, archive)
+        return cls(node_id, data_dir, host, port, security, acceptor, storage, stats, reader_port,
+                   keep_wal, max_disk_usage, archive)
 
     @property
     def _stream(self) -> framing.Writer | None:
@@ -133,9 +146,11 @@ class Safekeeper:
             readers=len(self.readers.connections) if self.readers is not None else 0,
             streaming_readers=self.readers.streaming if self.readers is not None else 0,
             slots=tuple(SlotView(s.name, s.restart_lsn, s.timeline, s.temporary, s.active) for s in self.slots),
+            broker=self.publisher.view() if self.publisher is not None else None,
+            removal_horizon=self.remover.horizon, removal_stopped_by=self.remover.stopped_by,
+            disk_guard=self.guard.reason, disk_usage=self.guard.usage,
             archive=(self.uploader.store or self.uploader.root).location if self.uploader is not None else None,
-            archive_error=self.uploader.error if self.uploader is not None else None,
-            broker=self.publisher.view() if self.publisher is not None else None)
+            archive_error=self.uploader.error if self.uploader is not None else None)
 
     # ---- what readers see (safekeeper/pgserver.py, walsender.py) ------------------------------
 
@@ -159,6 +174,10 @@ class Safekeeper:
         if not isinstance(st, WalStorage):
             raise StorageError("this safekeeper stores no WAL yet")
         return st.read(lsn, size)
+
+    def pin_wal(self, lsn: int, holder: str) -> WalPin:
+        """Keep the stored WAL from `lsn` on from removal until the pin is released (readers, the uploader)."""
+        return self.storage.pin(lsn, holder, self.remover.wake)
 
     # ---- what the uploader (backup.py) reads and changes
 
@@ -202,6 +221,7 @@ class Safekeeper:
                 for a in actions:
                     if isinstance(a, Persist):
                         await asyncio.to_thread(save_control, self.data_dir, ControlData(self.node_id, a.state))
+            self.remover.wake()  # the horizon may move with backup_lsn
 
     def _positions(self) -> Positions:
         acc = self.acceptor
@@ -235,6 +255,7 @@ class Safekeeper:
         flusher = asyncio.create_task(self._flusher())
         slot_saver = asyncio.create_task(self.slots.run())
         publisher = asyncio.create_task(self.publisher.run()) if self.publisher is not None else None
+        remover = asyncio.create_task(self.remover.run())
         uploader = asyncio.create_task(self.uploader.run()) if self.uploader is not None else None
         try:
             if self.readers is not None:
@@ -246,7 +267,7 @@ class Safekeeper:
             self._server.close()
             if self.readers is not None:
                 await self.readers.close()
-            for task in (flusher, slot_saver, *(t for t in (publisher, uploader) if t is not None)):
+            for task in (flusher, slot_saver, remover, *(t for t in (publisher, uploader) if t is not None)):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
@@ -290,6 +311,11 @@ class Safekeeper:
         self.stats.connections.inc()
         try:
             while True:
+                if session.holds_term and self.guard.active:
+                    # Not read, not refused: the proposer sees a slow safekeeper and commits go on with
+                    # the others; what was received before is still flushed and acknowledged.
+                    self._flush_wanted.set()
+                    await self.guard.resumed()
                 if session.holds_term:  # the elected proposer sends at least a heartbeat a second
                     msg = await reader.read_message()
                 else:
@@ -298,15 +324,22 @@ class Safekeeper:
                     break
                 if self.stopped is not None:  # a full disk: say why to whoever asks, change nothing
                     raise AcceptorError(self.stopped)
+                if type(msg) is InfoRequest and self.guard.reason is not None:  # `check` and `status` say why
+                    raise AcceptorError(self.guard.reason)
                 if type(msg) is Append:  # the hot path: no coroutine hops for a plain append
                     actions = session.receive(msg)
                 else:
                     actions = await self._dispatch(session, msg, log)
                     reader.max_frame = session.max_frame
+                began_segment = acc.write_lsn // seg if (seg := acc.state.wal_seg_size) else 0
                 if any(type(a) in _STATEFUL for a in actions):
                     await self._execute_stateful(actions, writer)
                 else:
                     self._apply(actions, writer)
+                if seg and acc.write_lsn // seg != began_segment and self.guard.limit is not None:
+                    # A new segment file: measured before the next message is read, so the guard
+                    # stops within one segment of its limit, not whenever the remover runs next.
+                    self.remover.guard_check(self.positions.value)
                 self._publish()
                 self._sync_when_drained(reader, writer)
                 if writer.transport.get_write_buffer_size() > 1 << 20:
@@ -393,7 +426,9 @@ class Safekeeper:
             if isinstance(st, NoWal):
                 return RecordEnd(0)
             await asyncio.to_thread(st.flush)
-            return await asyncio.to_thread(record_end, st, self.acceptor.state)
+            # The scan may step back over segments the remover would otherwise take from under it.
+            with st.pin(st.first_lsn() or 0, "the end-of-WAL scan of a vote"):
+                return await asyncio.to_thread(record_end, st, self.acceptor.state)
 
     def _sync_when_drained(self, reader: framing.FrameReader, writer: framing.Writer) -> None:
         """Group commit: sync once the socket is drained, so one fdatasync covers all WAL received."""

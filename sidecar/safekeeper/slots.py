@@ -4,13 +4,14 @@
 streaming with `START_REPLICATION SLOT s` moves it with the flush position of its standby status,
 saved at most once per SAVE_INTERVAL (as PostgreSQL saves slots at checkpoints, a crash may move
 a slot back a little, never forward). Temporary slots live as long as their connection and are
-never saved. They will bound WAL removal.
+never saved. They bound WAL removal (horizon.py): `on_change` tells the remover when one moves.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +52,7 @@ class Slots:
         self.path = data_dir / FILE_NAME
         self._slots: dict[str, Slot] = {}
         self._dirty = asyncio.Event()
+        self.on_change: Callable[[], None] = lambda: None  # a slot moved, came or went
         self._load()
 
     def _load(self) -> None:
@@ -101,12 +103,14 @@ class Slots:
             except BaseException:
                 del self._slots[name]
                 raise
+        self.on_change()
         return slot
 
     async def drop(self, name: str) -> None:
         """Remove a slot not in use; SlotError if missing or active."""
         slot = self.acquire_check(name)
         del self._slots[name]
+        self.on_change()
         if not slot.temporary:
             await self.save()
 
@@ -128,6 +132,7 @@ class Slots:
         slot.active = False
         if slot.temporary:
             self._slots.pop(slot.name, None)
+            self.on_change()
 
     def advance(self, slot: Slot, flush_lsn: int, timeline: int) -> None:
         """A reader flushed up to `flush_lsn`: the slot moves forward (never back), saved soon."""
@@ -135,6 +140,7 @@ class Slots:
             slot.restart_lsn, slot.timeline = flush_lsn, timeline
             if not slot.temporary:
                 self._dirty.set()
+            self.on_change()
 
     async def run(self) -> None:
         """Save moved positions, at most once per SAVE_INTERVAL, until cancelled (then save once more)."""

@@ -186,6 +186,50 @@ class SpareSegment:
             self._ready = True
 
 
+class WalPin:
+    """A lease on stored WAL: no segment holding `lsn` or above is removed while it is held.
+
+    Taken by whatever reads stored segments outside the writer (a WAL sender, an uploader), so
+    that removal never deletes a file under it; `move` follows the reader forward.
+    """
+
+    def __init__(self, lock: threading.Lock, pins: set[WalPin], lsn: int, holder: str,
+                 on_release: Callable[[], None] | None = None) -> None:
+        self._lock, self._pins = lock, pins
+        self.lsn, self.holder = lsn, holder
+        self._on_release = on_release  # told when held segments may have become removable
+        with lock:
+            pins.add(self)
+
+    def move(self, lsn: int, seg_size: int) -> None:
+        """Hold from `lsn` on instead (only forward); tells the remover when a segment was left."""
+        with self._lock:
+            old, self.lsn = self.lsn, max(self.lsn, lsn)
+        if self.lsn // seg_size != old // seg_size and self._on_release is not None:
+            self._on_release()
+
+    def release(self) -> None:
+        with self._lock:
+            held = self in self._pins
+            self._pins.discard(self)
+        if held and self._on_release is not None:
+            self._on_release()
+
+    def __enter__(self) -> WalPin:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+@dataclass(frozen=True)
+class Removal:
+    """What `remove_below` deleted, and what stopped it below the LSN asked for (None: nothing did)."""
+
+    removed: list[str]
+    stopped_by: str | None = None
+
+
 class NoWal:
     """The WAL store of a safekeeper never greeted: no segment size yet, so nothing stored or to sync."""
 
@@ -195,6 +239,12 @@ class NoWal:
         return []
 
     def flush(self) -> int:
+        return 0
+
+    def pin(self, lsn: int, holder: str, on_release: Callable[[], None] | None = None) -> WalPin:
+        return WalPin(threading.Lock(), set(), lsn, holder)  # nothing stored: nothing to hold
+
+    def wal_bytes(self) -> int:
         return 0
 
     def close(self) -> None:
@@ -227,6 +277,7 @@ class WalStorage:
         self._closed = False
         self._failed: str | None = None
         self._marked = False  # an in-doubt marker was written by this process
+        self._pins: set[WalPin] = set()  # leases of readers and uploaders (see remove_below)
         self.wal_dir.mkdir(parents=True, exist_ok=True)
         self._spare = SpareSegment(self._beside(".spare"), seg_size, self._spare_failed)
         if not self.in_doubt_path.exists():
@@ -277,6 +328,60 @@ class WalStorage:
         """Start of the lowest stored segment, or None when nothing is stored."""
         with self._lock:
             return min(self._files) * self.seg_size if self._files else None
+
+    def wal_bytes(self) -> int:
+        """Bytes the segment files take in the WAL directory (every file is pre-sized whole)."""
+        with self._lock:
+            return len(self._files) * self.seg_size
+
+    # -- leases and removal ------------------------------------------------------------------
+
+    def pin(self, lsn: int, holder: str, on_release: Callable[[], None] | None = None) -> WalPin:
+        """Hold the segments from `lsn`'s on against removal until the pin is released."""
+        return WalPin(self._lock, self._pins, lsn, holder, on_release)
+
+    def remove_below(self, lsn: int) -> Removal:
+        """Delete whole segments that end at or below `lsn`, lowest first, each deletion durable.
+
+        Stops at the first segment that is pinned, still open for writing or not yet final-named:
+        the stored WAL stays one run without gaps (walcheck.py takes a gap for a lost segment).
+        """
+        removed: list[str] = []
+        while True:
+            with self._lock:
+                self._check_usable()
+                if not self._files:
+                    return Removal(removed)
+                segno = min(self._files)
+                if (segno + 1) * self.seg_size > lsn:
+                    return Removal(removed)
+                why = self._held(segno)
+                if why is not None:
+                    return Removal(removed, why)
+                path = self._path(segno)
+                gone = self._files.pop(segno)  # no reader finds it from now on; writers need not wait
+            try:
+                path.unlink()
+            except OSError as e:  # nothing changed: the segment is still stored, and may still be read
+                with self._lock:
+                    self._files[segno] = gone
+                raise StorageError(f"removing WAL segment {path} failed: {e}") from e
+            removed.append(path.name)
+            # Outside the state lock (writers go on); before the next deletion, so that a crash
+            # leaves the lowest segments gone, never one in the middle.
+            self._sync_dir()
+
+    def _held(self, segno: int) -> str | None:
+        """Why segment `segno` may not be removed now, or None."""
+        if self._files[segno].partial or any(s.segno == segno for s in self._done) or \
+                (self._cur is not None and self._cur.segno == segno):
+            return "the segment is still being written"
+        end = (segno + 1) * self.seg_size
+        pins = [p for p in self._pins if p.lsn < end]
+        if pins:
+            low = min(pins, key=lambda p: p.lsn)
+            return f"{low.holder} reads from {format_lsn(low.lsn)}"
+        return None
 
     # -- writing -------------------------------------------------------------------------
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from sidecar.broker import SafekeeperState
 from sidecar.consensus.state import AcceptorState
+from sidecar.safekeeper.diskguard import DiskUsage
+from sidecar.safekeeper.horizon import Horizon
 from sidecar.safekeeper.positions import Positions
 
 
@@ -57,3 +59,7 @@ class SafekeeperView:
     archive: str | None = None  # where committed segments are uploaded (--archive), if anywhere
     archive_error: str | None = None  # the last archiving failure, until an upload succeeds
     broker: BrokerView | None = None  # with --broker
+    removal_horizon: Horizon = Horizon(0, "nothing stored yet")  # WAL below it is removed
+    removal_stopped_by: str | None = None  # a pin that kept removal below the horizon
+    disk_guard: str | None = None  # why new WAL is not taken now (--max-disk-usage)
+    disk_usage: DiskUsage = DiskUsage(0, 0, 0)

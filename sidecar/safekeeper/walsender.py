@@ -21,7 +21,7 @@ from sidecar.consensus.reading import ReadCursor, ReadRefused, Send, ServerState
 from sidecar.lsn import format_lsn
 from sidecar.safekeeper.positions import PositionWatch
 from sidecar.safekeeper.slots import Slot, Slots
-from sidecar.safekeeper.storage import StorageError
+from sidecar.safekeeper.storage import StorageError, WalPin
 
 WAL_SENDER_TIMEOUT = 60.0  # PostgreSQL's wal_sender_timeout default
 
@@ -35,9 +35,14 @@ class Served(Protocol):
 
     positions: PositionWatch
 
+    @property
+    def wal_seg_size(self) -> int: ...
+
     def reader_state(self) -> ServerState: ...
 
     def read_wal(self, lsn: int, size: int) -> bytes: ...
+
+    def pin_wal(self, lsn: int, holder: str) -> WalPin: ...
 
 
 def now() -> int:
@@ -61,7 +66,14 @@ class WalSender:
 
     async def run(self) -> None:
         """ReadRefused before streaming starts (an ERROR for the command); StreamEnded for a broken reader."""
-        cursor = ReadCursor(self.cmd.lsn, self.cmd.timeline, self.sk.reader_state(), self.cmd.term)
+        # Pinned before the cursor checks what is stored: nothing it may send is removed under it.
+        pin = self.sk.pin_wal(self.cmd.lsn, f'reader slot "{self.cmd.slot}"' if self.cmd.slot else "a reader")
+        try:
+            cursor = ReadCursor(self.cmd.lsn, self.cmd.timeline, self.sk.reader_state(), self.cmd.term)
+        except BaseException:
+            pin.release()
+            raise
+        self.pin = pin
         historic = cursor.timeline != self.sk.reader_state().timeline
         self.writer.write(pgwire.copy_both_response())
         self.log.info("streaming", start_lsn=format_lsn(self.cmd.lsn), timeline=cursor.timeline,
@@ -70,6 +82,7 @@ class WalSender:
         try:
             ended = await self._send(cursor, receiver)
         finally:
+            pin.release()
             receiver.cancel()
             with contextlib.suppress(asyncio.CancelledError, StreamEnded):
                 await receiver
@@ -139,6 +152,7 @@ class WalSender:
         self.writer.writelines((pgwire.copy_data_header(pgrepl.XLOGDATA_HEADER + len(data)),
                                 pgrepl.xlogdata_header(step.start, max(wal_end, step.end), now()), data))
         cursor.advance(step.end)
+        self.pin.move(step.end, self.sk.wal_seg_size)
         self.sent_bytes += len(data)
         try:
             async with asyncio.timeout(self.timeout):

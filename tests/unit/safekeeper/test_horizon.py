@@ -26,3 +26,8 @@ def test_without_archive_the_retention_bounds_it_and_without_either_nothing_goes
     assert removal_horizon(flush_lsn=2 * SEG, commit_lsn=2 * SEG, seg_size=SEG, keep_bytes=3 * SEG).lsn == 0
     h = removal_horizon(flush_lsn=10 * SEG, commit_lsn=10 * SEG, seg_size=SEG)
     assert (h.lsn, h.held_by) == (0, "no archive and no retention set")
+
+
+def test_the_segment_of_the_last_flushed_byte_stays():
+    h = removal_horizon(flush_lsn=10 * SEG, commit_lsn=10 * SEG, backup_lsn=10 * SEG, seg_size=SEG)
+    assert (h.lsn, h.held_by) == (9 * SEG, "flush_lsn")

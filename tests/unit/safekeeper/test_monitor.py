@@ -14,6 +14,8 @@ from sidecar.consensus.messages import TermEntry
 from sidecar.consensus.state import AcceptorState
 from sidecar.metrics import SafekeeperMetrics
 from sidecar.safekeeper.monitor import SafekeeperMonitor
+from sidecar.safekeeper.diskguard import DiskUsage
+from sidecar.safekeeper.horizon import Horizon
 from sidecar.safekeeper.positions import Positions
 from sidecar.safekeeper.view import BrokerView, SafekeeperView, SlotView
 
@@ -26,6 +28,7 @@ VIEW = SafekeeperView(
     write_lsn=0x2000300, proposer_connected=True, disk_full=False, fatal=None, stopped=False,
     reader_listen="127.0.0.1:7612", readers=2, streaming_readers=1,
     slots=(SlotView("standby1", 0x2000080, 2, False, True), SlotView("new", 0, 0, False, False)),
+    removal_horizon=Horizon(0x2000000, 'reader slot "standby1"'), disk_usage=DiskUsage(2 * SEG, 10 << 30, 100 << 30),
     archive="s3://bucket/wal", archive_error="ClientError: AccessDenied")
 
 
@@ -60,6 +63,8 @@ def test_status_is_the_view() -> None:
         "slots": [{"name": "standby1", "restart_lsn": "0/2000080", "timeline": 2, "temporary": False, "active": True},
                   {"name": "new", "restart_lsn": None, "timeline": None, "temporary": False, "active": False}],
         "broker": None,
+        "removal_horizon": "0/2000000", "removal_held_by": 'reader slot "standby1"', "wal_bytes": 2 * SEG,
+        "disk_guard": None,
     }
 
 
@@ -126,3 +131,14 @@ def test_peer_gauges_are_what_the_broker_showed_it() -> None:
     doc = mon.status()["broker"]
     assert doc["cluster"] == "prod" and doc["uploader"] == 1 and doc["error"] == "no etcd endpoint answered"
     assert [p["id"] for p in doc["peers"]] == [1, 3] and doc["peers"][1]["flush_lsn"] == "0/1000000"
+
+
+def test_removal_horizon_wal_bytes_and_the_disk_guard_are_exported() -> None:
+    mon = SafekeeperMonitor(Published(replace(VIEW, disk_guard="disk guard: over the limit")))
+    g = gauges(mon)
+    assert g["walsidecar_safekeeper_removal_horizon_lsn_bytes"] == 0x2000000
+    assert g["walsidecar_safekeeper_wal_disk_bytes"] == 2 * SEG
+    assert g["walsidecar_safekeeper_filesystem_used_bytes"] == 10 << 30
+    assert g["walsidecar_safekeeper_disk_guard_active"] == 1
+    assert 'held_by="reader slot \\"standby1\\""' in generate_latest(mon.stats.registry).decode()
+    assert mon.status()["disk_guard"] == "disk guard: over the limit"

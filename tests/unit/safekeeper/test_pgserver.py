@@ -18,6 +18,7 @@ from sidecar.readerauth import AuthFile
 from sidecar.safekeeper.pgserver import ReaderPort, ReaderServer
 from sidecar.safekeeper.positions import Positions, PositionWatch
 from sidecar.safekeeper.slots import Slots
+from sidecar.safekeeper.storage import NoWal, WalPin
 
 SEG = 16 << 20
 SWITCH = SEG + 3000
@@ -41,6 +42,9 @@ class Standin:
 
     def read_wal(self, lsn: int, size: int) -> bytes:
         return bytes((i * 7) & 0xFF for i in range(lsn, lsn + size))
+
+    def pin_wal(self, lsn: int, holder: str) -> WalPin:
+        return NoWal().pin(lsn, holder)
 
 
 class Client:
