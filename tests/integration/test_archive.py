@@ -47,6 +47,10 @@ def backup_lsn(d: Deployment, i: int) -> int:
     return data.state.backup_lsn if data else 0
 
 
+def lowest_segment(d: Deployment, i: int) -> int:
+    return min(parse_segment_file_name(p.name, SEG)[1] for p in (d.sk_dir(i) / "wal").iterdir())
+
+
 def switch_segments(d: Deployment, n: int) -> int:
     """Fill and switch n segments; the end of WAL after a commit in the next one."""
     with d.sql() as c:
@@ -83,6 +87,9 @@ def test_committed_segments_are_archived_and_another_safekeeper_takes_over(
     wait_for(lambda: all(backup_lsn(d, i) >= done for i in (1, 2, 3)), timeout=60,
              what=f"every safekeeper's backup_lsn to reach {format_lsn(done)}")
     assert_identical_and_gapless(d, store, first, done)
+    # With an archive each safekeeper removes what it holds below backup_lsn.
+    wait_for(lambda: all(lowest_segment(d, i) >= done // SEG for i in (1, 2, 3)), timeout=30,
+             what=f"every safekeeper to remove its WAL below {format_lsn(done)}")
 
     # The uploader (safekeeper 1, the lowest id) dies under load; safekeeper 2 takes over after its grace.
     writer = Writer(d.pg.dsn())
