@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
-"""Lost-write checker under chaos: kill safekeepers, the sidecar and the primary, and cut safekeepers
-off the network, while writers commit.
+"""Lost-write checker under chaos: kill safekeepers, the sidecar and the primary, cut safekeepers off
+the network, and fail over to a standby, while writers commit.
 
 Builds its own deployment on 127.0.0.1 (a PostgreSQL 15 primary, 3 safekeepers, the proposer),
 runs writer threads that record every acknowledged commit, and each round does one thing of the
 kinds asked for: kill -9 of one safekeeper, kill -9 of the sidecar, an immediate-mode stop of the
 primary, or a partition (one or two safekeepers' links taken down, then brought back up); then it
-waits for commits to flow again. With partitions, each safekeeper runs as a separate host in a
+waits for commits to flow again. A failover round kills the primary with kill -9, runs `walsidecar
+failover` on the standby (which streams from safekeeper1's reader port), starts the sidecar on the new
+primary and a new standby from a base backup of it, and times the primary's death to the next
+acknowledged commit. With partitions, each safekeeper runs as a separate host in a
 network namespace of its own (tests/support/netns.py), reached over a veth link that is really cut.
 At the end every acknowledged key must be in the table and every safekeeper's WAL must equal the
 primary's byte for byte.
@@ -20,6 +23,8 @@ import random
 import shutil
 import signal
 import socket
+import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -41,7 +46,9 @@ from support import netns  # noqa: E402
 import psycopg  # noqa: E402
 from tenacity import Retrying, retry_if_exception_type, wait_exponential  # noqa: E402
 
-from sidecar.deployment import LocalDeployment, MemberExited  # noqa: E402
+from sidecar.deployment import LocalDeployment, MemberExited, Standby  # noqa: E402
+from sidecar.pgcluster import LocalCluster  # noqa: E402
+from sidecar.processes import sidecar_argv  # noqa: E402
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE, format_lsn, parse_lsn, segment_file_name  # noqa: E402
 from sidecar.safekeeper.control import load_control  # noqa: E402
 
@@ -50,7 +57,7 @@ SAFEKEEPERS = 3
 KEY_STRIDE = 10**12  # writer w inserts keys (w + 1) * KEY_STRIDE + 1, + 2, ...
 PROGRESS_WRITES = 50  # acknowledged writes that prove commits flow
 ACTIONS = ("safekeeper", "sidecar", "primary")  # the default kinds of round
-KINDS = (*ACTIONS, "partition")
+KINDS = (*ACTIONS, "partition", "failover")
 PARTITION_HOLD = (1.0, 4.0)  # seconds two safekeepers stay cut off, while no commit may be acknowledged
 T = TypeVar("T")
 
@@ -72,6 +79,8 @@ class Summary:
     sidecar_kills: int = 0
     primary_crashes: int = 0
     partitions: int = 0
+    failovers: int = 0
+    failover_seconds: list[float] = field(default_factory=list)  # primary's death to the next acknowledged commit
     acknowledged: int = 0
     lost: int = 0
     wal_mismatches: int = 0
@@ -88,10 +97,17 @@ class Summary:
         """The one-line summary printed last."""
         return (f"summary: rounds={self.rounds} safekeeper_kills={self.safekeeper_kills} "
                 f"sidecar_kills={self.sidecar_kills} primary_crashes={self.primary_crashes} "
-                f"partitions={self.partitions} "
+                f"partitions={self.partitions} failovers={self.failovers}{self._failover_times()} "
                 f"acknowledged={self.acknowledged} lost={self.lost} wal_mismatches={self.wal_mismatches} "
                 f"unknown={self.unknown} unsafe_acks={self.unsafe_acks} seconds={self.seconds:.1f} "
                 f"seed={self.seed} kinds={self.kinds} result={self.result}")
+
+
+    def _failover_times(self) -> str:
+        if not self.failover_seconds:
+            return ""
+        return f" failover_median={statistics.median(self.failover_seconds):.2f}s " \
+               f"failover_max={max(self.failover_seconds):.2f}s"
 
 
 # ---- ports and WAL files ---------------------------------------------------------------------
@@ -160,11 +176,13 @@ class Deployment(LocalDeployment):
     listens on its address there; the primary and the proposer stay in the root namespace.
     """
 
-    def __init__(self, base: Path, hosts: netns.Hosts | None = None) -> None:
+    def __init__(self, base: Path, hosts: netns.Hosts | None = None, standby: bool = False) -> None:
         taken: set[int] = set()
         places = {f"safekeeper{h.index}": h for h in hosts} if hosts is not None else None
         super().__init__(base, safekeepers=SAFEKEEPERS, places=places, pick_port=lambda: pick_port(taken))
         self.hosts = hosts
+        if standby:  # for failover rounds: a standby streaming from safekeeper1's reader port
+            self.add(Standby(self, LocalCluster(base / "standby", pick_port(taken), log_file=base / "standby.log")))
         self._conn: psycopg.Connection | None = None
 
     def bring_up(self) -> None:
@@ -176,6 +194,9 @@ class Deployment(LocalDeployment):
             # compare all of it. (No transaction id: this does not wait for the sidecar.)
             c.execute("SELECT pg_create_physical_replication_slot('chaos_keep', true)")
         self.start_all(wait=False)
+        if "standby" in self.members:
+            self.wait_streaming(120)
+            self.start("standby")
 
     # ---- observing ----
 
@@ -283,7 +304,8 @@ class Writer(threading.Thread):
         retrying = Retrying(retry=retry_if_exception_type(psycopg.Error), wait=wait_exponential(0.05, max=1.0),
                             stop=lambda _: self.stop_event.is_set(), sleep=self.stop_event.wait, reraise=True)
         try:
-            conn = retrying(psycopg.connect, self.dsn, autocommit=True, connect_timeout=5)
+            # self.dsn is read at each attempt: a failover points the writers at the new primary.
+            conn = retrying(lambda: psycopg.connect(self.dsn, autocommit=True, connect_timeout=5))
         except psycopg.Error:
             return None
         conn.add_notice_handler(self._on_notice)
@@ -410,6 +432,8 @@ class Chaos:
             d.start("proposer")
         elif action == "partition":
             what = self.partition(n)
+        elif action == "failover":
+            what = self.failover(n)
         else:
             what = "immediate stop of the primary"
             d.kill("primary")
@@ -424,7 +448,8 @@ class Chaos:
                   f"{format_lsn(target)} and {PROGRESS_WRITES} more writes")
         down_for, recovered = t1 - t0, time.monotonic() - t1
         # Every safekeeper holds the WAL up to target: it must already be the primary's.
-        bad = d.wal_mismatches(target)
+        # After a failover the safekeepers' WAL goes on on the new timeline: the lost-write ledger is the check.
+        bad = d.wal_mismatches(target) if not s.failovers else []
         if bad:
             s.mismatches += bad
             s.wal_mismatches = len(s.mismatches)
@@ -470,6 +495,55 @@ class Chaos:
             d.mark(name, f"round {n}: links of {names} healed")
         return f"partition of {names}"
 
+    def failover(self, n: int) -> str:
+        """kill -9 the primary, `walsidecar failover` to the standby, the sidecar on the new primary, and a
+        new standby from a base backup of it; returns what was done. Times death to the next acknowledgement."""
+        d, s = self.d, self.summary
+        standby = d.members["standby"]
+        assert isinstance(standby, Standby)
+        self.wait(lambda: self.standby_replays(standby), self.round_timeout, "the standby to replay")
+        old = d.pg
+        d.mark("proposer", f"round {n}: kill -9 of the primary, then failover")
+        died = time.monotonic()
+        os.kill(old.postmaster_pid(), signal.SIGKILL)
+        killed = time.monotonic()  # commits sent after this can only be acknowledged by the new primary
+        d.kill("proposer")  # its primary is gone; the new primary gets its own sidecar
+        proc = subprocess.run(
+            sidecar_argv("failover", "--standby-dsn", standby.server.dsn(), "--safekeepers", ",".join(d.addresses),
+                         "--reader-passfile", str(d.reader_passfile), "--timeout", "60",
+                         *d.link_args("failover", "proposer")),
+            capture_output=True, text=True, timeout=self.round_timeout, stdin=subprocess.DEVNULL)
+        with (d.base / "failover.log").open("a") as f:
+            f.write(f"==== round {n} ====\n{proc.stdout}{proc.stderr}")
+        if proc.returncode != 0:
+            raise ChaosFailure(f"walsidecar failover exited with {proc.returncode}: {proc.stdout[-2000:]}"
+                               f"{proc.stderr[-2000:]}")
+        # The standby is the primary now; the old one's data is discarded, a new standby copies the new one.
+        d.members["primary"].server, new = standby.server, standby.server  # type: ignore[attr-defined]
+        d.start("proposer")
+        for w in self.writers:
+            w.dsn = new.dsn()
+        self.wait(lambda: any(sent > killed for w in self.writers for sent, _ in w.times[-50:]), self.round_timeout,
+                  "the first acknowledged commit on the new primary")
+        s.failover_seconds.append(min(done for w in self.writers for sent, done in w.times[-10_000:] if sent > killed)
+                                  - died)
+        s.failovers += 1
+        old.teardown()
+        shutil.rmtree(old.data_dir, ignore_errors=True)
+        taken: set[int] = set()
+        standby.server = LocalCluster(d.base / f"pg{n}", pick_port(taken), log_file=d.base / f"postgres{n}.log")
+        standby.start()
+        return f"kill -9 of the primary and failover to the standby ({s.failover_seconds[-1]:.2f}s to the next " \
+               "acknowledged commit)"
+
+    @staticmethod
+    def standby_replays(standby: Standby) -> bool:
+        try:
+            with psycopg.connect(standby.server.dsn(), autocommit=True, connect_timeout=3) as c:
+                return c.execute("SELECT pg_last_wal_replay_lsn() IS NOT NULL").fetchone()[0]
+        except psycopg.Error:
+            return False
+
     def finish(self) -> None:
         """Stop writers, wait for every safekeeper, check keys and WAL."""
         d, s = self.d, self.summary
@@ -493,7 +567,7 @@ class Chaos:
         present = {r[0] for r in rows}
         lost = sorted(acked - present)
         s.lost, s.lost_keys = len(lost), lost[:20]
-        s.mismatches += d.wal_mismatches(end)
+        s.mismatches += d.wal_mismatches(end) if not s.failovers else []
         s.wal_mismatches = len(s.mismatches)
         if not s.mismatches:
             print(f"every safekeeper's WAL equals the primary's up to the commit LSN {format_lsn(end)}; "
@@ -568,7 +642,7 @@ def main(rounds: int, seed: int | None, base_dir: Path | None, writers: int, rou
             hosts = netns.Hosts(SAFEKEEPERS)
             print("chaos: safekeepers run in network namespaces at "
                   + ", ".join(f"{h.namespace} ({h.address})" for h in hosts), flush=True)
-        d = Deployment(base, hosts)
+        d = Deployment(base, hosts, standby="failover" in chosen)
         chaos = Chaos(d, summary, rounds, writers, round_timeout, chosen)
         chaos.run()
         ok = summary.lost == 0 and summary.wal_mismatches == 0 and summary.unsafe_acks == 0

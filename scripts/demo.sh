@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Demo: bring up a primary + sidecar + 3 safekeepers with `walsidecar up`, run pgbench
-# against it and show pg_stat_replication.  Usage: scripts/demo.sh [DIR]
+# Demo: bring up a primary + sidecar + 3 safekeepers + a standby with `walsidecar up --standby`, run
+# pgbench against it and show pg_stat_replication; then kill -9 the primary under load, run
+# `walsidecar failover` and count that every acknowledged transaction is on the new primary.
+# Usage: scripts/demo.sh [DIR]
 # Env: WALSIDECAR (the executable), SCALE (pgbench -s, default 10), DURATION (seconds, default 30), READY_TIMEOUT (default 120).
 # On exit, also on failure or Ctrl-C, it stops what it started and removes DIR and its log (KEEP=1 keeps them).
 set -euo pipefail
@@ -30,6 +32,8 @@ rm -rf "$DIR"
 : > "$UP_LOG"
 
 UP_PID=""
+RESUMED_PID=""
+WRITER_PIDS=()
 stop_up() {
     [ -n "$UP_PID" ] || return 0
     if kill -0 "$UP_PID" 2>/dev/null; then
@@ -49,7 +53,12 @@ stop_up() {
 }
 cleanup() {
     local status=$?
+    for pid in "${WRITER_PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
     stop_up
+    if [ -n "$RESUMED_PID" ]; then
+        kill -TERM "$RESUMED_PID" 2>/dev/null || true
+        wait "$RESUMED_PID" 2>/dev/null || true
+    fi
     if [ "${KEEP:-0}" = 1 ]; then
         echo "demo: kept $DIR and $UP_LOG (KEEP=1)"
     else
@@ -61,9 +70,9 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-echo "demo: starting walsidecar up --dir $DIR (log: $UP_LOG)"
+echo "demo: starting walsidecar up --standby --dir $DIR (log: $UP_LOG)"
 # Background jobs of a script start with SIGINT ignored; restore it so SIGINT can stop `up`.
-env --default-signal=INT "$WALSIDECAR" up --dir "$DIR" >>"$UP_LOG" 2>&1 </dev/null &
+env --default-signal=INT "$WALSIDECAR" up --standby --dir "$DIR" >>"$UP_LOG" 2>&1 </dev/null &
 UP_PID=$!
 
 deadline=$((SECONDS + READY_TIMEOUT))
@@ -103,6 +112,58 @@ echo "demo: TPS quorum-durable ${QUORUM_TPS} vs local-only ${LOCAL_TPS}"
 
 echo "demo: pg_stat_replication"
 pg_tool psql -X "$DSN" -c "SELECT application_name, state, sync_state, sent_lsn, flush_lsn, replay_lsn FROM pg_stat_replication"
+
+# ---- failover: the primary's machine is gone; every acknowledged commit must survive ----------
+STANDBY_DSN="$(sed -n 's/^standby_dsn = "\(.*\)"$/\1/p' "$DIR/walsidecar.toml")"
+pg_tool psql -X -q "$DSN" -c "CREATE TABLE demo_ledger (id bigint PRIMARY KEY)"
+# Writers insert ids one commit at a time and record each id whose COMMIT returned: the ledger of
+# acknowledged transactions.
+writer() {
+    local w=$1 i=0
+    while :; do
+        i=$((i + 1))
+        pg_tool psql -X -q "$DSN" -c "INSERT INTO demo_ledger VALUES ($((w * 1000000 + i)))" >/dev/null 2>&1 || return 0
+        echo $((w * 1000000 + i)) >>"$DIR/acked.$w"
+    done
+}
+: >"$DIR/acked.1"; : >"$DIR/acked.2"
+writer 1 & WRITER_PIDS+=($!)
+writer 2 & WRITER_PIDS+=($!)
+echo "demo: pgbench -c 4 and 2 ledger writers against the primary; kill -9 of the primary in 5s"
+pg_tool pgbench -c 4 -j 2 -T 600 "$DSN" >"$DIR/pgbench-failover.log" 2>&1 &
+PGBENCH_PID=$!
+sleep 5
+PRIMARY_PID="$(head -n 1 "$DIR/pg/postmaster.pid")"
+KILLED_AT=$(date +%s.%N)
+kill -9 "$PRIMARY_PID"
+echo "demo: kill -9 $PRIMARY_PID (the primary's postmaster)"
+wait "$PGBENCH_PID" 2>/dev/null || true
+for pid in "${WRITER_PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+WRITER_PIDS=()
+ACKED=$(cat "$DIR"/acked.* | wc -l)
+echo "demo: $ACKED ledger transactions were acknowledged before the primary died"
+
+echo "demo: walsidecar failover --config $DIR/walsidecar.toml"
+"$WALSIDECAR" failover --config "$DIR/walsidecar.toml" | tee "$DIR/failover.out"
+RESUME="$(sed -n 's/^    walsidecar start /start /p' "$DIR/failover.out")"
+echo "demo: resuming: walsidecar $RESUME"
+eval "exec env --default-signal=INT \"\$WALSIDECAR\" $RESUME" >>"$DIR/resumed-sidecar.log" 2>&1 </dev/null &
+RESUMED_PID=$!
+until pg_tool psql -X -q "$STANDBY_DSN" -c "INSERT INTO demo_ledger VALUES (0)" >/dev/null 2>&1; do
+    sleep 0.05
+done
+RESUMED_AT=$(date +%s.%N)
+echo "demo: first acknowledged commit on the new primary $(awk "BEGIN { printf \"%.2f\", $RESUMED_AT - $KILLED_AT }")s after the kill -9"
+
+cat "$DIR"/acked.* >"$DIR/acked.all"
+chmod 0644 "$DIR/acked.all"
+MISSING=$(pg_tool psql -X -q -At "$STANDBY_DSN" \
+    -c "CREATE TEMP TABLE acked (id bigint)" -c "\\copy acked FROM '$DIR/acked.all'" \
+    -c "SELECT count(*) FROM acked a WHERE NOT EXISTS (SELECT 1 FROM demo_ledger l WHERE l.id = a.id)" | tail -n 1)
+PRESENT=$((ACKED - MISSING))
+echo "demo: $PRESENT of $ACKED acknowledged ledger transactions are on the new primary ($MISSING missing)"
+pg_tool psql -X "$STANDBY_DSN" -c "SELECT application_name, state, sync_state, flush_lsn FROM pg_stat_replication"
+[ "$MISSING" -eq 0 ] || { echo "demo: LOST acknowledged transactions" >&2; exit 1; }
 
 stop_up
 echo "demo: done"

@@ -236,6 +236,7 @@ def start(s: StartSettings) -> None:
     from sidecar.proposer.monitor import ProposerMonitor
     from sidecar.proposer.primary import PrimaryConfigError
     from sidecar.proposer.options import StartOptions
+    from sidecar.config import ReaderCredentials
     from sidecar.proposer.service import PrimaryMismatch, ProposerService
     from sidecar.runtime import run_until_signal
     from sidecar.linkauth import client_security
@@ -250,8 +251,11 @@ def start(s: StartSettings) -> None:
         log.warning("fewer than 3 safekeepers: losing any one of them stops commits", safekeepers=len(s.safekeepers))
     try:
         ctx = client_security(s.certs_dir, s.link_security)
+        # WAL the primary recycled comes from a safekeeper's reader port: reader `walsidecar`, with libpq's
+        # own password file (PGPASSFILE or ~/.pgpass).
+        readers = ReaderCredentials(certs_dir=s.certs_dir, insecure=s.insecure)
         service = ProposerService(StartOptions(s.pg_dsn, s.safekeepers, s.quorum, s.application_name, s.slot,
-                                               s.allow_primary_mismatch, s.wal_buffer * 1024 * 1024, ctx))
+                                               s.allow_primary_mismatch, s.wal_buffer * 1024 * 1024, ctx, readers))
         monitor = ProposerMonitor(service, s.quorum_wait_alert or None)  # reads the service's published view
         service.subscribe(monitor)
         endpoint = _endpoint(monitor, s.metrics, s.certs_dir)
@@ -277,7 +281,7 @@ def up(s: UpSettings) -> None:
 
     try:
         Embedded(s.dir, s.pg_port, s.safekeeper_port, s.log_format, metrics_port=s.metrics_port,
-                 insecure=s.insecure, link_security=s.link_security).run()
+                 insecure=s.insecure, link_security=s.link_security, standby=s.standby).run()
     except DeploymentError as e:
         raise click.ClickException(str(e)) from e
 
@@ -375,8 +379,8 @@ def create_node(ca_dir: Path, certs_dir: Path, role: str, node_id: int | None, h
 
 
 def _register_operator_commands() -> None:
-    from sidecar.ops.commands import check, init_postgres, restore_wal, status
-    for cmd in (check, status, init_postgres, restore_wal):
+    from sidecar.ops.commands import check, failover, init_postgres, restore_wal, status
+    for cmd in (check, status, init_postgres, restore_wal, failover):
         main.add_command(cmd)
 
 

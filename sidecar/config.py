@@ -370,6 +370,9 @@ class UpSettings(LinkSettings):
     safekeeper_port: int = Field(7601, ge=1, le=65533, description="First of three consecutive safekeeper ports.")
     metrics_port: int = Field(7610, ge=0, le=65532, description="First of four consecutive metrics ports "
                               "(proposer, then safekeepers 1-3); 0 picks free ports.")
+    standby: bool = Field(False, description="Also run a standby that streams from safekeeper1's reader port (on "
+                                             "--pg-port + 1), ready for `walsidecar failover`; the members keep "
+                                             "running when the primary dies.")
 
 
 class CtlSettings(Settings):
@@ -424,6 +427,22 @@ class ReaderSlotSettings(ReaderCredentials):
     safekeeper_readers: ReaderAddresses
 
 
+class FailoverSettings(SafekeepersMixin, ReaderCredentials):
+    """walsidecar failover: promote a standby without losing an acknowledged commit."""
+
+    command: ClassVar[str] = "failover"
+    cert_role: ClassVar[str] = "proposer"
+    standby_dsn: PgDsn = Field(min_length=1, description="libpq connection string of the standby to promote (a "
+                                                         "superuser: it runs pg_promote() and reads its timeline "
+                                                         "history).")
+    safekeepers: Safekeepers = Field(min_length=1)
+    timeout: float = Field(60.0, gt=0, description="Seconds to win the fence term and commit its start on a quorum, "
+                                                   "and for pg_promote() to finish.")
+    catchup_timeout: float = Field(60.0, gt=0, description="Seconds the standby may replay nothing while below "
+                                                           "the committed end before failover gives up without "
+                                                           "promoting it.")
+
+
 class VerifyArchiveSettings(LinkSettings):
     """walsidecar verify-archive: the archive's WAL, and with --safekeepers its gaps below their backup_lsn."""
 
@@ -448,7 +467,8 @@ class VerifyArchiveSettings(LinkSettings):
 # Keys valid somewhere: a top-level key unknown to every command is a typo, not another command's option.
 ALL_SETTINGS: tuple[type[Settings], ...] = (SafekeeperSettings, StartSettings, CheckSettings, StatusSettings,
                                             InitPostgresSettings, UpSettings, CtlSettings, ReadersSettings,
-                                            RestoreWalSettings, ReaderSlotSettings, VerifyArchiveSettings)
+                                            RestoreWalSettings, ReaderSlotSettings, FailoverSettings,
+                                            VerifyArchiveSettings)
 
 
 def read_toml(path: Path, cls: type[Settings]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -194,6 +195,7 @@ class Member:
 
     name: str
     standby: str | None = None  # application_name it streams from the primary as, if it does
+    takes_over: bool = False  # can become the primary (walsidecar failover) when the primary dies
 
     def start(self, *extra: str) -> Any: ...
 
@@ -263,6 +265,59 @@ class Primary(Member):
     def process(self) -> Child | None:
         """The postmaster when the server runs it as this deployment's child (ChildServer), else None."""
         return getattr(self.server, "child", None)
+
+
+class Standby(Primary):
+    """A local PostgreSQL standby streaming from a safekeeper's reader port, not from the primary.
+
+    It replays only what a quorum committed, so `walsidecar failover` can promote it without loss; it is not
+    a synchronous standby of the primary (commits never wait for it). Its first start takes a base backup
+    of the primary and writes primary_conninfo with the deployment's reader password file.
+    """
+
+    takes_over = True
+
+    def __init__(self, d: LocalDeployment, server: PgServer, name: str = "standby", source: str = "safekeeper1") -> None:
+        super().__init__(server)
+        self.d, self.name, self.source = d, name, source
+
+    def start(self, *extra: str) -> None:
+        if not (self.data_dir / "PG_VERSION").exists():
+            self.prepare()
+        super().start()
+
+    def prepare(self) -> None:
+        """pg_basebackup of the primary, then standby.signal and a primary_conninfo naming the reader port."""
+        from sidecar.config import ReaderCredentials
+        from sidecar.walclient import reader_conninfo
+        source = self.d.members[self.source]
+        if not isinstance(source, Safekeeper) or source.reader_address is None or self.d.reader_passfile is None:
+            raise DeploymentError(f"the standby streams from {self.source}'s reader port: make the deployment "
+                                  "with readers")
+        cluster = getattr(self.server, "cluster", self.server)
+        cluster._prepare_dirs()
+        cluster.run_bin("pg_basebackup", "-D", str(self.data_dir), "-d", self.d.dsn(), "-X", "stream", "-c", "fast",
+                        timeout=300)
+        # The server runs as its own OS user: it gets copies of the CA certificate and the password file.
+        certs = self.data_dir / "walsidecar-reader"
+        shutil.rmtree(certs, ignore_errors=True)  # a base backup of a promoted standby has its copies
+        certs.mkdir(mode=0o700)
+        passfile = certs / "reader.pgpass"
+        passfile.write_bytes(self.d.reader_passfile.read_bytes())
+        os.chmod(passfile, 0o600)
+        ca = self.d.certs_dir(self.name, "client")
+        if ca is not None:
+            (certs / "ca.crt").write_bytes((ca / "ca.crt").read_bytes())
+        for path in (certs, passfile, *certs.iterdir()):
+            cluster._chown(path)
+        creds = ReaderCredentials(reader_user=READER_USER, reader_passfile=passfile,
+                                  certs_dir=certs if ca is not None else None, insecure=ca is None)
+        conninfo = reader_conninfo(source.reader_address, creds, application_name=self.name)
+        cluster.set({"port": str(self.server.port), "hot_standby": "on", "primary_conninfo": conninfo})
+        signal_file = self.data_dir / "standby.signal"
+        signal_file.touch()
+        cluster._chown(signal_file)
+        self.d.note("standby prepared", standby=self.name, source=str(source.reader_address))
 
 
 class ProcessMember(Member):
@@ -573,6 +628,9 @@ class LocalDeployment:
         """Stop everything this deployment started, by PID: the primary first, as its shutdown checkpoint
         waits for the sidecar while the quorum is up, then the processes, last started first."""
         self._primary.close()
+        for member in self.members.values():
+            if isinstance(member, Standby):
+                member.close()
         for member in reversed(self._processes()):
             member.close()
 

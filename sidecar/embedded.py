@@ -13,7 +13,9 @@ from typing import IO
 
 from sidecar.config import InitPostgresSettings
 from sidecar.ctl import ControlSocket, answer
-from sidecar.deployment import APP, LOOPBACK_HOST, ChildServer, DeploymentError, LocalDeployment, start_tied_child
+from sidecar.deployment import (
+    APP, LOOPBACK_HOST, ChildServer, DeploymentError, LocalDeployment, Standby, start_tied_child,
+)
 from sidecar.logs import get_logger
 from sidecar.ops.initpg import run_init
 from sidecar.pgcluster import ClusterError, LocalCluster
@@ -31,7 +33,8 @@ class Embedded:
     """
 
     def __init__(self, base_dir: Path, pg_port: int, sk_port: int, log_format: str = "plain",
-                 metrics_port: int = 7610, insecure: bool = False, link_security: str = "tls") -> None:
+                 metrics_port: int = 7610, insecure: bool = False, link_security: str = "tls",
+                 standby: bool = False) -> None:
         self.base = base_dir.absolute()
         self.insecure = insecure
         self.link_security = link_security
@@ -44,6 +47,8 @@ class Embedded:
             self.ports += [(p, f"metrics of {name}", "--metrics-port (the first of 4 consecutive ports)")
                            for p, name in zip(ports, ["the proposer"] + [f"safekeeper{i}" for i in range(1, 4)])]
         self.metrics = [f"{LOOPBACK_HOST}:{p}" for p in ports]
+        if standby:
+            self.ports.append((pg_port + 1, "the standby", "--pg-port (the standby takes the next port)"))
         self.log = get_logger(role="up")
         server = ChildServer(LocalCluster(self.base / "pg", pg_port, log_file=self.base / "postgres.log"))
         self.d = LocalDeployment(
@@ -53,6 +58,11 @@ class Embedded:
             extra={"proposer": ["--metrics", self.metrics[0]],
                    **{f"safekeeper{i}": ["--metrics", self.metrics[i], "--archive", f"file://{self.base}/archive"]
                       for i in range(1, SAFEKEEPERS + 1)}})
+        self.standby: Standby | None = None
+        if standby:
+            self.standby = Standby(self.d, ChildServer(LocalCluster(self.base / "standby", pg_port + 1,
+                                                                    log_file=self.base / "standby.log")))
+            self.d.add(self.standby)
 
     def run(self) -> None:
         """Run until SIGINT/SIGTERM; DeploymentError when it cannot start or PostgreSQL exits."""
@@ -129,8 +139,11 @@ class Embedded:
               + ("  INSECURE: --insecure, the safekeeper links run without TLS\n" if self.insecure else
                  f"  {'auth-only (no encryption)' if self.link_security != 'tls' else 'TLS'}: CA in "
                  f"{self.base}/ca, a certificate per process in {self.base}/certs\n")
+              + (f"  standby: psql \"{self.standby.server.dsn()}\" streams from safekeeper1's reader port; when the "
+                 f"primary dies: walsidecar failover --config {config}\n" if self.standby is not None else "")
               + "A safekeeper or the proposer that dies is restarted (with backoff); PostgreSQL exiting stops "
-                "everything.\nPress Ctrl-C to stop.\n", flush=True)
+                "everything" + (" unless the standby can take over" if self.standby is not None else "")
+              + ".\nPress Ctrl-C to stop.\n", flush=True)
         self.log.info("walsidecar is up", psql=dsn, status=f"walsidecar status --config {config}",
                       check=f"walsidecar check --config {config}", ctl=f"{ctl} members", metrics=self.metrics[0])
 
@@ -145,8 +158,19 @@ class Embedded:
             f"proposer_metrics = {_toml_str(self.metrics[0])}\n"
             + ("insecure = true\n" if self.insecure else
                f"certs_dir = {_toml_str(str(self.d.certs_dir('client', 'client')))}\n")
-            + ("" if self.link_security == "tls" else f"link_security = {_toml_str(self.link_security)}\n"))
+            + ("" if self.link_security == "tls" else f"link_security = {_toml_str(self.link_security)}\n")
+            + ("" if self.standby is None else self._failover_config()))
         return path
+
+
+    def _failover_config(self) -> str:
+        """`walsidecar failover --config` promotes the standby: it talks to the safekeepers as a proposer."""
+        assert self.standby is not None and self.d.reader_passfile is not None
+        certs = "" if self.insecure else \
+            f"certs_dir = {_toml_str(str(self.d.certs_dir('failover', 'proposer')))}\n"
+        return ("\n[failover]\n"
+                f"standby_dsn = {_toml_str(self.standby.server.dsn())}\n"
+                f"reader_passfile = {_toml_str(str(self.d.reader_passfile))}\n" + certs)
 
 
 def metrics_ports(first: int, n: int) -> list[int]:

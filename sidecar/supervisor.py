@@ -60,8 +60,14 @@ class Supervisor:
             child = w.member.process
             code = child.returncode if child is not None else None
             if name == "primary":
-                raise PrimaryExited(f"PostgreSQL (the primary) exited with code {code}; stopping everything. "
-                                    f"See {w.member.log_path}")
+                if not any(m.takes_over for m in self.d.members.values()):
+                    raise PrimaryExited(f"PostgreSQL (the primary) exited with code {code}; stopping everything. "
+                                        f"See {w.member.log_path}")
+                # A standby can take over (walsidecar failover): the safekeepers and it stay up.
+                w.held = True
+                self.log.error("the primary exited; the standby can take over with `walsidecar failover`",
+                               exit_code=code, log=str(w.member.log_path))
+                continue
             if w.due is None:
                 w.due = now + w.backoff.delay(now - w.started)
                 self.log.error("member exited; restarting it", member=name, exit_code=code,

@@ -14,10 +14,13 @@ from sidecar.consensus import history as hist
 from sidecar.consensus import limits
 from sidecar.consensus.messages import (
     PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply,
-    InfoReply, Message, VoteReply, VoteRequest,
+    InfoReply, Message, TimelineHistory, VoteReply, VoteRequest,
 )
 from sidecar.consensus.state import AcceptorState
 from sidecar.lsn import format_lsn
+
+
+CUT_WINDOW = 256  # cut positions remembered for readers (see Acceptor.cuts)
 
 
 class AcceptorError(Exception):
@@ -47,7 +50,19 @@ class Reply:
     message: Message
 
 
-AcceptorAction = Persist | Truncate | Write | Reply
+@dataclass(frozen=True)
+class AdoptTimeline:
+    """The primary's timeline or its history changed: lay the stored WAL out as its pg_wal.
+
+    Segments are named with the timeline that wrote them (the one holding their last byte), and
+    every timeline of the history gets its `.history` file. Persisted with the state that follows.
+    """
+
+    timeline: int
+    history: TimelineHistory
+
+
+AcceptorAction = Persist | Truncate | AdoptTimeline | Write | Reply
 
 
 @dataclass(frozen=True)
@@ -77,10 +92,15 @@ class Acceptor:
         # the only one whose Appends are accepted in that term.
         self.owner: object = None
         self.min_seg_size = min_seg_size  # lowered only by the simulator's tiny segments
+        self.reader_port = 0  # where the service serves WAL to readers, told to proposers and clients
         self._persisted_commit = state.commit_lsn
         # Stored WAL changes (writes, truncations) bump the epoch; a scan is reused until then.
         self.wal_epoch = 0
         self.cut_generation = 0  # applied Elected messages: each may cut the stored WAL, moving flush_lsn back
+        # Where each of the last CUT_WINDOW applied Elected messages cut the WAL (the last is this
+        # generation's): a reader that missed some of them learns the lowest, and whether what it was
+        # sent is still the stored WAL.
+        self.cuts: tuple[int, ...] = ()
         self._end: RecordEnd | None = None
         self._end_epoch = -1
 
@@ -98,12 +118,13 @@ class Acceptor:
         last_log_term = s.term_history[-1].term if s.term_history else 0
         return InfoReply(self.node_id, s.system_id, s.wal_seg_size, s.pg_version, s.timeline, s.term, last_log_term,
                          self.flush_lsn, s.commit_lsn, proposer_connected=self.owner is not None,
-                         backup_lsn=s.backup_lsn)
+                         reader_port=self.reader_port, backup_lsn=s.backup_lsn)
 
     def on_greeting(self, msg: Greeting) -> list[AcceptorAction]:
         if msg.protocol_version != PROTOCOL_VERSION:
             raise AcceptorError(
-                f"protocol version {msg.protocol_version} is not supported (this safekeeper speaks {PROTOCOL_VERSION})")
+                f"protocol version {msg.protocol_version} is not supported (this safekeeper speaks {PROTOCOL_VERSION}): "
+                "run the same walsidecar release on the proposer and every safekeeper")
         try:
             limits.check_identity(msg.system_id, msg.timeline, msg.wal_seg_size, msg.pg_version, self.min_seg_size)
         except limits.LimitError as e:
@@ -112,7 +133,7 @@ class Acceptor:
         if s.system_id == 0:
             self.state = replace(s, system_id=msg.system_id, wal_seg_size=msg.wal_seg_size,
                                  pg_version=msg.pg_version, timeline=msg.timeline)
-            return [Persist(self.state), Reply(GreetingReply(self.node_id, self.state.term))]
+            return [Persist(self.state), Reply(GreetingReply(self.node_id, self.state.term, self.reader_port))]
         for name, mine, theirs in (("system id", s.system_id, msg.system_id),
                                    ("WAL segment size", s.wal_seg_size, msg.wal_seg_size),
                                    ("PostgreSQL major version", s.pg_version, msg.pg_version)):
@@ -120,7 +141,7 @@ class Acceptor:
                 raise AcceptorError(
                     f"{name} {theirs} of the proposer's primary differs from this safekeeper's {mine}: "
                     "it belongs to another cluster")
-        return [Reply(GreetingReply(self.node_id, s.term))]
+        return [Reply(GreetingReply(self.node_id, s.term, self.reader_port))]
 
     def on_vote(self, msg: VoteRequest, end: RecordEnd) -> list[AcceptorAction]:
         """Grant iff the term is new; the caller has flushed and scanned WAL into `end`."""
@@ -135,7 +156,7 @@ class Acceptor:
             term=term, granted=granted, flush_lsn=end.flush_lsn,
             term_history=hist.up_to(self.state.term_history, end.flush_lsn),
             timeline_history=self.state.timeline_history,
-            tail_lsn=end.tail_lsn, tail_crc=end.tail_crc)))
+            tail_lsn=end.tail_lsn, tail_crc=end.tail_crc, timeline=self.state.timeline)))
         return actions
 
     def on_elected(self, msg: Elected, end: RecordEnd, owner: object = None) -> list[AcceptorAction]:
@@ -147,6 +168,7 @@ class Acceptor:
             raise AcceptorError(f"Elected for term {msg.term} without a vote (this safekeeper is at term {self.state.term})")
         _check(limits.check_lsn, msg.start_lsn, "Elected start LSN")
         _check(limits.check_term_history, msg.term_history)
+        _check(limits.check_timeline, msg.timeline, msg.timeline_history)
         last = msg.term_history[-1] if msg.term_history else None
         if last is None or (last.term, last.start_lsn) != (msg.term, msg.start_lsn):
             raise AcceptorError(f"Elected for term {msg.term}: history does not end with this term at its start LSN")
@@ -160,17 +182,25 @@ class Acceptor:
             raise AcceptorError(
                 f"Elected for term {msg.term} would truncate WAL at {format_lsn(point)}, below the "
                 f"commit position {format_lsn(commit)} this safekeeper knows: acknowledged WAL is never cut")
-        # commit_lsn stays: the WAL below it is acknowledged even where this store lacks it
-        # (written but lost unsynced in a crash), and the new term rewrites those bytes unchanged.
-        new = replace(self.state, term_history=msg.term_history)
+        # A cut below commit_lsn (allowed only down to the end of the stored WAL's last complete
+        # record) lowers it there: the new term writes those positions again, maybe with other bytes
+        # (a torn record's, counted raw), and readers may have them only once it acknowledges them.
+        commit = min(commit, point)
+        new = replace(self.state, term_history=msg.term_history, commit_lsn=commit,
+                      peer_horizon_lsn=min(self.state.peer_horizon_lsn, commit))
+        adopt: list[AcceptorAction] = []
+        if msg.timeline and (msg.timeline, msg.timeline_history) != (new.timeline, new.timeline_history):
+            new = replace(new, timeline=msg.timeline, timeline_history=msg.timeline_history)
+            adopt.append(AdoptTimeline(msg.timeline, msg.timeline_history))
         self.state = new
         self.write_lsn = self.flush_lsn = point
         self.elected_term = msg.term
         self.owner = owner
         self.wal_epoch += 1
         self.cut_generation += 1
+        self.cuts = (self.cuts + (point,))[-CUT_WINDOW:]
         self._persisted_commit = commit
-        return [Truncate(point), Persist(new), Reply(ElectedReply(msg.term, point))]
+        return [Truncate(point), *adopt, Persist(new), Reply(ElectedReply(msg.term, point))]
 
     def on_append(self, msg: Append, owner: object = None) -> list[AcceptorAction]:
         """Accept WAL in order from the term's owner; the reply waits for `on_flushed` unless empty."""

@@ -105,17 +105,21 @@ _TIMELINE_ENTRY = Struct(">IQ")
 # Bodies. Fixed prefixes end with the count or length of what follows, so one unpack reads it.
 # protocol_version, system_id, timeline, wal_seg_size, pg_version, len(proposer_id)
 _GREETING = Struct(">IQIIIH")
-_GREETING_REPLY = Struct(">QQ")  # node_id, term
+_GREETING_REPLY = Struct(">QQH")  # node_id, term, reader_port
 _VOTE_REQUEST = Struct(">Q")  # term
-_VOTE_REPLY = Struct(">QBQQII")  # term, granted, flush_lsn, tail_lsn, tail_crc, len(term_history)
-_ELECTED = Struct(">QQI")  # term, start_lsn, len(term_history)
+# term, granted, flush_lsn, tail_lsn, tail_crc, timeline, len(term_history); then the term and timeline histories
+_VOTE_REPLY = Struct(">QBQQIII")
+# term, start_lsn, timeline, len(term_history); then the term and timeline histories
+_ELECTED = Struct(">QQII")
 _ELECTED_REPLY = Struct(">QQ")  # term, flush_lsn
 _APPEND = Struct(">QQQQ")  # term, begin_lsn, commit_lsn, peer_horizon_lsn; data follows
 _APPEND_REPLY = Struct(">QQQ")  # term, flush_lsn, commit_lsn
 _REFUSAL = Struct(">H")  # len(reason)
 # node_id, system_id, wal_seg_size, pg_version, timeline, term, last_log_term, flush_lsn,
-# commit_lsn, proposer_connected, backup_lsn
-_INFO_REPLY = Struct(">QQIIIQQQQBQ")
+# commit_lsn, proposer_connected, reader_port, backup_lsn
+_INFO_REPLY = Struct(">QQIIIQQQQBHQ")
+# Protocol version 1's InfoReply (no reader port, no backup_lsn): a client is told the safekeeper is older than it.
+_INFO_REPLY_V1_SIZE = _INFO_REPLY.size - 10
 # AuthResponse: nonce, then certificate, host and signature, each a u16 length and its bytes;
 # AuthConfirm: certificate and signature the same way.
 
@@ -127,7 +131,8 @@ _APPEND_REPLY_FRAME = Struct(">IB" + _APPEND_REPLY.format[1:])
 _APPEND_HEADER_FRAME = Struct(">IB" + _APPEND.format[1:])
 
 _MAX_APPEND_DATA = MAX_FRAME - 1 - _APPEND.size
-# The longest frame a safekeeper sends: a VoteReply with both histories at their limit.
+# The longest frame a safekeeper sends: a VoteReply with both histories at their limit (an Elected,
+# which the proposer sends, is as long).
 REPLY_MAX_FRAME = (1 + _VOTE_REPLY.size + limits.MAX_HISTORY * _TERM_ENTRY.size + _U32.size
                    + limits.MAX_HISTORY * _TIMELINE_ENTRY.size)
 
@@ -158,6 +163,8 @@ def _check_vote_reply(m: VoteReply) -> None:
     limits.check_lsn(m.flush_lsn, "flush LSN")
     limits.check_lsn(m.tail_lsn, "tail LSN")
     limits.check_term_history(m.term_history)
+    # 0: a voter that names no timeline; its history is still checked.
+    limits.check_timeline(m.timeline, m.timeline_history if m.timeline else ())
     limits.check_timeline_history(m.timeline_history)
 
 
@@ -165,10 +172,16 @@ def _check_elected(m: Elected) -> None:
     limits.check_term(m.term)
     limits.check_lsn(m.start_lsn, "start LSN")
     limits.check_term_history(m.term_history)
+    limits.check_timeline(m.timeline, m.timeline_history)
 
 
-def _check_term(m: GreetingReply | VoteRequest) -> None:
+def _check_term(m: VoteRequest) -> None:
     limits.check_term(m.term)
+
+
+def _check_greeting_reply(m: GreetingReply) -> None:
+    limits.check_term(m.term)
+    limits.check_port(m.reader_port)
 
 
 def _check_elected_reply(m: ElectedReply) -> None:
@@ -195,6 +208,8 @@ def _check_info_reply(m: InfoReply) -> None:
     limits.check_term(m.last_log_term, "last log term")
     limits.check_lsn(m.flush_lsn, "flush LSN")
     limits.check_lsn(m.commit_lsn, "commit LSN")
+    limits.check_port(m.reader_port)
+    limits.check_lsn(m.backup_lsn, "backup LSN")
 
 
 def _check_auth_challenge(m: AuthChallenge) -> None:
@@ -214,7 +229,7 @@ def _check_auth_confirm(m: AuthConfirm) -> None:
 
 
 _BOUNDS: MappingProxyType[type, Callable[[Any], None]] = MappingProxyType({
-    GreetingReply: _check_term,
+    GreetingReply: _check_greeting_reply,
     VoteRequest: _check_term,
     VoteReply: _check_vote_reply,
     Elected: _check_elected,
@@ -275,8 +290,9 @@ def _encode_greeting(m: Greeting) -> bytes:
 
 
 def _encode_greeting_reply(m: GreetingReply) -> bytes:
-    _check_term(m)
-    return _GREETING_REPLY_FRAME.pack(1 + _GREETING_REPLY.size, TAG_GREETING_REPLY, m.node_id, m.term)
+    _check_greeting_reply(m)
+    return _GREETING_REPLY_FRAME.pack(1 + _GREETING_REPLY.size, TAG_GREETING_REPLY, m.node_id, m.term,
+                                      m.reader_port)
 
 
 def _encode_vote_request(m: VoteRequest) -> bytes:
@@ -287,7 +303,7 @@ def _encode_vote_request(m: VoteRequest) -> bytes:
 def _encode_vote_reply(m: VoteReply) -> bytes:
     _check_vote_reply(m)
     head = _VOTE_REPLY.pack(
-        m.term, 1 if m.granted else 0, m.flush_lsn, m.tail_lsn, m.tail_crc, len(m.term_history)
+        m.term, 1 if m.granted else 0, m.flush_lsn, m.tail_lsn, m.tail_crc, m.timeline, len(m.term_history)
     )
     body = head + _term_entries_bytes(m.term_history) + _timeline_history_bytes(m.timeline_history)
     return _framed(TAG_VOTE_REPLY, body)
@@ -295,8 +311,9 @@ def _encode_vote_reply(m: VoteReply) -> bytes:
 
 def _encode_elected(m: Elected) -> bytes:
     _check_elected(m)
-    head = _ELECTED.pack(m.term, m.start_lsn, len(m.term_history))
-    return _framed(TAG_ELECTED, head + _term_entries_bytes(m.term_history))
+    head = _ELECTED.pack(m.term, m.start_lsn, m.timeline, len(m.term_history))
+    body = head + _term_entries_bytes(m.term_history) + _timeline_history_bytes(m.timeline_history)
+    return _framed(TAG_ELECTED, body)
 
 
 def _encode_elected_reply(m: ElectedReply) -> bytes:
@@ -329,7 +346,7 @@ def _encode_info_reply(m: InfoReply) -> bytes:
     _check_info_reply(m)
     body = _INFO_REPLY.pack(m.node_id, m.system_id, m.wal_seg_size, m.pg_version, m.timeline, m.term,
                             m.last_log_term, m.flush_lsn, m.commit_lsn, 1 if m.proposer_connected else 0,
-                            m.backup_lsn)
+                            m.reader_port, m.backup_lsn)
     return _framed(TAG_INFO_REPLY, body)
 
 
@@ -484,7 +501,7 @@ def _decode_greeting(body: Body) -> Greeting:
 def _decode_greeting_reply(body: Body) -> GreetingReply:
     _need_exact(body, _GREETING_REPLY.size, "GreetingReply")
     m = GreetingReply(*_GREETING_REPLY.unpack_from(body))
-    _check_term(m)
+    _check_greeting_reply(m)
     return m
 
 
@@ -497,21 +514,23 @@ def _decode_vote_request(body: Body) -> VoteRequest:
 
 def _decode_vote_reply(body: Body) -> VoteReply:
     _need_at_least(body, _VOTE_REPLY.size, "VoteReply")
-    term, granted, flush_lsn, tail_lsn, tail_crc, count = _VOTE_REPLY.unpack_from(body)
+    term, granted, flush_lsn, tail_lsn, tail_crc, timeline, count = _VOTE_REPLY.unpack_from(body)
     terms, pos = _term_entries(body, _VOTE_REPLY.size, count, "VoteReply")
     timelines, pos = _timeline_entries(body, pos, "VoteReply")
     _no_trailing(body, pos, "VoteReply")
-    m = VoteReply(term, _bool(granted, "granted", "VoteReply"), flush_lsn, terms, timelines, tail_lsn, tail_crc)
+    m = VoteReply(term, _bool(granted, "granted", "VoteReply"), flush_lsn, terms, timelines, tail_lsn, tail_crc,
+                  timeline)
     _check_vote_reply(m)
     return m
 
 
 def _decode_elected(body: Body) -> Elected:
     _need_at_least(body, _ELECTED.size, "Elected")
-    term, start_lsn, count = _ELECTED.unpack_from(body)
+    term, start_lsn, timeline, count = _ELECTED.unpack_from(body)
     terms, pos = _term_entries(body, _ELECTED.size, count, "Elected")
+    timelines, pos = _timeline_entries(body, pos, "Elected")
     _no_trailing(body, pos, "Elected")
-    m = Elected(term, start_lsn, terms)
+    m = Elected(term, start_lsn, terms, timeline, timelines)
     _check_elected(m)
     return m
 
@@ -555,9 +574,13 @@ def _decode_info_request(body: Body) -> InfoRequest:
 
 
 def _decode_info_reply(body: Body) -> InfoReply:
+    if len(body) == _INFO_REPLY_V1_SIZE:
+        raise ProtocolError(f"the safekeeper speaks protocol version 1 (this walsidecar speaks {PROTOCOL_VERSION}): "
+                            "upgrade it to this release")
     _need_exact(body, _INFO_REPLY.size, "InfoReply")
-    *fields, connected, backup = _INFO_REPLY.unpack_from(body)
-    m = InfoReply(*fields, proposer_connected=_bool(connected, "proposer_connected", "InfoReply"), backup_lsn=backup)
+    *fields, connected, reader_port, backup = _INFO_REPLY.unpack_from(body)
+    m = InfoReply(*fields, proposer_connected=_bool(connected, "proposer_connected", "InfoReply"),
+                  reader_port=reader_port, backup_lsn=backup)
     _check_info_reply(m)
     return m
 

@@ -75,6 +75,26 @@ def _check_ascending(what: str, key: str, entries: list[tuple[int, int]], floor:
         prev_key, prev_lsn = k, lsn
 
 
+MAX_TIMELINE = 2**32 - 1
+MAX_PORT = 65535
+
+
+def check_timeline(timeline: int, history: TimelineHistory, what: str = "timeline") -> int:
+    """A timeline (0: none named) whose history leads to it: every switch is away from a lower one."""
+    if not 0 <= timeline <= MAX_TIMELINE:
+        raise LimitError(f"{what} {timeline} is outside 0..{MAX_TIMELINE}")
+    check_timeline_history(history)
+    if history and (not timeline or history[-1].timeline >= timeline):
+        raise LimitError(f"{what} {timeline} does not follow its history's last timeline {history[-1].timeline}")
+    return timeline
+
+
+def check_port(port: int, what: str = "reader port") -> int:
+    if not 0 <= port <= MAX_PORT:
+        raise LimitError(f"{what} {port} is outside 0..{MAX_PORT}")
+    return port
+
+
 def check_nonce(nonce: bytes) -> None:
     if len(nonce) != AUTH_NONCE:
         raise LimitError(f"nonce of {len(nonce)} bytes, expected {AUTH_NONCE}")

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PROTOCOL_VERSION = 1
+# 2: Elected carries the primary's timeline and history, VoteReply the voter's timeline, GreetingReply
+# and InfoReply the safekeeper's reader port.
+PROTOCOL_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,11 @@ class Greeting:
 
 @dataclass(frozen=True)
 class GreetingReply:
+    """`reader_port`: where the safekeeper serves WAL over PostgreSQL's replication protocol (0: nowhere)."""
+
     node_id: int
     term: int
+    reader_port: int = 0
 
 
 @dataclass(frozen=True)
@@ -64,13 +69,21 @@ class VoteReply:
     # primary holds the same WAL before flush_lsn without shipping it.
     tail_lsn: int = 0
     tail_crc: int = 0
+    timeline: int = 0  # the timeline the voter's WAL was last written on (0: never greeted)
 
 
 @dataclass(frozen=True)
 class Elected:
+    """`timeline` and `timeline_history` are the primary's, for every safekeeper to lay its WAL out by.
+
+    A timeline of 0 names none: the safekeeper keeps the one it has.
+    """
+
     term: int
     start_lsn: int
     term_history: TermHistory
+    timeline: int = 0
+    timeline_history: TimelineHistory = ()
 
 
 @dataclass(frozen=True)
@@ -127,6 +140,7 @@ class InfoReply:
     flush_lsn: int
     commit_lsn: int
     proposer_connected: bool
+    reader_port: int = 0  # where it serves WAL to readers (0: nowhere)
     backup_lsn: int = 0  # the archive holds every segment below it
 
 

@@ -37,6 +37,8 @@ class ProposerConfig:
     wal_seg_size: int
     pg_version: int
     bootstrap_lsn: int  # where the first term starts when every safekeeper is empty
+    # The primary's timeline switches (its TIMELINE_HISTORY), sent with Elected to every safekeeper.
+    timeline_history: TimelineHistory = ()
     max_inflight: int = 32 * 1024 * 1024
     # Beyond this a lagging safekeeper is fed from the primary's pg_wal instead of memory.
     buffer_limit: int = 64 * 1024 * 1024
@@ -201,6 +203,7 @@ class PeerState:
     connected: bool = False
     greeted_term: int | None = None
     node_id: int | None = None
+    reader_port: int = 0  # where it serves WAL to readers, from its greeting (0: nowhere)
     vote: VoteReply | None = None
     probe: VoteReply | None = None
     elected: bool = False  # Elected acknowledged on the current connection
@@ -344,7 +347,7 @@ class Proposer:
 
     def _on_greeting(self, p: PeerState, msg: GreetingReply) -> list[Action]:
         self._saw_term(msg.term, p.name)
-        p.greeted_term, p.node_id, p.refused = msg.term, msg.node_id, None
+        p.greeted_term, p.node_id, p.refused, p.reader_port = msg.term, msg.node_id, None, msg.reader_port
         if self.phase is Phase.GREETING:
             if sum(q.greeted_term is not None for q in self.peers.values()) >= self.config.quorum:
                 self.phase = Phase.PROBING
@@ -430,7 +433,8 @@ class Proposer:
         return actions + [VerifyPrimary(self.term, start, donor, dv.tail_lsn, dv.tail_crc, dv.timeline_history)]
 
     def _elected_msg(self, p: PeerState) -> Send:
-        return Send(p.name, Elected(self.term, self.term_start, self.history))
+        c = self.config
+        return Send(p.name, Elected(self.term, self.term_start, self.history, c.timeline, c.timeline_history))
 
     # ---- streaming ------------------------------------------------------------------------
 

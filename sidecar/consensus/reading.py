@@ -33,6 +33,8 @@ class ServerState:
     timeline: int         # the timeline the current WAL is written on
     history: TimelineHistory  # switch points leading to `timeline`
     first_lsn: int | None  # start of the lowest stored segment; None when nothing is stored
+    # Where the last cuts went, the last one this generation's (acceptor.cuts); () when not known.
+    cuts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -113,10 +115,14 @@ class ReadCursor:
                               "the WAL read in it may be cut", NOT_IN_PREREQUISITE)
         end = readable_end(s, self.term)
         if s.generation != self.generation:
-            # A truncation happened: what was sent must still be stored, unchanged below commit.
-            if self.sent > s.flush_lsn:
+            # A truncation happened: what was sent must still be stored. The lowest cut since the
+            # reader last looked counts, not the flush now: a new term may have written other bytes
+            # over the cut since (a torn record's, counted raw) and never two versions of one
+            # position may reach a reader.
+            cut = _lowest_cut(s, s.generation - self.generation)
+            if self.sent > cut:
                 raise ReadRefused(f"the WAL this reader was sent up to {format_lsn(self.sent)} was cut at "
-                                  f"{format_lsn(s.flush_lsn)} by a new term", NOT_IN_PREREQUISITE)
+                                  f"{format_lsn(cut)} by a new term", NOT_IN_PREREQUISITE)
             self.generation = s.generation
         switch = timeline_end(s.history, s.timeline, self.timeline) if self.timeline != s.timeline else None
         if switch is not None:
@@ -130,3 +136,12 @@ class ReadCursor:
     def advance(self, end: int) -> None:
         """The WAL up to `end` was handed to the reader's socket."""
         self.sent = max(self.sent, end)
+
+
+def _lowest_cut(s: ServerState, missed: int) -> int:
+    """The lowest position the last `missed` cuts went to; 0 when they are not all known, the flush without any."""
+    if not s.cuts:
+        return s.flush_lsn
+    if not 0 < missed <= len(s.cuts):
+        return 0
+    return min(s.cuts[-missed:])

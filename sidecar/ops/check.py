@@ -15,7 +15,7 @@ import psycopg
 from sidecar.broker import STALE_AFTER, Broker, BrokerError, read_clusters
 from sidecar.config import CheckSettings
 from sidecar.consensus.messages import InfoReply
-from sidecar.lsn import format_lsn
+from sidecar.lsn import format_lsn, parse_lsn
 from sidecar.ops.probe import ProbeError, connect, fetch_status, probe_safekeeper, redact_dsn
 from sidecar.proposer import pgerrors, syncrep
 from sidecar.proposer.primary import catchup_slot, quote_ident, read_syncrep_state
@@ -76,6 +76,7 @@ class Checker:
         self.link = self.ssl if s.link_security == "tls" else client_security(s.certs_dir, s.link_security)
         self.standby_names: syncrep.SyncStandbyConfig | None = None
         self.ids: dict[str, int] = {}  # safekeeper address -> the id it answered with
+        self.lineage: tuple[int, int] | None = None  # the primary's (timeline, flush LSN)
 
     def command(self, name: str, *options: str, certs: str = "CERTS_DIR") -> str:
         """`walsidecar NAME OPTIONS` with this check's TLS choice, ready to paste; CAPITALS are for the user to fill."""
@@ -155,6 +156,10 @@ class Checker:
             """SELECT name, setting FROM pg_settings WHERE name IN ('wal_level', 'max_wal_senders',
                  'max_replication_slots', 'synchronous_standby_names', 'synchronous_commit',
                  'max_slot_wal_keep_size')""")).fetchall())
+        if not in_recovery:
+            tli, flush = (await (await conn.execute(
+                "SELECT pg_walfile_name(pg_current_wal_flush_lsn()), pg_current_wal_flush_lsn()::text")).fetchone())
+            self.lineage = (int(tli[:8], 16), parse_lsn(flush))
         self._wal_level(settings["wal_level"])
         await self._senders_and_slots(conn, int(settings["max_wal_senders"]), int(settings["max_replication_slots"]))
         self._standby_names(settings["synchronous_standby_names"])
@@ -349,12 +354,36 @@ class Checker:
             if self._identity(addr, r):
                 good += 1
         q, n = self.s.quorum or len(self.s.safekeepers) // 2 + 1, len(self.s.safekeepers)
+        self._lineage([r for r in replies if isinstance(r, InfoReply) and r.system_id == self.system_id])
         if good >= q:
             self.add(_ok("safekeeper quorum", f"{good} of {n} usable, quorum {q}"))
         else:
             self.add(_fail("safekeeper quorum", f"only {good} of {n} usable, quorum {q}: commits wait",
                            f"start or repair safekeepers (see the lines above) until {q} of {n} answer with this "
                            "primary's system id"))
+
+    def _lineage(self, replies: list[InfoReply]) -> None:
+        """Is this the primary the safekeepers' WAL came from, or an old one back after a failover?"""
+        if self.lineage is None or not replies:
+            return
+        timeline, flush = self.lineage
+        theirs = max(r.timeline for r in replies)
+        commit = max(r.commit_lsn for r in replies)
+        rejoin = ("it must not be a primary again: stop it, and rejoin it as a standby of the new primary: "
+                  "pg_rewind --target-pgdata=PGDATA --source-server='NEW_PRIMARY_DSN', then touch "
+                  "PGDATA/standby.signal, set primary_conninfo to a safekeeper's reader port (or restore_command = "
+                  "'walsidecar restore-wal %f %p --config F') and start it")
+        if theirs > timeline:
+            self.add(_fail("primary lineage", f"this server is on timeline {timeline}, the safekeepers' WAL on "
+                                              f"timeline {theirs}: a standby was promoted (walsidecar failover) and "
+                                              "this is the old primary; its sidecar is refused", rejoin))
+        elif flush < commit:
+            self.add(_fail("primary lineage", f"this server's WAL ends at {format_lsn(flush)}, below the "
+                                              f"committed {format_lsn(commit)} the safekeepers hold: it lacks "
+                                              "acknowledged commits (an old primary, or one restored from an old "
+                                              "backup); its sidecar is refused", rejoin))
+        else:
+            self.add(_ok("primary lineage", f"timeline {timeline}, at or past the committed {format_lsn(commit)}"))
 
     def _identity(self, addr: str, r: InfoReply) -> bool:
         name = f"safekeeper {addr} system id"

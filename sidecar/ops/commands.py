@@ -7,7 +7,9 @@ from pathlib import Path
 
 import click
 
-from sidecar.config import CheckSettings, InitPostgresSettings, RestoreWalSettings, StatusSettings, configured
+from sidecar.config import (
+    CheckSettings, FailoverSettings, InitPostgresSettings, RestoreWalSettings, StatusSettings, configured,
+)
 
 
 @click.command()
@@ -65,3 +67,17 @@ def restore_wal(s: RestoreWalSettings, name: str, target: Path) -> None:
     """
     from sidecar.ops.restore import restore_wal as run
     sys.exit(int(run(s, name, target)))
+
+
+@click.command()
+@configured(FailoverSettings)
+def failover(s: FailoverSettings) -> None:
+    """Promote a standby without losing an acknowledged commit: fence, recover, catch up, promote, resume.
+
+    \b
+    Each step says what it does. Exit code 0: the standby is the primary
+    (also when it already was); 1: a step refused or failed, nothing was
+    promoted, and the command can be run again.
+    """
+    from sidecar.ops.failover import run_failover
+    sys.exit(run_failover(s))

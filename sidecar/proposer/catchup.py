@@ -10,8 +10,12 @@ import asyncio
 from collections.abc import Callable
 from typing import Protocol
 
+from sidecar.address import Address
+from sidecar.config import ReaderCredentials
+from sidecar.consensus.messages import TimelineHistory
 from sidecar.consensus.proposer import MAX_APPEND
 from sidecar.lsn import format_lsn
+from sidecar.pgrepl import timeline_end, timeline_of
 from sidecar.proposer import replication as repl
 
 CATCHUP_BACKLOG = 16 * 1024 * 1024  # bytes queued to one safekeeper before catch-up reading pauses
@@ -34,17 +38,29 @@ class PrimaryReader:
         self.replication = replication
         self.name = f"{application_name}_reader"
 
-    async def read(self, start: int, end: int, timeline: int) -> bytes:
+    async def read(self, start: int, end: int, timeline: int, history: TimelineHistory = ()) -> bytes:
         """WAL [start, end) as one piece (for the tail check: a few kilobytes)."""
         parts: list[bytes | memoryview] = []
-        await self.copy(start, end, timeline, lambda lsn, data: parts.append(data))
+        await self.copy(start, end, timeline, lambda lsn, data: parts.append(data), history=history)
         return b"".join(parts)
 
-    async def copy(self, start: int, end: int, timeline: int, sink: Sink, link: Backlog | None = None) -> None:
-        """Stream WAL [start, end) from the primary without a slot into `sink`.
+    async def copy(self, start: int, end: int, timeline: int, sink: Sink, link: Backlog | None = None,
+                   history: TimelineHistory = ()) -> None:
+        """Stream WAL [start, end) from the primary (on `timeline`, after `history`'s switches) into `sink`.
 
-        With `link`, reading pauses while that safekeeper's socket has a backlog.
+        Each piece is read on the timeline that holds it, as a standby would. With `link`, reading
+        pauses while that safekeeper's socket has a backlog.
         """
+        pos = start
+        while pos < end:
+            tli = timeline_of(history, timeline, pos)
+            switch = timeline_end(history, timeline, tli)
+            upto = min(end, switch.switch_lsn) if switch is not None else end
+            await self._copy_on(pos, upto, tli, sink, link)
+            pos = upto
+
+    async def _copy_on(self, start: int, end: int, timeline: int, sink: Sink, link: Backlog | None) -> None:
+        """Stream WAL [start, end), all on `timeline`, from the primary without a slot into `sink`."""
         conn = await self.replication.connect(self.name)
         done = asyncio.Event()
         got = start
@@ -103,3 +119,53 @@ class PrimaryReader:
             for task in resuming:
                 task.cancel()
             await stream.close()
+
+
+class DonorReader:
+    """Reads WAL ranges from a safekeeper's reader port naming a term, so up to its flush (`walclient`).
+
+    The safekeepers' own recovery path: the fence term of `failover` feeds voters below E with it, and
+    the service a lagging safekeeper whose WAL the primary no longer has.
+    """
+
+    def __init__(self, creds: ReaderCredentials) -> None:
+        self.creds = creds  # the reader's user, password file and certificates
+
+    async def copy(self, address: str, start: int, end: int, term: int, sink: Sink,
+                   link: Backlog | None = None) -> None:
+        """Hand WAL [start, end) read from `address` in `term` to `sink`, pausing while `link` has a backlog."""
+        from sidecar.walclient import WalReader
+        loop = asyncio.get_running_loop()
+        stopped = False
+
+        async def deliver(lsn: int, data: bytes) -> None:
+            if link is not None and link.buffered() > CATCHUP_BACKLOG:
+                await link.drain()
+            if not stopped:
+                sink(lsn, data)
+
+        def read() -> int:
+            got = start
+            with WalReader(Address.parse(address), self.creds, application_name="walsidecar_recovery") as reader:
+                for lsn, data in reader.stream(start, term=term, stop_at=end):
+                    if stopped or lsn != got:
+                        break
+                    piece = data[: end - lsn]
+                    asyncio.run_coroutine_threadsafe(deliver(lsn, bytes(piece)), loop).result()
+                    got = lsn + len(piece)
+                    if got >= end:
+                        break
+            return got
+
+        try:
+            got = await asyncio.to_thread(read)
+        finally:
+            stopped = True
+        if got < end:
+            raise repl.ReplicationError(f"safekeeper {address} ended the stream at {format_lsn(got)} before "
+                                        f"{format_lsn(end)}")
+
+
+def reader_address(peer: str, port: int) -> str:
+    """The reader port of safekeeper `peer` (its HOST:PORT link address) as HOST:PORT."""
+    return f"{peer.rpartition(':')[0]}:{port}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from sidecar.linkauth import Security
 from sidecar.proposer.primary import catchup_slot
@@ -19,6 +20,9 @@ class StartOptions:
     wal_buffer_bytes: int = 64 * 1024 * 1024
     # For the safekeeper links: TLS, or a linkauth.LinkAuth (--link-security auth-only); None: --insecure.
     ssl_context: Security = None
+    # How to log in to the safekeepers' reader ports (a config.ReaderCredentials): a lagging safekeeper
+    # then catches up from another one when the primary no longer has the WAL. None: from the primary only.
+    reader_credentials: Any = None
 
     @property
     def catchup_slot(self) -> str:

@@ -13,25 +13,30 @@ from psycopg_pool import AsyncConnectionPool
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from sidecar.consensus import codec, limits, primary_check
-from sidecar.consensus.messages import Message, Refusal
+from sidecar.consensus.messages import Message, Refusal, TimelineHistory
 from sidecar.consensus.proposer import (
-    Action, DropPeer, FetchWal, GreetingsRefused, Phase, Proposer, ProposerConfig, ProposerEvent, ReportStatus,
+    Action, DropPeer, ElectionWon, FetchWal, GreetingsRefused, Phase, Proposer, ProposerConfig, ProposerEvent, ReportStatus,
     Send, StartStreaming, TermLost, TermsExhausted, VerifyPrimary,
 )
 from sidecar.linkauth import Security
 from sidecar.lsn import format_lsn, segment_start
+from sidecar.pgrepl import timeline_of
 from sidecar.logs import get_logger
 from sidecar.proposer import pgerrors, primary
+from sidecar.proposer.actions import exhausted_text, log_event, log_fields, refused_text
 from sidecar.proposer import replication as repl
-from sidecar.proposer.catchup import PrimaryReader
+from sidecar.proposer.catchup import DonorReader, PrimaryReader, reader_address
 from sidecar.proposer.options import StartOptions
 from sidecar.proposer.peers import PeerLink
 from sidecar.proposer.view import PeerView, ProposerObserver
+from sidecar.walclient import ReaderError
 
 ELECTION_TIMEOUT = 5.0
 HEARTBEAT_INTERVAL = 1.0
 CATCHUP_SLOT_INTERVAL = 5.0
 RECONNECT_MIN, RECONNECT_MAX = 0.5, 5.0
+# The walsender's "requested WAL segment ... has already been removed": the primary's pg_wal lacks it.
+WAL_REMOVED = "58P01"
 PERMANENT_TRIES = 3  # a wrong password or a missing database: tries before giving up (in case it was being set up)
 # How long a status that moves only write or apply may wait to be sent (see _report); commits
 # with synchronous_commit = remote_write or remote_apply may wait this much longer.
@@ -91,6 +96,9 @@ class ProposerService:
             for name in options.safekeepers}
         self.replication = replication if replication is not None else repl.ReplicationClient(options.pg_dsn)
         self.reader = PrimaryReader(self.replication, options.application_name)
+        # WAL the primary no longer has comes from a safekeeper of the term, over its reader port.
+        self.peer_reader = DonorReader(options.reader_credentials) if options.reader_credentials else None
+        self._donor: str | None = None
         self.observers: list[ProposerObserver] = []
         self._primary = primary.PrimarySnapshot()
         self.stream: repl.ReplicationStream | None = None
@@ -99,6 +107,7 @@ class ProposerService:
         self._fetches: dict[str, asyncio.Task[None]] = {}
         self._replication_conn: psycopg.AsyncConnection | None = None
         self._timeline = 0
+        self._history: TimelineHistory = ()  # the primary's timeline switches, from TIMELINE_HISTORY
         self._refusal: PrimaryMismatch | None = None
         self._seg_size = 0
         self._pending: list[memoryview] = []
@@ -256,9 +265,11 @@ class ProposerService:
         if slot is None:
             raise repl.ReplicationError(f"replication slot {opts.slot} disappeared")
         self._timeline = timeline
+        # Every safekeeper learns the primary's lineage with Elected, to lay its WAL out as this pg_wal.
+        self._history = await self.replication.timeline_history(conn, timeline) if timeline > 1 else ()
         cfg = ProposerConfig(
             proposer_id=opts.application_name, peers=opts.safekeepers, quorum=opts.quorum,
-            system_id=system_id, timeline=timeline, wal_seg_size=self._seg_size,
+            system_id=system_id, timeline=timeline, timeline_history=self._history, wal_seg_size=self._seg_size,
             pg_version=self._pg_version, bootstrap_lsn=segment_start(slot[0], self._seg_size),
             buffer_limit=opts.wal_buffer_bytes, max_inflight=max(opts.wal_buffer_bytes // 2, 1 << 20))
         self._term_over = asyncio.Event()
@@ -390,29 +401,24 @@ class ProposerService:
                         o.term_lost()
                     self._term_over.set()
                 case GreetingsRefused():
-                    reasons = "; ".join(f"safekeeper {peer}: {why}" for peer, why in sorted(a.reasons.items()))
-                    self._fatal(SafekeepersRefused(
-                        f"{len(a.reasons)} of {len(self.links)} safekeepers refuse this primary, so no quorum "
-                        f"of {self.options.quorum} can form ({reasons}); point the sidecar at the safekeepers of "
-                        "this primary's cluster"))
+                    self._fatal(SafekeepersRefused(refused_text(
+                        a, len(self.links), self.options.quorum,
+                        "point the sidecar at the safekeepers of this primary's cluster")))
                     self.log.critical("safekeepers refuse this primary", reason=str(self._refusal))
                 case DropPeer():
                     self.log.error("safekeeper broke the protocol; dropping the link", peer=a.peer,
-                                   reason=a.reason, **{k: _fmt(k, v) for k, v in a.fields.items()})
+                                   reason=a.reason, **log_fields(a.fields))
                     self.links[a.peer].drop(faulted=True)
                 case TermsExhausted():
-                    held = f"safekeeper {a.peer} holds term {a.term}" if a.peer else f"term {a.term} was reached"
-                    self._fatal(ProposerStopped(
-                        f"no term is left to campaign in: {held}, the highest term the protocol allows "
-                        f"({limits.MAX_TERM}). Something that is not this proposer gave it that term (a bug, "
-                        "or a client that can reach the safekeeper port); secure the safekeepers' ports, then "
-                        "reset that safekeeper's data directory and let it re-sync"))
+                    self._fatal(ProposerStopped(exhausted_text(a, limits.MAX_TERM)))
                     self.log.critical("no term left to campaign in", term=a.term, peer=a.peer,
                                       max_term=limits.MAX_TERM)
                 case ProposerEvent():
+                    if isinstance(a, ElectionWon):
+                        self._donor = a.donor
                     for o in self.observers:
                         o.event(a)
-                    self.log.info(a.name, **{k: _fmt(k, v) for k, v in a.fields().items()})
+                    log_event(self.log, a)
 
     def _report(self, a: ReportStatus) -> None:
         for o in self.observers:
@@ -453,7 +459,10 @@ class ProposerService:
     async def _stream(self, start_lsn: int) -> None:
         core, conn = self.core, self._replication_conn
         assert core is not None and conn is not None
-        stream = self.replication.stream(conn, start_lsn=start_lsn, timeline=self._timeline,
+        # The timeline that holds the term start: a promoted standby serves WAL below its switch point
+        # on its old timeline, which ends there (TimelineEnded: the next term starts on the new one).
+        timeline = timeline_of(self._history, self._timeline, start_lsn)
+        stream = self.replication.stream(conn, start_lsn=start_lsn, timeline=timeline,
                                          slot=self.options.slot, on_wal=self._on_wal,
                                          on_batch_end=self._on_batch_end)
         self.stream = stream
@@ -467,7 +476,17 @@ class ProposerService:
         except repl.TimelineEnded as e:
             self.log.warning("the primary's timeline ended; starting a new term", term=core.term,
                              next_timeline=e.next_tli, switch_lsn=format_lsn(e.next_lsn))
-        except (repl.ReplicationError, psycopg.Error, OSError) as e:
+        except repl.ReplicationError as e:
+            if e.sqlstate == WAL_REMOVED and core is self.core:
+                self.log.critical("refusing to stream", term=core.term, reason=str(e))
+                self._fatal(PrimaryMismatch(
+                    f"the primary no longer holds its WAL from the term start {format_lsn(start_lsn)} on timeline "
+                    f"{timeline} ({e}): the safekeepers cannot receive the WAL that follows their committed "
+                    "WAL; copy that WAL back into its pg_wal (walsidecar restore-wal fetches it from the "
+                    "safekeepers), then start the sidecar again"))
+            else:
+                self.log.warning("replication stream failed", term=core.term, error=str(e).strip())
+        except (psycopg.Error, OSError) as e:
             self.log.warning("replication stream failed", term=core.term, error=str(e).strip())
         except Exception:
             self.log.exception("replication stream failed unexpectedly", term=core.term)
@@ -513,7 +532,12 @@ class ProposerService:
         history = await self.replication.timeline_history(conn, timeline)
         problem = primary_check.lineage_mismatch(a, flush, history)
         if problem is None and a.tail_lsn:
-            tail = await self.reader.read(a.tail_lsn, a.start_lsn, timeline)
+            try:
+                tail = await self.reader.read(a.tail_lsn, a.start_lsn, timeline, history)
+            except repl.ReplicationError as e:
+                if e.sqlstate != WAL_REMOVED:
+                    raise
+                raise PrimaryMismatch(primary_check.tail_removed(a, str(e))) from None
             problem = primary_check.tail_mismatch(a, google_crc32c.value(tail))
         if problem is not None:
             raise PrimaryMismatch(problem)
@@ -529,8 +553,18 @@ class ProposerService:
             self._run(core.catchup_data(a.peer, lsn, data))
 
         try:
-            await self.reader.copy(a.start, a.end, self._timeline, sink, link)
-        except (repl.ReplicationError, psycopg.Error, OSError) as e:
+            try:
+                await self.reader.copy(a.start, a.end, self._timeline, sink, link, self._history)
+            except (repl.ReplicationError, psycopg.Error, OSError) as e:
+                source = self._catchup_source(a)
+                if source is None:
+                    raise
+                # The primary recycled it (or lost it): a safekeeper of the term has it up to its flush.
+                self.log.warning("the primary cannot serve the WAL; catching up from a safekeeper's reader port",
+                                 peer=a.peer, source=source, term=core.term, end_lsn=format_lsn(a.end),
+                                 error=pgerrors.first_line(e))
+                await self._copy_from_peer(source, a, sink)
+        except (repl.ReplicationError, psycopg.Error, OSError, ReaderError) as e:
             self.log.error("catch-up failed; will retry after reconnect", peer=a.peer, error=str(e).strip())
             link.drop()
             return
@@ -538,6 +572,23 @@ class ProposerService:
             self._fetches.pop(a.peer, None)
         if core is self.core:
             self._run(core.catchup_done(a.peer))
+
+    def _catchup_source(self, a: FetchWal) -> str | None:
+        """A safekeeper of this term holding [a.start, a.end) with a reader port: the donor first."""
+        core = self.core
+        if self.peer_reader is None or core is None:
+            return None
+        held = [n for n, p in core.peers.items()
+                if n != a.peer and p.elected and p.flush_lsn >= a.end and p.reader_port]
+        return self._donor if self._donor in held else (held[0] if held else None)
+
+    async def _copy_from_peer(self, source: str, a: FetchWal, sink: Callable[[int, bytes], None]) -> None:
+        """Copy what `a.peer` still needs from `source`'s reader port, in our term (up to its flush)."""
+        core = self.core
+        assert core is not None and self.peer_reader is not None
+        start = core.peers[a.peer].sent_lsn  # what the primary delivered before it failed stays sent
+        await self.peer_reader.copy(reader_address(source, core.peers[source].reader_port), start, a.end,
+                                    core.term, sink, self.links[a.peer])
 
     # ---- plumbing --------------------------------------------------------------------------
 
@@ -580,7 +631,3 @@ def _gives_up(state: RetryCallState) -> bool:
     """Stop retrying only what cannot heal, after PERMANENT_TRIES: network and restarts are retried forever."""
     e = state.outcome.exception() if state.outcome is not None else None
     return e is not None and pgerrors.permanent(e) is not None and state.attempt_number >= PERMANENT_TRIES
-
-
-def _fmt(key: str, value: object) -> object:
-    return format_lsn(value) if key.endswith("_lsn") and isinstance(value, int) else value

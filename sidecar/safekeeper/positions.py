@@ -3,8 +3,9 @@
 Like Neon's `commit_lsn_watch`/`term_flush_lsn_watch`: the server publishes after it carries out
 the acceptor's actions (after the fsync for flush_lsn, when an Append moves commit_lsn); readers
 (the monitor today, a WAL sender or an archiver later) read the latest value or wait for one that
-satisfies them. Positions only move forward, except that an Elected may cut WAL: flush_lsn then
-moves back and `generation` is bumped, so a reader knows to re-read from the new end.
+satisfies them. Positions only move forward, except that an Elected may cut WAL: flush_lsn (and
+commit_lsn, when the cut is below it) then moves back and `generation` is bumped, so a reader knows
+to re-read from the new end.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ class Positions(NamedTuple):
 
     term: int = 0
     flush_lsn: int = 0
-    commit_lsn: int = 0
+    commit_lsn: int = 0  # acknowledged and stored here as acknowledged: what readers may be sent
     generation: int = 0  # bumped by every cut of the stored WAL (an applied Elected)
 
 
@@ -47,8 +48,8 @@ class PositionWatch:
         if new == old:
             return
         cut = new.generation > old.generation
-        if new.term < old.term or new.commit_lsn < old.commit_lsn or new.generation < old.generation or \
-                (new.flush_lsn < old.flush_lsn and not cut):
+        if new.term < old.term or new.generation < old.generation or \
+                ((new.flush_lsn < old.flush_lsn or new.commit_lsn < old.commit_lsn) and not cut):
             raise ValueError(f"positions move back from {old} to {new}")
         self._value = new
         wake, self._wake = self._wake, None

@@ -17,7 +17,7 @@ from sidecar import framing, linkauth, tls
 from sidecar.address import cannot_listen
 from sidecar.consensus import codec
 from sidecar.consensus.acceptor import (
-    Acceptor, AcceptorAction, AcceptorError, Persist, RecordEnd, Reply, Truncate, Write,
+    Acceptor, AcceptorAction, AcceptorError, AdoptTimeline, Persist, RecordEnd, Reply, Truncate, Write,
 )
 from sidecar.consensus.messages import (
     Append, Elected, Greeting, InfoRequest, Message, Refusal, VoteReply, VoteRequest,
@@ -53,7 +53,7 @@ MAX_CONNECTIONS = 64
 # A connection that does not hold the term and sends nothing for this long is closed; the
 # elected proposer sends a heartbeat every second and is exempt.
 IDLE_TIMEOUT = 60.0
-_STATEFUL = (Persist, Truncate)
+_STATEFUL = (Persist, Truncate, AdoptTimeline)
 
 __all__ = ["INLINE_FLUSH_MAX", "Safekeeper", "StartupError"]
 
@@ -164,9 +164,12 @@ class Safekeeper:
 
     def reader_state(self) -> ServerState:
         """The published positions, timeline and stored WAL as a reader's cursor sees them."""
-        p, s, st = self.positions.value, self.acceptor.state, self.storage
+        acc, p, st = self.acceptor, self.positions.value, self.storage
+        s = acc.state
+        # The cuts up to the published generation (the acceptor may be a batch ahead of it).
+        cuts = acc.cuts[:len(acc.cuts) - (acc.cut_generation - p.generation)]
         return ServerState(p.term, p.flush_lsn, p.commit_lsn, p.generation, s.timeline or 1, s.timeline_history,
-                           st.first_lsn() if isinstance(st, WalStorage) else None)
+                           st.first_lsn() if isinstance(st, WalStorage) else None, cuts)
 
     def read_wal(self, lsn: int, size: int) -> bytes:
         """Stored WAL for a reader (from any thread)."""
@@ -399,6 +402,11 @@ class Safekeeper:
                         async with self._flush_lock:
                             st = self._storage_for_write()
                             await asyncio.to_thread(st.truncate if st.segments() else st.open_at, a.lsn)
+                    case AdoptTimeline():
+                        async with self._flush_lock:
+                            await asyncio.to_thread(self._storage_for_write().adopt_timeline, a.timeline, a.history)
+                        self.log.info("following the primary's timeline", timeline=a.timeline,
+                                      switches=[f"{e.timeline}@{format_lsn(e.switch_lsn)}" for e in a.history])
                     case _:
                         self._apply((a,), writer)
 
@@ -416,8 +424,9 @@ class Safekeeper:
     def _storage_for_write(self) -> WalStorage:
         st = self.storage
         if isinstance(st, NoWal):  # the first Write or Truncate: the greeting gave the segment size
-            st = self.storage = WalStorage(self.data_dir / "wal", self.acceptor.state.wal_seg_size,
-                                           self.acceptor.state.timeline, _disk_full_reporter(self.stats, self.log))
+            s = self.acceptor.state
+            st = self.storage = WalStorage(self.data_dir / "wal", s.wal_seg_size, s.timeline,
+                                           _disk_full_reporter(self.stats, self.log), s.timeline_history)
         return st
 
     async def _flushed_record_end(self) -> RecordEnd:

@@ -46,7 +46,8 @@ def _open(node_id: int, data_dir: Path, on_disk_full: Callable[[str], None],
     end = 0
     if state.wal_seg_size:
         try:
-            storage = WalStorage(data_dir / "wal", state.wal_seg_size, state.timeline, on_disk_full)
+            storage = WalStorage(data_dir / "wal", state.wal_seg_size, state.timeline, on_disk_full,
+                                 state.timeline_history)
         except ValueError as e:
             raise StartupError(f"{control_path(data_dir)} holds an invalid value: {e}; "
                                f"restore it or re-create this safekeeper from its peers") from None

@@ -7,6 +7,13 @@ are raw byte positions: finding the end of the last valid record is the caller's
 Beside the WAL directory `wal/`: `wal.spare` (the next segment, zero-filled ahead),
 `wal.in-doubt` (after a failed fsync: the last durable position, for the next start to cut
 back to) and `wal.verified` (where the start-up check of the record chain resumes).
+
+Timelines are laid out as in the primary's pg_wal: a segment is named with the timeline that
+holds its last byte, so the segment holding a switch point carries the new timeline's name (its
+bytes below the switch are the old timeline's, as PostgreSQL copies them at a promotion), and
+the `.history` file of every timeline after a switch is beside the segments. The old
+timeline's copy of that segment is not kept under its own name (PostgreSQL's
+`.partial`): the same bytes are served by position from the new timeline's file.
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sidecar.consensus.messages import TimelineHistory
 from sidecar.lsn import format_lsn, parse_segment_file_name, segment_file_name
+from sidecar.pgrepl import format_timeline_history, history_file_name, timeline_of
 
 MIN_SEGMENT_SIZE = 64 * 1024
 MAX_SEGMENT_SIZE = 1024 * 1024 * 1024
@@ -260,13 +269,14 @@ class WalStorage:
     """
 
     def __init__(self, wal_dir: Path, seg_size: int, timeline: int,
-                 on_disk_full: Callable[[str], None] | None = None) -> None:
+                 on_disk_full: Callable[[str], None] | None = None, history: TimelineHistory = ()) -> None:
         _check_seg_size(seg_size)
         _check_timeline(timeline)
         self.wal_dir = Path(wal_dir)
         self._on_disk_full = on_disk_full
         self.seg_size = seg_size
         self._timeline = timeline
+        self._history = history
         self._lock = threading.Lock()        # guards every field below
         self._flush_lock = threading.Lock()  # one flush/truncate/close at a time
         self._files: dict[int, _File] = {}
@@ -312,6 +322,52 @@ class WalStorage:
         _check_timeline(value)
         with self._lock:
             self._timeline = value
+
+    def name_timeline(self, segno: int) -> int:
+        """The timeline that names segment `segno`: the one holding its last byte, as in the primary's pg_wal."""
+        return timeline_of(self._history, self._timeline, (segno + 1) * self.seg_size - 1)
+
+    def adopt_timeline(self, timeline: int, history: TimelineHistory) -> None:
+        """Follow the primary onto `timeline`: write its `.history` files and rename the segments it names anew.
+
+        Durable on return. A crash in between leaves some segments under their old names, which
+        reading by position does not mind, and the next adoption renames them.
+        """
+        _check_timeline(timeline)
+        for i, entry in enumerate(history):
+            following = history[i + 1].timeline if i + 1 < len(history) else timeline
+            path = self.wal_dir / history_file_name(following)
+            content = format_timeline_history(history[:i + 1]).encode()
+            with contextlib.suppress(FileNotFoundError):
+                if path.read_bytes() == content:
+                    continue
+            write_durably(path, content)
+        with self._flush_lock, self._lock:
+            self._check_usable()
+            self._timeline, self._history = timeline, history
+            open_segs = {s.segno: s for s in self._done + ([self._cur] if self._cur else [])}
+            renamed = False
+            for segno, f in sorted(self._files.items()):
+                want = self.name_timeline(segno)
+                seg = open_segs.get(segno)
+                if seg is not None and seg.final_tli:
+                    seg.final_tli = want
+                if f.tli == want:
+                    continue
+                old = self._path(segno)
+                self._files[segno] = _File(want, f.partial)
+                try:
+                    os.replace(old, self._path(segno))
+                except OSError as e:
+                    self._failed = f"renaming {old} for timeline {timeline} failed: {e}; {_IN_DOUBT}"
+                    raise StorageError(self._failed) from e
+                renamed = True
+            if renamed:
+                fsync_dir(self.wal_dir)
+
+    def history_files(self) -> list[str]:
+        """Names of the `.history` files beside the segments."""
+        return sorted(e.name for e in os.scandir(self.wal_dir) if e.name.endswith(".history"))
 
     def segments(self) -> list[tuple[int, int, bool]]:
         """(timeline, segno, partial) of every stored segment file, by segno."""
@@ -420,7 +476,7 @@ class WalStorage:
         seg.dirty = True
         self._write_lsn += n
         if off + n == self.seg_size:
-            seg.final_tli = self._timeline
+            seg.final_tli = self.name_timeline(seg.segno)
             self._done.append(seg)
             self._cur = None
         return view[n:]
@@ -428,7 +484,8 @@ class WalStorage:
     def _open_for_write(self, segno: int) -> _Open:
         if segno in self._files:
             return _Open(segno, self._open_fd(segno))
-        path = self.wal_dir / (segment_file_name(self._timeline, segno, self.seg_size) + _PARTIAL)
+        tli = self.name_timeline(segno)
+        path = self.wal_dir / (segment_file_name(tli, segno, self.seg_size) + _PARTIAL)
         if self._spare.take(path):
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         else:
@@ -439,7 +496,7 @@ class WalStorage:
                 os.close(fd)
                 path.unlink()
                 raise
-        self._files[segno] = _File(self._timeline, True)
+        self._files[segno] = _File(tli, True)
         self._dir_dirty = True
         return _Open(segno, fd)
 

@@ -94,6 +94,9 @@ class WalSender:
                                             [(str(ended.timeline), format_lsn(ended.switch_lsn))], "START_STREAMING"))
         else:
             self.writer.write(pgwire.command_complete("START_STREAMING"))
+        # walsender.c completes the command twice: pg_receivewal reads the next timeline's row, then
+        # insists on a CommandComplete of its own before it follows that timeline.
+        self.writer.write(pgwire.command_complete("START_REPLICATION"))
 
     async def _send(self, cursor: ReadCursor, receiver: asyncio.Task[None]) -> TimelineEntry | None:
         """Send until the reader or the timeline ends; the timeline that follows, if it ended."""

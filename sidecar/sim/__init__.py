@@ -56,6 +56,10 @@ schedules them, `checker` reads their state, `nodes`, after every step):
   reply claiming a flush it cannot hold. Each safekeeper connection runs through the same
   `AcceptorSession` as the server's, so these meet the real rules.
 
+* Readers (`readers`): standbys and `pg_receivewal` reading from any safekeeper that is up, through
+  the real `ReadCursor`, resuming at their last complete record after an error, a crash of the
+  safekeeper or the end of their timeline (a promoted primary's switch point, which they then follow).
+
 `checker` states precisely which invariants of docs/protocol.md are checked after every step.
 """
 

@@ -28,6 +28,14 @@ was configured with):
    safekeeper writes WAL only for a term at or above every term it has promised (granted
    or persisted), persists a granted term before the VoteReply leaves, and persists the
    new term history before the ElectedReply leaves.
+5. Readers, through the real `ReadCursor`: a piece of WAL sent to a reader never ends above the
+   commit position (nor the flush position) of the safekeeper that served it, at the moment it is
+   sent; and every complete record a reader receives is the acknowledged record at that position
+   (`committed`), so no later quorum disagrees with it.
+6. A reader never receives two different versions of a record for the same position across term
+   changes: it follows from 5 (both would equal `committed`), and is checked as such. Bytes past a
+   reader's last complete record are not a record: a new term may cut them (a torn tail the
+   primary rewrote) and the reader re-requests them from its last record end, as a standby does.
 4. Reports to the primary, per replication stream: the flush position never decreases,
    never exceeds the WAL the stream received, and never exceeds the Q-th highest position
    that safekeepers really had fsynced while in the proposer's term (positions below the
@@ -74,6 +82,9 @@ class Checker:
         self.term_owner: dict[int, str] = {}
         self.streaming_owner: dict[int, str] = {}
         self.promised: dict[str, int] = {}
+        # Whole records readers received beyond the acknowledged WAL (only when invariant 5 is not
+        # checked): compared once acknowledged WAL covers them, so invariant 6 stands on its own.
+        self.read_ahead: list[tuple[str, int, bytes]] = []
         self._seen: tuple[object, ...] = ()
         self._pair_versions: dict[tuple[int, int], tuple[int, int]] = {}
 
@@ -158,6 +169,7 @@ class Checker:
         if end > self.committed_end:
             self.committed += primary.data[len(self.committed):end - BOOT]
             primary.agree = end
+            self._check_read_ahead()
 
     def _primary_holds_committed(self, primary: Primary, upto: int, why: str) -> None:
         if primary.agree >= upto:
@@ -168,6 +180,41 @@ class Checker:
                        f"{primary.name} lacks acknowledged WAL below {pos(upto)} ({why})")
             return
         primary.agree = upto
+
+    def served(self, reader: str, sk: SimSafekeeper, start: int, end: int) -> None:
+        """`sk` sent WAL [start, end) to `reader`."""
+        acc = sk.acceptor
+        assert acc is not None
+        if end > acc.state.commit_lsn or end > acc.flush_lsn:
+            self._fail("5 a reader gets nothing above the commit position",
+                       f"{sk.name} sent {reader} WAL up to {pos(end)} with commit_lsn {pos(acc.state.commit_lsn)} "
+                       f"and flush {pos(acc.flush_lsn)}")
+
+    def reader_records(self, reader: str, records: list[tuple[int, int]], data: bytearray, base: int) -> None:
+        """`reader` completed these records: each must be the acknowledged one (and so never change)."""
+        for start, end in records:
+            if end > self.committed_end:
+                self._fail("5 a reader gets nothing above the commit position",
+                           f"{reader} received a whole record [{pos(start)}, {pos(end)}) beyond the acknowledged "
+                           f"WAL, which ends at {pos(self.committed_end)}")
+                self.read_ahead.append((reader, start, bytes(data[start - base:end - base])))
+                continue
+            self._check_record(reader, start, bytes(data[start - base:end - base]))
+
+    def _check_record(self, reader: str, start: int, record: bytes) -> None:
+        if start < BOOT or record != self.committed[start - BOOT:start - BOOT + len(record)]:
+            self._fail("6 a reader never receives two versions of the same WAL",
+                       f"{reader} received a record [{pos(start)}, {pos(start + len(record))}) that differs "
+                       "from the acknowledged one")
+
+    def _check_read_ahead(self) -> None:
+        keep = []
+        for reader, start, record in self.read_ahead:
+            if start + len(record) <= self.committed_end:
+                self._check_record(reader, start, record)
+            else:
+                keep.append((reader, start, record))
+        self.read_ahead = keep
 
     # ---- checks after every step -------------------------------------------------------------
 

@@ -3,8 +3,10 @@ acceptor's actions carried out against a simulated disk, group fsyncs, crashes a
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from sidecar.consensus.acceptor import (
-    Acceptor, AcceptorAction, AcceptorError, Persist, RecordEnd, Reply, Truncate, Write,
+    Acceptor, AcceptorAction, AcceptorError, AdoptTimeline, Persist, RecordEnd, Reply, Truncate, Write,
 )
 from sidecar.consensus.messages import Append, Elected, Message, Refusal, VoteRequest
 from sidecar.sim.checker import Checker
@@ -79,6 +81,10 @@ class Safekeepers:
                     ctx.event(sk.name, "truncates at", a.lsn)
                     sk.truncations.append(a.lsn)
                     sk.disk.truncate(a.lsn)
+                case AdoptTimeline():
+                    # Segment names and .history files: the disk model stores bytes by position only.
+                    ctx.event(sk.name, "follows timeline", a.timeline)
+                    ctx.count("timelines adopted by safekeepers")
                 case Reply():
                     self.checker.replied(sk, a.message)
                     if c is not None and c.carries_replies:
@@ -147,6 +153,9 @@ class Safekeepers:
             if end:
                 sk.disk.truncate(end)
             write_lsn = end
+            if state.commit_lsn > end:  # startup._commit_within: WAL lost in a crash takes commit_lsn down
+                state = sk.persisted = replace(state, commit_lsn=end,
+                                               peer_horizon_lsn=min(state.peer_horizon_lsn, end))
         sk.acceptor = Acceptor(sk.node_id, state, write_lsn, MIN_SEG_SIZE)
         sk.changed()
         self.checker.durable(sk)

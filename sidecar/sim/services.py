@@ -52,7 +52,7 @@ class Services:
         return ProposerConfig(
             proposer_id=svc.name, peers=tuple(sk.name for sk in self.safekeepers),
             quorum=self.ctx.cfg.proposer_quorum or len(self.safekeepers) // 2 + 1, system_id=SYSTEM_ID,
-            timeline=primary.timeline, wal_seg_size=p.seg_size, pg_version=PG_VERSION,
+            timeline=primary.timeline, timeline_history=primary.history, wal_seg_size=p.seg_size, pg_version=PG_VERSION,
             bootstrap_lsn=BOOT, max_inflight=p.max_inflight, buffer_limit=p.buffer_limit)
 
     def run(self, svc: Service, actions: list[Action]) -> None:

@@ -18,6 +18,7 @@ from sidecar.sim.network import Network
 from sidecar.sim.nodes import Service, SimSafekeeper
 from sidecar.sim.primaries import Primaries
 from sidecar.sim.profile import SimConfig
+from sidecar.sim.readers import Readers
 from sidecar.sim.safekeepers import Safekeepers
 from sidecar.sim.services import Services
 from sidecar.sim.wal import Primary
@@ -50,6 +51,7 @@ class World:
         self.primaries = self.pgs.all
         self.svcs = Services(ctx, self.checker, self.net, self.safekeepers, self.pgs, self.services)
         self.hostile = Hostile(ctx, self.net, self.sks, self.services)
+        self.readers = Readers(ctx, self.checker, self.safekeepers)
         self._handlers, self._weights = self._schedule()
         if not scripted:
             self.svcs.start()
@@ -67,7 +69,7 @@ class World:
 
     def _schedule(self) -> tuple[list, list[float]]:
         c, p = self.profile.chaos, self.profile
-        sks, svcs, pgs, net, hostile = self.sks, self.svcs, self.pgs, self.net, self.hostile
+        sks, svcs, pgs, net, hostile, readers = self.sks, self.svcs, self.pgs, self.net, self.hostile, self.readers
         table = [
             (30, sks.deliver), (30, svcs.deliver), (8, sks.fsync),
             (10, pgs.write), (8, pgs.flush), (14, svcs.stream_piece),
@@ -79,6 +81,7 @@ class World:
             (0.02 * c, pgs.promote_standby), (0.03 * c, pgs.restore_from_copy),
             (0.02 * c, pgs.resume_stale), (0.15 * c, net.partition), (1.5, net.heal),
             (p.rogues * c, hostile.rogue), (p.liars * c, hostile.lie),
+            (2, readers.connect), (8, readers.read),
         ]
         weights, total = [], 0.0
         for w, _ in table:

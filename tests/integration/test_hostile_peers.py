@@ -48,7 +48,9 @@ def raw_vote(term: int) -> bytes:
 
 
 def raw_elected(term: int, start: int, history: list[tuple[int, int]]) -> bytes:
-    return frame("e", struct.pack(">QQI", term, start, len(history)) + b"".join(struct.pack(">QQ", *e) for e in history))
+    # term, start, timeline 1, the term history, then an empty timeline history (protocol version 2)
+    return frame("e", struct.pack(">QQII", term, start, 1, len(history))
+                 + b"".join(struct.pack(">QQ", *e) for e in history) + struct.pack(">I", 0))
 
 
 class Peer:

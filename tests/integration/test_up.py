@@ -260,3 +260,33 @@ def test_postgres_exiting_stops_up_with_a_clear_message(procs: ProcessTracker, t
     assert "PostgreSQL (the primary) exited" in up.log() and "postgres.log" in up.log(), up.log()[-2000:]
     assert "Traceback" not in up.log()
     wait_for(lambda: not any(alive(p) for p in pids.values()), timeout=60, what="every member to stop")
+
+
+def test_up_standby_takes_over_with_failover_after_kill_9_of_the_primary(procs: ProcessTracker,
+                                                                         test_dir: Path) -> None:
+    up = Up(procs, test_dir / "up", "--standby")
+    assert "standby:" in up.stdout() and "walsidecar failover --config" in up.stdout()
+    standby_dsn = next(line.split(" = ", 1)[1].strip('"') for line in up.config.read_text().splitlines()
+                       if line.startswith("standby_dsn = "))
+    with psycopg.connect(up.dsn, autocommit=True) as c:
+        c.execute("CREATE TABLE t (v int)")
+        for v in range(50):
+            c.execute("INSERT INTO t VALUES (%s)", (v,))  # each one acknowledged by the quorum
+
+    def standby_rows() -> int:
+        with psycopg.connect(standby_dsn, autocommit=True, connect_timeout=5) as c:
+            return c.execute("SELECT count(*) FROM t").fetchone()[0]
+    wait_for(lambda: standby_rows() == 50, timeout=60, ignore=(psycopg.Error,),
+             what="the standby to replay from safekeeper1's reader port")
+    postmaster = int((up.dir / "pg" / "postmaster.pid").read_text().split()[0])
+    os.kill(postmaster, signal.SIGKILL)
+    # `up` keeps the safekeepers and the standby running: the standby can take over.
+    wait_for(lambda: up.members()["primary"]["state"] == "stopped", timeout=60, what="up to hold the primary")
+    assert up.proc.running and all(up.members()[s]["state"] == "running" for s in SAFEKEEPERS)
+    out = walsidecar("failover", "--config", str(up.config), timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "5/5 resume" in out.stdout
+    with psycopg.connect(standby_dsn, autocommit=True) as c:
+        assert c.execute("SELECT pg_is_in_recovery()").fetchone()[0] is False
+        assert c.execute("SELECT count(*) FROM t").fetchone()[0] == 50
+    up.stop()

@@ -11,7 +11,9 @@ import pytest
 from support.helpers import run
 from sidecar import framing
 from sidecar.consensus import codec, limits
-from sidecar.consensus.messages import Append, AppendReply, Elected, Greeting, Message, TermEntry, VoteRequest
+from sidecar.consensus.messages import (
+    PROTOCOL_VERSION, Append, AppendReply, Elected, Greeting, Message, TermEntry, VoteRequest,
+)
 
 
 class Collector:
@@ -75,7 +77,7 @@ async def _send_in_pieces(port: int, data: bytes, rng: random.Random,
 
 def _messages() -> list[Message]:
     rng = random.Random(7)
-    out: list[Message] = [Greeting(1, "p", 42, 1, 16 << 20, 150000), VoteRequest(3),
+    out: list[Message] = [Greeting(PROTOCOL_VERSION, "p", 42, 1, 16 << 20, 150000), VoteRequest(3),
                           Elected(3, 1 << 24, (TermEntry(3, 1 << 24),))]
     lsn = 1 << 24
     for size in [0, 1, 100, 16 * 1024 - 1, 16 * 1024, 16 * 1024 + 1, 256 * 1024, 1 << 20, 8000, 3 << 20, 5]:

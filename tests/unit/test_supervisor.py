@@ -13,6 +13,7 @@ from sidecar.supervisor import Backoff, PrimaryExited, Supervisor
 
 class FakeMember:
     process = None  # no process of its own to report
+    takes_over = False
 
     def __init__(self, name: str) -> None:
         self.name, self.running, self.starts = name, True, 0
@@ -93,6 +94,23 @@ def test_the_primary_exiting_ends_supervision_unless_stopped_on_purpose(sup: Sup
     sup.d.members["primary"].running = False
     with pytest.raises(PrimaryExited, match="PostgreSQL .* exited.*primary.log"):
         sup.tick()
+
+
+def test_with_a_standby_the_primary_exiting_leaves_the_others_running_for_a_failover() -> None:
+    d = FakeDeployment()
+    d.members["standby"] = FakeMember("standby")
+    d.members["standby"].takes_over = True
+    log, clock = Log(), Clock()
+    sup = Supervisor(d, log, clock=clock)  # type: ignore[arg-type]
+    d.members["primary"].running = False
+    d.members["safekeeper1"].running = False
+    sup.tick()
+    assert any("failover" in event for event, _ in log.lines)
+    clock.now += 60
+    sup.tick()
+    assert d.members["safekeeper1"].starts == 1  # still supervised
+    assert d.members["primary"].starts == 0  # the standby takes over, not the old primary
+    assert {m["name"]: m["state"] for m in sup.members()}["primary"] == "stopped"
 
 
 def test_answers_to_bad_requests(sup: Supervisor) -> None:

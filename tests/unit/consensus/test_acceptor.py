@@ -8,7 +8,7 @@ import pytest
 
 from sidecar.consensus import limits
 from sidecar.consensus.acceptor import (
-    Acceptor, AcceptorAction, AcceptorError, Persist, RecordEnd, Reply, Truncate, Write,
+    Acceptor, AcceptorAction, AcceptorError, AdoptTimeline, Persist, RecordEnd, Reply, Truncate, Write,
 )
 from sidecar.consensus.messages import (
     PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply,
@@ -220,14 +220,18 @@ def test_elected_at_or_above_commit_keeps_commit_lsn() -> None:
     assert a.state.commit_lsn == 1200
 
 
-def test_elected_after_losing_unsynced_wal_below_commit_keeps_commit_lsn() -> None:
-    # commit_lsn was learned while the WAL up to it was written but not yet synced; a crash lost
-    # it. Cutting at the flush removes nothing acknowledged, and commit_lsn never goes down.
+def test_elected_cutting_to_the_last_record_below_commit_lowers_commit_lsn_there() -> None:
+    # commit_lsn was learned while the WAL up to it was written but not yet synced (a crash lost
+    # it), or counted a torn record's bytes raw. Cutting at the last record end removes no whole
+    # acknowledged record; the new term writes those positions again, so readers may have them
+    # only once it acknowledges them: commit_lsn goes down to the cut.
     a = Acceptor(1, configured(term=1, history=h((1, 100)), commit=1400), 1000)
     a.on_vote(VoteRequest(2), RecordEnd(1000))
     acts = a.on_elected(Elected(2, 1500, h((1, 100), (2, 1500))), RecordEnd(1000))
     assert acts[0] == Truncate(1000)
-    assert a.state.commit_lsn == 1400
+    assert a.state.commit_lsn == 1000 and acts[1].state.commit_lsn == 1000  # type: ignore[union-attr]
+    a.on_append(Append(2, 1000, 1200, 0, b"x" * 300), a.owner)
+    assert a.state.commit_lsn == 1200  # the new term's acknowledgement raises it again
 
 
 def test_elected_on_an_empty_store_starts_it_at_the_term_start() -> None:
@@ -522,3 +526,59 @@ def test_info_reports_identity_positions_and_whether_a_proposer_holds_the_term()
     a.owner = None  # the term's connection closed
     assert a.info().proposer_connected is False
     assert Acceptor(5, AcceptorState(), 0).info() == InfoReply(5, 0, 0, 0, 0, 0, 0, 0, 0, False)
+
+
+# ---- timelines (protocol version 2) --------------------------------------------------------
+
+PROMOTED = (TimelineEntry(1, 0x3000100),)
+
+
+def test_elected_with_a_new_timeline_adopts_it_between_the_cut_and_the_save() -> None:
+    a = Acceptor(1, configured(term=2, history=h((1, 0x1000000)), commit=0x3000000), 0x3000100)
+    a.on_vote(VoteRequest(3), RecordEnd(0x3000100))
+    acts = a.on_elected(Elected(3, 0x3000100, h((1, 0x1000000), (3, 0x3000100)), 2, PROMOTED),
+                        RecordEnd(0x3000100))
+    kinds = [type(x) for x in acts]
+    assert kinds == [Truncate, AdoptTimeline, Persist, Reply]
+    assert acts[1] == AdoptTimeline(2, PROMOTED)
+    saved = acts[2].state  # type: ignore[union-attr]
+    assert (saved.timeline, saved.timeline_history) == (2, PROMOTED) == (a.state.timeline, a.state.timeline_history)
+
+
+def test_elected_on_the_same_timeline_or_naming_none_adopts_nothing() -> None:
+    a = Acceptor(1, configured(term=2), 0)
+    a.on_vote(VoteRequest(3), RecordEnd(0))
+    assert not [x for x in a.on_elected(Elected(3, 1000, h((3, 1000)), 1), RecordEnd(0)) if type(x) is AdoptTimeline]
+    a.on_vote(VoteRequest(4), RecordEnd(1000))
+    acts = a.on_elected(Elected(4, 1000, h((3, 1000), (4, 1000))), RecordEnd(1000))
+    assert not [x for x in acts if type(x) is AdoptTimeline] and a.state.timeline == 1
+
+
+def test_vote_and_greeting_replies_carry_the_timeline_and_reader_port() -> None:
+    a = Acceptor(1, replace(configured(term=2), timeline=2, timeline_history=PROMOTED), 0)
+    a.reader_port = 5433
+    assert only_reply(a.on_greeting(greeting())) == GreetingReply(1, 2, 5433)
+    vote = only_reply(a.on_vote(VoteRequest(3), RecordEnd(0)))
+    assert isinstance(vote, VoteReply) and (vote.timeline, vote.timeline_history) == (2, PROMOTED)
+    assert a.info().reader_port == 5433 and a.info().timeline == 2
+
+
+@pytest.mark.parametrize("timeline,history", [
+    (2, (TimelineEntry(2, 5),)),  # the history does not lead to the timeline
+    (0, (TimelineEntry(1, 5),)),
+    (3, (TimelineEntry(2, 5), TimelineEntry(1, 6))),
+    (2**32, ()),
+], ids=repr)
+def test_elected_with_an_impossible_timeline_is_refused_and_changes_nothing(timeline: int, history) -> None:
+    a = Acceptor(1, configured(term=2), 0)
+    a.on_vote(VoteRequest(3), RecordEnd(0))
+    before = snapshot(a)
+    with pytest.raises(AcceptorError, match="timeline"):
+        a.on_elected(Elected(3, 1000, h((3, 1000)), timeline, history), RecordEnd(0))
+    assert snapshot(a) == before
+
+
+def test_a_protocol_version_1_proposer_is_told_what_to_do() -> None:
+    a = Acceptor(1, AcceptorState(), 0)
+    with pytest.raises(AcceptorError, match="protocol version 1 is not supported .*same walsidecar release"):
+        a.on_greeting(greeting(protocol_version=1))

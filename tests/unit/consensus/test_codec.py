@@ -60,13 +60,19 @@ SAMPLES: list[Message] = [
     Greeting(PROTOCOL_VERSION, "prôposeur-東京-🐘", U64, U32, U32, U32),
     GreetingReply(3, 17),
     GreetingReply(U64, MAX_TERM),
+    GreetingReply(3, 17, 5433),
+    GreetingReply(1, 1, 65535),
     VoteRequest(0),
     VoteRequest(MAX_TERM),
     VoteReply(5, True, 0x3000000, (), ()),
     VoteReply(5, False, 0x3000000, TERMS, TIMELINES, tail_lsn=0x2FFFF00, tail_crc=U32),
     VoteReply(MAX_TERM, True, MAX_LSN, TERMS[:1], (), tail_lsn=MAX_LSN, tail_crc=0),
+    VoteReply(5, True, 0x3000000, TERMS[:1], TIMELINES[:1], timeline=2),
     Elected(6, 0x3000000, ()),
     Elected(6, 0x3000000, TERMS),
+    Elected(6, 0x3000000, TERMS, 1),
+    Elected(6, 0x3000000, TERMS[:2], 3, (TimelineEntry(1, 0x2000000), TimelineEntry(2, 0x3000000))),
+    Elected(6, 0x3000000, TERMS[:2], U32, TIMELINES[:1]),
     ElectedReply(6, 0x2FFFFF8),
     Append(6, 0x3000000, 0x2FFFF00, 0x2000000),
     Append(6, 0x3000000, 0x2FFFF00, 0x2000000, b"\x00\x01record bytes\xff"),
@@ -78,6 +84,7 @@ SAMPLES: list[Message] = [
     InfoRequest(),
     InfoReply(2, 7301234567890123456, 16 * 1024 * 1024, 15, 1, 6, 6, 0x3000100, 0x3000000, True),
     InfoReply(0, 0, 0, 0, 0, 0, 0, 0, 0, False),
+    InfoReply(2, 7301234567890123456, 16 * 1024 * 1024, 15, 2, 6, 6, 0x3000100, 0x3000000, False, 5433),
     AuthChallenge(bytes(range(32))),
     AuthResponse(b"\x30\x82" + b"c" * 600, b"\xff" * 32, "sk1.internal", b"s" * 72),
     AuthResponse(b"c" * 8192, bytes(32), "東京", b"s" * 256),
@@ -381,13 +388,15 @@ def test_bool_must_be_zero_or_one() -> None:
 
 
 def test_history_count_larger_than_body() -> None:
-    body = struct.pack(">QQI", 6, 0x3000000, 2) + struct.pack(">QQ", 1, 0)
+    body = struct.pack(">QQII", 6, 0x3000000, 1, 2) + struct.pack(">QQ", 1, 0)
     rejected_everywhere(frame_of("e", body), "term_history count 2 needs 32 bytes, 16 remain")
-    body = struct.pack(">QQI", 6, 0x3000000, U32)
+    body = struct.pack(">QQII", 6, 0x3000000, 1, U32)
     rejected_everywhere(frame_of("e", body), "term history of 4294967295 entries exceeds 10000")
-    vote = struct.pack(">QBQQII", 5, 1, 9, 0, 0, 0) + struct.pack(">I", 1) + b"\x00" * 11
+    body = struct.pack(">QQII", 6, 0x3000000, 2, 0) + struct.pack(">I", 1) + b"\x00" * 11
+    rejected_everywhere(frame_of("e", body), "timeline_history count 1 needs 12 bytes, 11 remain")
+    vote = struct.pack(">QBQQIII", 5, 1, 9, 0, 0, 1, 0) + struct.pack(">I", 1) + b"\x00" * 11
     rejected_everywhere(frame_of("V", vote), "timeline_history count 1 needs 12 bytes, 11 remain")
-    vote = struct.pack(">QBQQII", 5, 1, 9, 0, 0, 1)
+    vote = struct.pack(">QBQQIII", 5, 1, 9, 0, 0, 1, 1)
     rejected_everywhere(frame_of("V", vote), "term_history count 1")
 
 
@@ -421,6 +430,13 @@ def test_invalid_utf8() -> None:
         VoteReply(1, True, 0, (TermEntry(-1, 0),), ()),
         Elected(1, 0, (TermEntry(1, 2**64),)),
         VoteReply(1, True, 0, (), (TimelineEntry(2**32, 0),)),
+        VoteReply(1, True, 0, (), (TimelineEntry(2, 5),), timeline=2),
+        Elected(1, 0, (), 2**32),
+        Elected(1, 0, (), 2, (TimelineEntry(2, 5),)),
+        Elected(1, 0, (), 0, (TimelineEntry(1, 5),)),
+        Elected(1, 0, (), 3, (TimelineEntry(2, 5), TimelineEntry(1, 6))),
+        GreetingReply(1, 1, 65536),
+        InfoReply(1, 2, 3, 4, 5, 6, 7, 8, 9, True, -1),
         Greeting(PROTOCOL_VERSION, "x" * 65536, 1, 1, 1, 1),
         Greeting(PROTOCOL_VERSION, "\ud800", 1, 1, 1, 1),
         Refusal("é" * 40000),
@@ -647,3 +663,12 @@ if st is not None:
     @given(st.sampled_from(VALID_TAGS + [0, ord("z")]), st.binary(max_size=200))
     def test_hypothesis_decode_refuses_only_with_protocol_error(tag: int, body: bytes) -> None:
         check_decode(tag, body)
+
+
+def test_protocol_version_1_peers_are_told_apart() -> None:
+    """A v1 safekeeper's InfoReply (no reader port) names the version; a v1 Greeting decodes to be refused."""
+    v1_info = struct.pack(">QQIIIQQQQB", 1, 2, 3, 4, 5, 6, 7, 8, 9, 1)
+    rejected_everywhere(frame_of("I", v1_info), "protocol version 1 .*upgrade it")
+    v1_greeting = struct.pack(">IQIIIH", 1, 1, 1, 1 << 24, 15, 1) + b"p"
+    msg = decode(ord("g"), v1_greeting)
+    assert isinstance(msg, Greeting) and msg.protocol_version == 1 and PROTOCOL_VERSION == 2

@@ -190,7 +190,7 @@ def test_nothing_streams_before_the_primary_is_verified() -> None:
     out = p.primary_verified()
     assert of(out, StartStreaming) == [StartStreaming(BOOT)]
     assert {(s.peer, s.message) for s in sends(out, Elected)} == {
-        ("a", Elected(1, BOOT, h((1, BOOT)))), ("b", Elected(1, BOOT, h((1, BOOT))))}
+        ("a", Elected(1, BOOT, h((1, BOOT)), 1)), ("b", Elected(1, BOOT, h((1, BOOT)), 1))}
 
 
 def test_primary_refused_stops_the_proposer() -> None:
@@ -236,7 +236,7 @@ def test_reconnecting_safekeeper_is_sent_elected_again() -> None:
     out = p.peer_message("c", GreetingReply(3, 1))
     assert [(s.peer, s.message) for s in sends(out)] == [("c", VoteRequest(1))]
     out = p.peer_message("c", VoteReply(1, False, BOOT + 40, h((1, BOOT)), ()))
-    assert [(s.peer, s.message) for s in sends(out)] == [("c", Elected(1, BOOT, h((1, BOOT))))]
+    assert [(s.peer, s.message) for s in sends(out)] == [("c", Elected(1, BOOT, h((1, BOOT)), 1))]
     out = p.peer_message("c", ElectedReply(1, BOOT + 40))
     [app] = appends_to(out, "c")
     assert (app.begin_lsn, app.data) == (BOOT + 40, b"w" * 60)

@@ -127,3 +127,23 @@ def test_a_cut_above_what_was_sent_changes_nothing_for_a_commit_reader() -> None
     cut = replace(S, term=4, flush_lsn=SEG + 3500, generation=1)
     assert c.next(cut) == Wait(SEG + 3000)
     assert c.next(replace(cut, flush_lsn=SEG + 8000, commit_lsn=SEG + 6000)) == Send(SEG + 3000, SEG + 6000)
+
+
+def test_a_reader_that_missed_a_cut_below_what_it_was_sent_is_refused_even_once_wal_is_written_again() -> None:
+    """Never two versions of one position: the lowest cut since it last looked counts, not today's flush."""
+    c = ReadCursor(SEG, 0, replace(S, cuts=(SEG,)))
+    c.advance(SEG + 3000)
+    # Two terms later: the first cut at SEG + 2000, and WAL written again (committed) beyond SEG + 3000.
+    later = replace(S, generation=2, flush_lsn=SEG + 8000, commit_lsn=SEG + 7000, cuts=(SEG, SEG + 2000, SEG + 8000))
+    with pytest.raises(ReadRefused, match="was cut at 0/10007D0") as e:
+        c.next(later)
+    assert e.value.sqlstate == NOT_IN_PREREQUISITE
+    # Cuts above what it was sent leave it reading on.
+    c = ReadCursor(SEG, 0, replace(S, cuts=(SEG,)))
+    c.advance(SEG + 3000)
+    assert c.next(replace(later, cuts=(SEG, SEG + 3000, SEG + 8000))) == Send(SEG + 3000, SEG + 7000)
+    # More cuts than remembered: it cannot know, so it is refused.
+    c = ReadCursor(SEG, 0, replace(S, cuts=(SEG,)))
+    c.advance(SEG + 100)
+    with pytest.raises(ReadRefused):
+        c.next(replace(later, generation=9))

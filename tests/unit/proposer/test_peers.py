@@ -88,7 +88,7 @@ async def _linked(fake: FakeSafekeeper, callbacks: Callbacks) -> tuple[PeerLink,
 
 def test_a_malformed_or_lying_reply_drops_the_link_which_reconnects_and_works() -> None:
     garbage = struct.pack(">IB", 3, ord("z")) + b"??"
-    huge_term = struct.pack(">IBQQ", 17, ord("G"), 1, MAX_TERM + 1)  # no safekeeper may hold it
+    huge_term = struct.pack(">IBQQH", 19, ord("G"), 1, MAX_TERM + 1, 0)  # no safekeeper may hold it
 
     async def main() -> None:
         fake = FakeSafekeeper([garbage, huge_term])

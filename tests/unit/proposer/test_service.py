@@ -17,7 +17,7 @@ import structlog
 from support.helpers import run, until
 from sidecar.consensus.messages import (
     Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply, Message, TermEntry, TermHistory,
-    Refusal, VoteReply, VoteRequest,
+    Refusal, TimelineEntry, VoteReply, VoteRequest,
 )
 from sidecar.consensus.proposer import Campaign, ElectionWon, Phase, ProposerEvent, Streaming
 from sidecar.proposer.options import StartOptions
@@ -42,6 +42,7 @@ class FakeSafekeeper:
         self.term = 0
         self.flush = 0
         self.history: TermHistory = ()
+        self.elected: Elected | None = None
         self.acks = True  # answer Appends at once; else hold them until release()
         self.held: list[Append] = []
 
@@ -71,6 +72,7 @@ class FakeSafekeeper:
                 self.term = max(self.term, msg.term)
                 return VoteReply(self.term, granted, self.flush, self.history, ())
             case Elected():
+                self.elected = msg
                 if not self.flush or not self.history or self.history[-1] not in msg.term_history:
                     # Its log leaves the proposer's at the term start at the latest.
                     self.flush = min(self.flush, msg.start_lsn) if self.flush else msg.start_lsn
@@ -121,7 +123,7 @@ class FakeStream:
 
     def __init__(self, primary: FakeReplication, *, start_lsn: int, timeline: int, slot: str | None,
                  on_wal: Callable[[int, memoryview], None], on_batch_end: Callable[[], None]) -> None:
-        self.primary, self.start_lsn, self.slot = primary, start_lsn, slot
+        self.primary, self.start_lsn, self.slot, self.timeline = primary, start_lsn, slot, timeline
         self.on_wal, self.on_batch_end = on_wal, on_batch_end
         self.statuses: list[tuple[int, int, int]] = []
         self._closed = asyncio.Event()
@@ -165,10 +167,12 @@ class FakeConnection:
 
 
 class FakeReplication:
-    """The primary's replication side, flushed up to `flush` on timeline 1."""
+    """The primary's replication side, flushed up to `flush` on `timeline` (1, unless promoted)."""
 
     def __init__(self, flush: int) -> None:
         self.flush = flush
+        self.timeline = 1
+        self.history: tuple[TimelineEntry, ...] = ()
         self.wal = bytearray()  # from BOOT on
         self.streams: list[FakeStream] = []  # the slot's streams, one a term
         self.readers: list[FakeStream] = []  # slot-less streams reading pg_wal
@@ -177,13 +181,14 @@ class FakeReplication:
         return FakeConnection()
 
     async def identify_system(self, conn: object) -> tuple[int, int, int]:
-        return SYSTEM_ID, 1, self.flush
+        return SYSTEM_ID, self.timeline, self.flush
 
     async def read_slot(self, conn: object, slot: str) -> tuple[int, int]:
         return BOOT, 1
 
     async def timeline_history(self, conn: object, tli: int) -> tuple:
-        return ()
+        assert tli == self.timeline
+        return self.history
 
     def stream(self, conn: object, **kwargs: Any) -> FakeStream:
         stream = FakeStream(self, **kwargs)
@@ -408,3 +413,44 @@ def test_refusals_are_logged_at_a_slowing_rate_with_the_reason() -> None:
     said = [e for e in logs if e["event"] == "safekeeper refused us and closed the connection"]
     assert [e["refusals"] for e in said] == [1, 2, 4, 8]
     assert all(e["log_level"] == "error" and e["reason"] == "another cluster's primary" for e in said)
+
+
+@pytest.mark.parametrize("switch,stream_timeline", [(BOOT + 8192, 2), (BOOT + 10000, 1)],
+                         ids=["promoted at the term start", "promoted above it"])
+def test_a_promoted_standby_holding_every_committed_byte_is_accepted(switch: int, stream_timeline: int) -> None:
+    """Its timeline leaves the safekeepers' at or above E: the safekeepers learn its lineage with Elected,
+    and it streams from E on the timeline that holds E."""
+    async def main() -> None:
+        h = Harness()
+        h.replication.timeline, h.replication.history = 2, (TimelineEntry(1, switch),)
+        for link in h.links.values():
+            link.term, link.flush, link.history = 1, BOOT + 8192, (TermEntry(1, BOOT),)
+        h.start()
+        try:
+            stream = await h.streaming()
+            assert stream.start_lsn == BOOT + 8192 and stream.timeline == stream_timeline
+            for link in h.links.values():
+                assert link.elected is not None
+                assert (link.elected.timeline, link.elected.timeline_history) == (2, (TimelineEntry(1, switch),))
+        finally:
+            await h.stop()
+
+    run(main())
+
+
+def test_a_standby_promoted_below_the_term_start_is_refused_saying_why() -> None:
+    async def main() -> None:
+        h = Harness()
+        h.replication.timeline, h.replication.history = 2, (TimelineEntry(1, BOOT + 4096),)
+        for link in h.links.values():
+            link.term, link.flush, link.history = 1, BOOT + 8192, (TermEntry(1, BOOT),)
+        task = h.start()
+        try:
+            with pytest.raises(PrimaryMismatch, match=r"leaves the safekeepers' WAL .* at 0/3001000, below the "
+                                                      r"quorum-committed position 0/3002000.*promote a standby"):
+                await asyncio.wait_for(task, 20)
+            assert h.replication.streams == []
+        finally:
+            await h.stop()
+
+    run(main())

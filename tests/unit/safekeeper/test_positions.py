@@ -81,5 +81,7 @@ def test_a_cut_moves_flush_back_and_bumps_the_generation() -> None:
     w = PositionWatch(Positions(2, 100, 50))
     w.publish(Positions(3, 70, 50, generation=1))  # an Elected cut the WAL above commit
     assert w.value == Positions(3, 70, 50, generation=1)
+    w.publish(Positions(3, 40, 40, generation=2))  # a cut to the last record below commit takes it down
+    assert w.value == Positions(3, 40, 40, generation=2)
     with pytest.raises(ValueError):
-        w.publish(Positions(3, 70, 40, generation=2))  # commit never moves back, cut or not
+        w.publish(Positions(3, 40, 30, generation=2))  # commit never moves back without a cut

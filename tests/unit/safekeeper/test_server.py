@@ -125,3 +125,52 @@ def test_positions_are_published_after_fsync_commit_and_cut(tmp_path: Path) -> N
             await asyncio.gather(server, return_exceptions=True)
 
     run(main())
+
+
+def test_a_promoted_primary_s_timeline_is_persisted_and_laid_out_as_its_pg_wal(tmp_path: Path) -> None:
+    """Elected names timeline 2 switching at the term start: the control file keeps it, the WAL
+    directory gets 00000002.history and the segment holding the switch takes timeline 2's name."""
+    from sidecar.consensus.messages import TimelineEntry
+    from sidecar.lsn import segment_file_name
+
+    b = WalBuilder(SEG, seg_size=SEG, sysid=SYSID)
+    b.fill_to(SEG + 20_000, 200)
+    wal, end = b.bytes(), b.records[-1].end_lsn
+    switch = (TimelineEntry(1, end),)
+
+    async def main() -> None:
+        sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
+        server = asyncio.ensure_future(sk.serve())
+        await until(lambda: sk._server is not None and sk._server.sockets, "the safekeeper to listen")
+        port = sk._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        reader, writer = await framing.open_connection("127.0.0.1", port)
+
+        async def send(msg: Message) -> Message:
+            framing.write(writer, codec.encode(msg))
+            return await asyncio.wait_for(reader.read_message(), 10)
+
+        try:
+            await send(Greeting(PROTOCOL_VERSION, "p", SYSID, 1, SEG, 15))
+            await send(VoteRequest(1))
+            await send(Elected(1, SEG, (TermEntry(1, SEG),), 1))
+            assert (await send(Append(1, SEG, 0, 0, wal))).flush_lsn == end  # type: ignore[attr-defined]
+            await send(VoteRequest(2))
+            reply = await send(Elected(2, end, (TermEntry(1, SEG), TermEntry(2, end)), 2, switch))
+            assert isinstance(reply, ElectedReply) and reply.flush_lsn == end
+            s = sk.reader_state()
+            assert (s.timeline, s.history) == (2, switch)
+        finally:
+            writer.close()
+            server.cancel()
+            await asyncio.gather(server, return_exceptions=True)
+
+    run(main())
+    wal_dir = tmp_path / "wal"
+    assert sorted(p.name for p in wal_dir.iterdir()) == ["00000002.history",
+                                                         segment_file_name(2, 1, SEG) + ".partial"]
+    again = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
+    try:
+        assert (again.reader_state().timeline, again.reader_state().history) == (2, switch)
+        assert again.reader_state().flush_lsn == end
+    finally:
+        again.storage.close()

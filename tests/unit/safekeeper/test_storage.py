@@ -484,3 +484,30 @@ def test_a_cut_below_the_checkpoint_lowers_it_first(store: WalStorage) -> None:
     assert store.verified_lsn() == SEG
     store.truncate(SEG + 50)
     assert store.verified_lsn() == SEG
+
+
+def test_a_new_timeline_renames_the_segment_holding_its_switch_and_names_later_ones(wal_dir: Path) -> None:
+    """As a promoted standby's pg_wal: segments below the switch keep the old timeline's name, the one
+    holding the switch and every later one take the new timeline's, and the .history file is beside them."""
+    from sidecar.consensus.messages import TimelineEntry
+
+    switch = 2 * SEG + 100
+    with WalStorage(wal_dir, SEG, 1) as s:
+        s.open_at(SEG)
+        s.write(SEG, payload(SEG + 100))
+        s.flush()
+        assert names(wal_dir) == [seg_name(1), seg_name(2, partial=True)]
+        s.adopt_timeline(2, (TimelineEntry(1, switch),))
+        assert names(wal_dir) == sorted(["00000002.history", seg_name(1), seg_name(2, tli=2, partial=True)])
+        assert (wal_dir / "00000002.history").read_text() == "1\t0/200064\tno recovery target specified\n"
+        s.write(switch, payload(SEG, 1))
+        s.flush()
+        assert names(wal_dir) == sorted(["00000002.history", seg_name(1), seg_name(2, tli=2),
+                                         seg_name(3, tli=2, partial=True)])
+        assert s.read(SEG, SEG + 100) == payload(SEG + 100)  # the old timeline's bytes, served by position
+        s.adopt_timeline(3, (TimelineEntry(1, switch), TimelineEntry(2, 4 * SEG)))  # a switch at a boundary
+        assert (wal_dir / "00000003.history").read_text().splitlines()[1] == "2\t0/400000\tno recovery target specified"
+        assert s.segments()[-1] == (2, 3, True)  # wholly below the switch: still timeline 2's
+    # A restart with the persisted history names new segments alike.
+    with WalStorage(wal_dir, SEG, 3, history=(TimelineEntry(1, switch), TimelineEntry(2, 4 * SEG))) as s:
+        assert s.name_timeline(3) == 2 and s.name_timeline(4) == 3 and s.name_timeline(1) == 1

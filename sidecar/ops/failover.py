@@ -1,0 +1,233 @@
+"""`walsidecar failover`: turn a standby into the primary without losing an acknowledged commit.
+
+Five steps, each said as it happens: fence (a new term from a quorum: the old sidecar's next Append
+is refused), recover (voters below the term's start E get the donor's WAL; E is committed), catch up
+the standby to E, check its timeline history and promote it, resume (how to start the sidecar on it).
+A failed step leaves the safekeepers holding every acknowledged commit and the standby a standby:
+the command can be run again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psycopg
+
+from sidecar.config import FailoverSettings
+from sidecar.consensus import primary_check
+from sidecar.consensus.messages import TimelineHistory
+from sidecar.consensus.proposer import ProposerConfig, VerifyPrimary
+from sidecar.linkauth import client_security
+from sidecar.lsn import format_lsn, parse_lsn
+from sidecar.ops.probe import redact_dsn
+from sidecar.pgrepl import history_file_name, parse_timeline_history
+from sidecar.proposer.catchup import DonorReader
+from sidecar.proposer.fence import Fence, FenceError, Fenced
+
+PROGRESS_INTERVAL = 2.0
+POLL_INTERVAL = 0.2
+
+Say = Callable[[str], None]
+
+
+class FailoverError(Exception):
+    """A step refused or failed; nothing was promoted and the command can be run again."""
+
+
+@dataclass(frozen=True)
+class StandbyState:
+    in_recovery: bool
+    system_id: int
+    wal_seg_size: int
+    pg_version: int
+    timeline: int
+    history: TimelineHistory
+    replay_lsn: int
+    receive_lsn: int
+
+
+async def read_standby(conn: psycopg.AsyncConnection) -> StandbyState:
+    """What the standby is and where it stands; its timeline is the one it receives (or last checkpointed on)."""
+    row = await (await conn.execute(
+        "SELECT pg_is_in_recovery(), (SELECT system_identifier FROM pg_control_system()), "
+        "(SELECT setting::bigint FROM pg_settings WHERE name = 'wal_segment_size'), "
+        "current_setting('server_version_num')::int, "
+        "coalesce((SELECT received_tli FROM pg_stat_wal_receiver), "
+        "         (SELECT timeline_id FROM pg_control_checkpoint())), "
+        "coalesce(pg_last_wal_replay_lsn(), '0/0')::text, coalesce(pg_last_wal_receive_lsn(), '0/0')::text, "
+        "CASE WHEN pg_is_in_recovery() THEN '0/0' ELSE pg_current_wal_lsn()::text END")).fetchone()
+    in_recovery, system_id, seg_size, version, timeline, replay, receive, current = row
+    if not in_recovery:
+        timeline = int((await (await conn.execute(
+            "SELECT pg_walfile_name(pg_current_wal_lsn())")).fetchone())[0][:8], 16)
+        replay = receive = current
+    history: TimelineHistory = ()
+    if timeline > 1:
+        text = (await (await conn.execute("SELECT pg_read_file(%s)",
+                                          (f"pg_wal/{history_file_name(timeline)}",))).fetchone())[0]
+        history = parse_timeline_history(text)
+    return StandbyState(bool(in_recovery), int(system_id), int(seg_size), int(version) // 10000, int(timeline),
+                        history, parse_lsn(replay), parse_lsn(receive))
+
+
+def lineage_problem(standby: StandbyState, safekeepers: TimelineHistory, end: int) -> str | None:
+    """Why the standby's timeline history disagrees with the safekeepers' below `end`; None if it agrees."""
+    ours = primary_check.switches_below(standby.history, end)
+    theirs = primary_check.switches_below(safekeepers, end)
+    if ours != theirs:
+        return (f"the standby's timeline history {list(ours)} (timeline {standby.timeline}) leaves the safekeepers' "
+                f"({list(theirs)}) before {format_lsn(end)}: it follows another primary's WAL; rebuild it from a "
+                "base backup of this cluster")
+    return None
+
+
+class Failover:
+    """The five steps against one standby and the safekeepers."""
+
+    def __init__(self, s: FailoverSettings, say: Say = print) -> None:
+        self.s = s
+        self.say = say
+        self.security = client_security(s.certs_dir, s.link_security)
+        self.donor = DonorReader(s)
+
+    async def run(self) -> None:
+        s, say = self.s, self.say
+        say(f"walsidecar failover: promoting the standby at {redact_dsn(s.standby_dsn)} with every acknowledged "
+            f"commit, over {len(s.safekeepers)} safekeepers (quorum {s.quorum})")
+        async with await psycopg.AsyncConnection.connect(s.standby_dsn, autocommit=True,
+                                                         connect_timeout=10) as conn:
+            standby = await read_standby(conn)
+            if not standby.in_recovery:
+                say(f"the standby is already a primary (timeline {standby.timeline}, at "
+                    f"{format_lsn(standby.replay_lsn)}): a failover promoted it; nothing to fence or promote")
+                await self._resume(conn)
+                return
+            say(f"  standby: system {standby.system_id}, timeline {standby.timeline}, replayed up to "
+                f"{format_lsn(standby.replay_lsn)}")
+            say("1/5 fence: winning a new term from a quorum of safekeepers (no WAL is streamed)")
+            fence = Fence(self._config(standby), self.security, precheck=self._precheck(standby),
+                          copy=self.donor.copy, say=say)
+            try:
+                try:
+                    fenced = await fence.run(s.timeout)
+                except FenceError as e:
+                    raise FailoverError(f"fence: {e}") from None
+                say(f"2/5 recover: {', '.join(fence.committed_on())} hold the WAL up to E = "
+                    f"{format_lsn(fenced.start_lsn)} in term {fenced.term}; E is committed: every reader may have it")
+                say(f"3/5 catch up: waiting for the standby to replay up to {format_lsn(fenced.start_lsn)}")
+                await self._catch_up(conn, fenced.start_lsn, fence)
+                say("4/5 promote: checking the standby's timeline history against the safekeepers'")
+                standby = await read_standby(conn)
+                problem = lineage_problem(standby, fenced.timeline_history, fenced.start_lsn)
+                if problem is not None:
+                    raise FailoverError(f"not promoting: {problem}")
+                # The term is held to the end: had the old primary's sidecar taken a newer one, its
+                # commits past E would not be on the standby.
+                try:
+                    fence.check()
+                except FenceError as e:
+                    raise FailoverError(f"not promoting: the fence term was lost: {e}") from None
+                await self._promote(conn, fenced)
+            finally:
+                await fence.close()
+            await self._resume(conn)
+
+    def _config(self, st: StandbyState) -> ProposerConfig:
+        s = self.s
+        return ProposerConfig(proposer_id="walsidecar-failover", peers=s.safekeepers, quorum=s.quorum,
+                              system_id=st.system_id, timeline=st.timeline, timeline_history=st.history,
+                              wal_seg_size=st.wal_seg_size,
+                              pg_version=st.pg_version, bootstrap_lsn=0)
+
+    def _precheck(self, standby: StandbyState):  # type: ignore[no-untyped-def]
+        async def check(a: VerifyPrimary) -> str | None:
+            """Before any vote: the standby must follow the safekeepers' timelines up to E."""
+            self.say(f"  the safekeepers' log ends at {format_lsn(a.start_lsn)}")
+            return lineage_problem(standby, a.timeline_history, a.start_lsn)
+        return check
+
+    async def _catch_up(self, conn: psycopg.AsyncConnection, end: int, fence: Fence) -> None:
+        """Wait until the standby replayed `end`, saying how far it is; refuse when it stops moving."""
+        last, moved, said = -1, time.monotonic(), 0.0
+        while True:
+            try:
+                fence.check()
+            except FenceError as e:
+                raise FailoverError(f"not promoting: the fence term was lost: {e}") from None
+            st = await read_standby(conn)
+            if not st.in_recovery:
+                raise FailoverError("the standby was promoted by someone else while catching up; check it "
+                                    "holds every acknowledged commit (its timeline starts at or after E)")
+            if st.replay_lsn >= end:
+                beyond = "" if st.replay_lsn == end else \
+                    f" (it replayed to {format_lsn(st.replay_lsn)}: WAL beyond E that no quorum acknowledged)"
+                self.say(f"  the standby replayed up to {format_lsn(end)}{beyond}")
+                return
+            now = time.monotonic()
+            if st.replay_lsn != last:
+                last, moved = st.replay_lsn, now
+            if now - said >= PROGRESS_INTERVAL:
+                said = now
+                self.say(f"  standby at {format_lsn(st.replay_lsn)} (received {format_lsn(st.receive_lsn)}), "
+                         f"{(end - st.replay_lsn) / 1048576:.1f} MiB to go")
+            if now - moved > self.s.catchup_timeout:
+                raise FailoverError(await self._why_stalled(conn, st, end))
+            await asyncio.sleep(POLL_INTERVAL)
+
+    async def _why_stalled(self, conn: psycopg.AsyncConnection, st: StandbyState, end: int) -> str:
+        row = await (await conn.execute(
+            "SELECT status, conninfo FROM pg_stat_wal_receiver")).fetchone()
+        where = (f"its WAL receiver is {row[0]} ({row[1]})" if row else
+                 "it has no WAL receiver: its primary_conninfo fails or is empty")
+        return (f"not promoting: the standby stopped at {format_lsn(st.replay_lsn)}, below E = {format_lsn(end)}, "
+                f"for {self.s.catchup_timeout:g}s; {where}. Point its primary_conninfo at a safekeeper's reader "
+                "port (or its restore_command at `walsidecar restore-wal`), then run failover again")
+
+    async def _promote(self, conn: psycopg.AsyncConnection, fenced: Fenced) -> None:
+        self.say("  promoting: SELECT pg_promote()")
+        promoted = (await (await conn.execute("SELECT pg_promote(true, %s)",
+                                              (int(self.s.timeout),))).fetchone())[0]
+        if not promoted:
+            raise FailoverError(f"pg_promote() did not finish within {self.s.timeout:g}s; see the standby's log "
+                                "(run failover again once it is a primary: it goes straight to resume)")
+        st = await read_standby(conn)
+        self.say(f"  promoted: the new primary is on timeline {st.timeline}, from {format_lsn(fenced.start_lsn)}")
+
+    async def _resume(self, conn: psycopg.AsyncConnection) -> None:
+        s = self.s
+        names = (await (await conn.execute("SHOW synchronous_standby_names")).fetchone())[0]
+        args = ["walsidecar", "start", "--pg-dsn", s.standby_dsn, "--safekeepers", ",".join(s.safekeepers)]
+        args += ["--insecure"] if s.insecure else ["--certs-dir", str(s.certs_dir)]
+        if s.link_security != "tls":
+            args += ["--link-security", s.link_security]
+        self.say("5/5 resume: start the sidecar on the new primary (a new term on its timeline; commits wait "
+                 "for the quorum again):\n    " + shlex.join(args))
+        if not names.strip():
+            self.say("  WARNING: synchronous_standby_names is empty on the new primary: its commits do not wait "
+                     "for the safekeepers. ALTER SYSTEM SET synchronous_standby_names = 'walsidecar'; "
+                     "SELECT pg_reload_conf();")
+        self.say("  the old primary must not come back as a primary: `walsidecar check` on it says how to rejoin "
+                 "it as a standby (pg_rewind)")
+
+
+def run_failover(s: FailoverSettings) -> int:
+    """0 when the standby is the primary; 1 when a step refused or failed (nothing half done)."""
+    try:
+        asyncio.run(Failover(s, lambda line: print(line, flush=True)).run())
+    except FailoverError as e:
+        print(f"failover stopped: {e}\nnothing was promoted; the safekeepers keep every acknowledged commit: "
+              "fix the cause and run failover again", flush=True)
+        return 1
+    except psycopg.OperationalError as e:
+        print(f"failover stopped: cannot reach the standby: {str(e).strip()}\nnothing was promoted: run failover "
+              "again", flush=True)
+        return 1
+    except psycopg.Error as e:
+        print(f"failover stopped: the standby refused a query: {str(e).strip()} (connect as a superuser)\n"
+              "nothing was promoted: run failover again", flush=True)
+        return 1
+    return 0

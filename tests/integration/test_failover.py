@@ -1,0 +1,135 @@
+"""`walsidecar failover` against real PostgreSQL 15: a standby streaming from a safekeeper's reader port
+is promoted after the primary is killed with SIGKILL, with every acknowledged commit."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from support.deployment import APP, Deployment, Writer, start_commit, syncrep_waiters
+from support.helpers import free_port, wait_for, walsidecar
+from support.procs import ProcessTracker
+from sidecar.deployment import Standby
+from sidecar.pgcluster import LocalCluster
+from sidecar.processes import sidecar_argv
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def add_standby(d: Deployment, test_dir: Path) -> Standby:
+    cluster = LocalCluster(test_dir / "standby" / "data", free_port(), log_file=test_dir / "standby" / "server.log")
+    standby = Standby(d, cluster)
+    d.add(standby)
+    standby.start()
+    return standby
+
+
+def failover(d: Deployment, standby: Standby, *extra: str) -> tuple[int, str]:
+    proc = walsidecar("failover", "--standby-dsn", standby.server.dsn(), "--safekeepers", ",".join(d.addresses),
+                      "--reader-passfile", str(d.reader_passfile), "--timeout", "30", *d.tls("proposer"), *extra,
+                      timeout=180)
+    print(proc.stdout, proc.stderr)
+    return proc.returncode, proc.stdout
+
+
+def rows(dsn: str, ids: list[int]) -> int:
+    with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as c:
+        return c.execute("SELECT count(DISTINCT id) FROM load WHERE id = ANY(%s)", (ids,)).fetchone()[0]
+
+
+def replayed(standby: Standby) -> bool:
+    with psycopg.connect(standby.server.dsn(), autocommit=True, connect_timeout=5) as c:
+        return c.execute("SELECT pg_last_wal_replay_lsn() IS NOT NULL").fetchone()[0]
+
+
+def test_failover_promotes_the_standby_with_every_acknowledged_commit(deployment: Deployment, procs: ProcessTracker,
+                                                                    test_dir: Path) -> None:
+    d = deployment
+    standby = add_standby(d, test_dir)
+    try:
+        writer = Writer(d.pg.dsn())
+        writer.start()
+        wait_for(lambda: len(writer.acked) >= 200, timeout=60, what="acknowledged writes")
+        wait_for(lambda: rows(standby.server.dsn(), writer.acked[:100]) == 100, timeout=60,
+                 ignore=(psycopg.OperationalError,), what="the standby to replay from the safekeeper")
+        # Cut the standby off its reader port while commits go on: it falls behind the committed end.
+        conninfo = standby.server.managed_settings()["primary_conninfo"]
+        standby.server.set({"primary_conninfo": f"host=127.0.0.1 port={free_port()} connect_timeout=2"})
+        standby.server.reload()
+        behind = len(writer.acked)
+        wait_for(lambda: len(writer.acked) >= behind + 100, timeout=60, what="more acknowledged writes")
+        d.kill("safekeeper3")  # it misses the last commits
+        behind = len(writer.acked)
+        wait_for(lambda: len(writer.acked) >= behind + 200, timeout=60, what="writes without safekeeper 3")
+        os.kill(d.pg.postmaster_pid(), signal.SIGKILL)  # the primary's machine is gone
+        wait_for(lambda: writer.error is not None, timeout=30, what="the writer's connection to die with the primary")
+        acked = writer.stop()
+        # Safekeeper 3 comes back behind and safekeeper 2 goes: the quorum (1 and 3) must recover 3 from 1.
+        d.start("safekeeper3")
+        d.kill("safekeeper2")
+
+        # A standby that cannot reach E is not promoted; the reason names its WAL receiver. The fence and
+        # the recovery are done: safekeeper 3 read the donor's WAL over its reader port in the new term.
+        code, out = failover(d, standby, "--catchup-timeout", "3")
+        assert code == 1, out
+        assert f"recovering {d.addresses[2]} from the donor {d.addresses[0]}" in out
+        assert "not promoting" in out and "below E" in out and "run failover again" in out
+        d.start("safekeeper2")
+        with psycopg.connect(standby.server.dsn(), autocommit=True) as c:
+            assert c.execute("SELECT pg_is_in_recovery()").fetchone()[0] is True
+        terms = [d.term(i) for i in (1, 2, 3)]
+
+        # Given its reader port back, the same command (run again) promotes it.
+        standby.server.set({"primary_conninfo": conninfo})
+        standby.server.reload()
+        code, out = failover(d, standby)
+        assert code == 0, out
+        for step in ("1/5 fence", "2/5 recover", "3/5 catch up", "4/5 promote", "5/5 resume"):
+            assert step in out
+        assert sum(d.term(i) > t for i, t in zip((1, 2, 3), terms)) >= 2  # a new term: the old sidecar is fenced
+        new = standby.server.dsn()
+        assert rows(new, acked) == len(acked), "an acknowledged commit is missing on the new primary"
+        with psycopg.connect(new, autocommit=True) as c:
+            assert c.execute("SELECT pg_is_in_recovery()").fetchone()[0] is False
+
+        # Resume: the sidecar on the new primary; its commits wait for the quorum again.
+        procs.start(sidecar_argv("start", "--pg-dsn", new, "--safekeepers", ",".join(d.addresses),
+                                 "--application-name", APP, *d.tls("proposer")), name="new-proposer")
+
+        def synchronous() -> bool:
+            with psycopg.connect(new, autocommit=True, connect_timeout=5) as c:
+                row = c.execute("SELECT sync_state FROM pg_stat_replication WHERE application_name = %s",
+                                (APP,)).fetchone()
+            return row is not None and row[0] == "sync"
+        wait_for(synchronous, timeout=60, what="the sidecar on the new primary to stream as its synchronous standby")
+        with psycopg.connect(new, autocommit=True) as c:
+            c.execute("INSERT INTO load VALUES (-2, 'after the failover')")
+        wait_for(lambda: (d.sk_dir(1) / "wal" / "00000002.history").exists(), timeout=30,
+                 what="the safekeepers to hold timeline 2's history")
+
+        # Running it again is safe: the standby is the primary already; nothing is fenced.
+        before = [d.term(i) for i in (1, 2, 3)]
+        code, out = failover(d, standby)
+        assert code == 0 and "already a primary" in out, out
+        assert [d.term(i) for i in (1, 2, 3)] == before
+
+        # The old primary comes back: its sidecar (never stopped) gets nothing acknowledged.
+        old_sidecar = d.members["proposer"].log_path
+        d.pg.start()
+        thread, result = start_commit(d.pg.dsn(), "INSERT INTO load VALUES (-3, 'on the old primary')")
+        wait_for(lambda: syncrep_waiters(d) >= 1, timeout=30, what="the old primary's commit to wait")
+        wait_for(lambda: "refusing to stream" in old_sidecar.read_text(), timeout=60,
+                 what="the old sidecar to be refused")
+        assert not result
+        # `check` on it says it is the old primary and how to rejoin.
+        check = walsidecar("check", "--pg-dsn", d.pg.dsn(), "--safekeepers", ",".join(d.addresses),
+                           *d.tls("client"))
+        assert "primary lineage" in check.stdout and "pg_rewind" in check.stdout, check.stdout
+        d.pg.stop("immediate")
+        thread.join(timeout=30)
+    finally:
+        standby.close()
