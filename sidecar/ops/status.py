@@ -69,7 +69,7 @@ async def gather(s: StatusSettings) -> dict[str, Any]:
             row["own"] = {"id": r.node_id, "system_id": str(r.system_id), "term": r.term,
                           "last_log_term": r.last_log_term, "flush_lsn": format_lsn(r.flush_lsn),
                           "commit_lsn": format_lsn(r.commit_lsn), "proposer_connected": r.proposer_connected,
-                          "backup_lsn": format_lsn(r.backup_lsn)}
+                          "reader_port": r.reader_port or None, "backup_lsn": format_lsn(r.backup_lsn)}
             row["id"] = row["id"] or r.node_id
             if row["term"] is None:
                 row["term"] = r.term
@@ -219,8 +219,16 @@ def _summary(doc: dict[str, Any]) -> list[str]:
             wait_txt = f"commits waiting {waiting}" + (f" (the oldest for {oldest:.1f}s)" if waiting and oldest else "")
             sync = prim.get("sync_state") or "not connected"
             lines.append(f" Primary:  flush_lsn {prim.get('flush_lsn')}, {wait_txt}, sidecar sync_state {sync}")
+    lines += _reader_lines(doc["safekeepers"])
     lines += _broker_lines(doc.get("broker"))
     return lines
+
+
+def _reader_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Where each safekeeper serves readers (standbys, pg_receivewal, restore-wal), as it says itself."""
+    ports = [f"{r['id']}: port {own['reader_port']}" if own.get("reader_port") else f"{r['id']}: none"
+             for r in rows if "error" not in (own := r.get("own") or {"error": 1})]
+    return [f" Readers:  {', '.join(ports)}"] if ports else []
 
 
 def _broker_lines(b: dict[str, Any] | None) -> list[str]:

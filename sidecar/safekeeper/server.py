@@ -167,7 +167,7 @@ class Safekeeper:
         acc, p, st = self.acceptor, self.positions.value, self.storage
         s = acc.state
         # The cuts up to the published generation (the acceptor may be a batch ahead of it).
-        cuts = acc.cuts[:len(acc.cuts) - (acc.cut_generation - p.generation)]
+        cuts = acc.cuts[:max(0, len(acc.cuts) - (acc.cut_generation - p.generation))]
         return ServerState(p.term, p.flush_lsn, p.commit_lsn, p.generation, s.timeline or 1, s.timeline_history,
                            st.first_lsn() if isinstance(st, WalStorage) else None, cuts)
 
