@@ -66,6 +66,15 @@ def _distinct(value: tuple[str, ...]) -> tuple[str, ...]:
     return value
 
 
+def _archive_url(value: str | None) -> str | None:
+    if value:
+        from sidecar.objectstore import open_storage
+        if "://" not in value:
+            raise ValueError("give a URL: s3://bucket/prefix or file:///path")
+        open_storage(value)
+    return value
+
+
 def _slot(value: str) -> str:
     from sidecar.proposer.primary import check_slot_name
     return check_slot_name(value)
@@ -265,6 +274,16 @@ class SafekeeperSettings(SafekeeperBrokerSettings, TlsSettings):
                                                             "take more than SIZE, or its filesystem is more than PCT% "
                                                             "full; commits go on with the other safekeepers, and it "
                                                             "resumes once removal brings it below. Default: no limit.")
+    # Archiving (--cluster, which names the archive's directory, is the broker's).
+    archive: Annotated[str | None, AfterValidator(_archive_url), Metavar("URL")] = Field(
+        None, description="Upload committed, completed WAL segments and timeline history files to s3://bucket/prefix "
+                          "or file:///path, under <prefix>/<cluster>/<system id>/wal/; off when not given.")
+    s3_endpoint: Annotated[str | None, Metavar("URL")] = Field(
+        None, description="S3 endpoint for an s3:// archive (default: AWS's, or AWS_ENDPOINT_URL); credentials come "
+                          "from the usual AWS_* variables and files.")
+    archive_takeover: float = Field(30.0, gt=0, description="Without a broker the lowest id uploads; safekeeper "
+                                    "--id N uploads a committed segment still missing from the archive after (N-1) "
+                                    "times this many seconds.")
 
     @model_validator(mode="after")
     def _reader_port(self) -> SafekeeperSettings:
@@ -424,10 +443,32 @@ class FailoverSettings(SafekeepersMixin, ReaderCredentials):
                                                            "promoting it.")
 
 
+class VerifyArchiveSettings(LinkSettings):
+    """walsidecar verify-archive: the archive's WAL, and with --safekeepers its gaps below their backup_lsn."""
+
+    command: ClassVar[str] = "verify-archive"
+    safekeepers: Safekeepers = Field((), description="Also ask these safekeepers (HOST:PORT,...) for their "
+                                                     "backup_lsn: every segment below it must be in the archive.")
+    certs_dir: Path | None = Field(None, description="Directory with a client certificate (`walsidecar certs "
+                                                     "create-node --role client`) to ask --safekeepers with.")
+    timeout: Timeout = 5.0
+    gaps_only: bool = Field(False, description="Only compare the archive's segment names with the safekeepers' "
+                                               "backup_lsn: no Spark, no decoding.")
+
+    @model_validator(mode="after")
+    def _asking(self) -> VerifyArchiveSettings:
+        if self.safekeepers and self.certs_dir is None and not self.insecure:
+            raise ValueError("safekeepers: give --certs-dir DIR (a client certificate) to ask them, or --insecure")
+        if self.gaps_only and not self.safekeepers:
+            raise ValueError("gaps_only: the gaps are found against the safekeepers' backup_lsn; give --safekeepers")
+        return self
+
+
 # Keys valid somewhere: a top-level key unknown to every command is a typo, not another command's option.
 ALL_SETTINGS: tuple[type[Settings], ...] = (SafekeeperSettings, StartSettings, CheckSettings, StatusSettings,
                                             InitPostgresSettings, UpSettings, CtlSettings, ReadersSettings,
-                                            RestoreWalSettings, ReaderSlotSettings, FailoverSettings)
+                                            RestoreWalSettings, ReaderSlotSettings, FailoverSettings,
+                                            VerifyArchiveSettings)
 
 
 def read_toml(path: Path, cls: type[Settings]) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from sidecar.proposer.primary import read_syncrep_state
 from sidecar.linkauth import client_security
 from sidecar.tls import TlsError, client_context
 
-COLUMNS = ("Safekeeper", "Address", "State", "Term", "Flush LSN", "Lag (bytes)", "Lag (s)", "Last contact")
+COLUMNS = ("Safekeeper", "Address", "State", "Term", "Flush LSN", "Lag (bytes)", "Lag (s)", "Last contact", "Backup LSN")
 
 
 async def gather(s: StatusSettings) -> dict[str, Any]:
@@ -69,7 +69,7 @@ async def gather(s: StatusSettings) -> dict[str, Any]:
             row["own"] = {"id": r.node_id, "system_id": str(r.system_id), "term": r.term,
                           "last_log_term": r.last_log_term, "flush_lsn": format_lsn(r.flush_lsn),
                           "commit_lsn": format_lsn(r.commit_lsn), "proposer_connected": r.proposer_connected,
-                          "reader_port": r.reader_port or None}
+                          "reader_port": r.reader_port or None, "backup_lsn": format_lsn(r.backup_lsn)}
             row["id"] = row["id"] or r.node_id
             if row["term"] is None:
                 row["term"] = r.term
@@ -166,7 +166,9 @@ def table(doc: dict[str, Any]) -> str:
         rows.append([_cell(r.get("id")), r["address"], _cell(r.get("state")), _cell(r.get("term")),
                      _cell(r.get("flush_lsn")), _cell(r.get("lag_bytes")),
                      "" if lag_s is None else f"{lag_s:.1f}",
-                     "" if contact is None else f"{contact:.1f}s ago"])
+                     "" if contact is None else f"{contact:.1f}s ago",
+                     # 0/0 until this safekeeper or another archived a segment (--archive)
+                     (r.get("own") or {}).get("backup_lsn", "")])
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(COLUMNS)]
     border = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
     prop = doc.get("proposer") or {}

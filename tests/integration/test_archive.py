@@ -1,0 +1,155 @@
+"""The safekeepers' WAL archive on S3 (moto_server as a process): committed segments, byte-identical, no gap."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from support.deployment import APP, Deployment, Writer, commit_lsn_of
+from support.helpers import wait_for, walsidecar
+from support.procs import ProcessTracker
+from support.s3 import aws_env, make_bucket, moto_server
+from sidecar.lsn import DEFAULT_SEGMENT_SIZE as SEG
+from sidecar.lsn import format_lsn, parse_lsn, parse_segment_file_name
+from sidecar.objectstore import Storage, open_storage
+from sidecar.safekeeper.backup import partial_name
+from sidecar.safekeeper.control import load_control
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+BUCKET = "wal"
+TAKEOVER = 2.0  # seconds per rank before a higher id uploads what the archive lacks
+
+
+@pytest.fixture
+def s3(test_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    aws_env(monkeypatch)  # the safekeepers inherit the credentials
+    with moto_server(test_dir) as endpoint:
+        make_bucket(endpoint, BUCKET)
+        yield endpoint
+
+
+@pytest.fixture
+def archiving(pg_factory: Callable[..., object], procs: ProcessTracker, test_dir: Path, s3: str) -> Deployment:
+    d = Deployment(pg_factory(settings={"synchronous_standby_names": APP}), procs, test_dir)
+    for i in (1, 2, 3):
+        d.extra[f"safekeeper{i}"] = ["--archive", f"s3://{BUCKET}/archive", "--s3-endpoint", s3,
+                                     "--archive-takeover", str(TAKEOVER)]
+    d.start_all()
+    with d.sql() as c:
+        c.execute("CREATE TABLE load (id int, pad text)")
+    return d
+
+
+def backup_lsn(d: Deployment, i: int) -> int:
+    data = load_control(d.sk_dir(i))
+    return data.state.backup_lsn if data else 0
+
+
+def lowest_segment(d: Deployment, i: int) -> int:
+    return min(parse_segment_file_name(p.name, SEG)[1] for p in (d.sk_dir(i) / "wal").iterdir())
+
+
+def switch_segments(d: Deployment, n: int) -> int:
+    """Fill and switch n segments; the end of WAL after a commit in the next one."""
+    with d.sql() as c:
+        for _ in range(n):
+            c.execute("INSERT INTO load SELECT g, repeat('r', 300) FROM generate_series(1, 5000) g")
+            c.execute("SELECT pg_switch_wal()")
+        return commit_lsn_of(c, "INSERT INTO load VALUES (-1, 'after the switch')")
+
+
+def archived_segments(store: Storage) -> dict[str, int]:
+    return {n: s for n, s in store.list_files().items() if len(n) == 24}
+
+
+def assert_identical_and_gapless(d: Deployment, store: Storage, first: int, end: int) -> None:
+    """Every segment in [first, end) is in the archive, whole and byte-identical to the primary's."""
+    names = archived_segments(store)
+    segnos = sorted(parse_segment_file_name(n, SEG)[1] for n in names)
+    assert segnos[0] == first // SEG and segnos == list(range(segnos[0], segnos[-1] + 1)), names
+    assert segnos[-1] + 1 >= end // SEG
+    for name in names:
+        assert store.read(name) == (d.pg.pg_wal_dir / name).read_bytes(), f"{name} differs from the primary's"
+
+
+def test_committed_segments_are_archived_and_another_safekeeper_takes_over(
+        archiving: Deployment, s3: str, test_dir: Path) -> None:
+    d = archiving
+    with d.sql() as c:
+        sysid = c.execute("SELECT system_identifier FROM pg_control_system()").fetchone()[0]
+    store = open_storage(f"s3://{BUCKET}/archive/{sysid}/{sysid}/wal", s3_endpoint=s3)  # --cluster: the system id
+    first = d.history_start(1)
+
+    end = switch_segments(d, 3)
+    done = end - end % SEG
+    wait_for(lambda: all(backup_lsn(d, i) >= done for i in (1, 2, 3)), timeout=60,
+             what=f"every safekeeper's backup_lsn to reach {format_lsn(done)}")
+    assert_identical_and_gapless(d, store, first, done)
+    # With an archive each safekeeper removes what it holds below backup_lsn.
+    wait_for(lambda: all(lowest_segment(d, i) >= done // SEG for i in (1, 2, 3)), timeout=30,
+             what=f"every safekeeper to remove its WAL below {format_lsn(done)}")
+
+    # The uploader (safekeeper 1, the lowest id) dies under load; safekeeper 2 takes over after its grace.
+    writer = Writer(d.pg.dsn())
+    writer.start()
+    d.members["safekeeper1"].kill()
+    end = switch_segments(d, 3)
+    acked = writer.stop()
+    assert acked and writer.error is None
+    done = end - end % SEG
+    wait_for(lambda: backup_lsn(d, 2) >= done and backup_lsn(d, 3) >= done, timeout=60,
+             what=f"safekeepers 2 and 3 to archive up to {format_lsn(done)} without safekeeper 1")
+    assert_identical_and_gapless(d, store, first, done)
+    assert not [k for k in store.list() if not k.startswith(tuple(archived_segments(store)))], \
+        "only whole segments in the archive"
+
+    addrs = ",".join(d.addresses[1:])
+    gaps = walsidecar("verify-archive", store.location, "--s3-endpoint", s3, "--safekeepers", addrs,
+                      *d.tls("client"), "--gaps-only")
+    assert gaps.returncode == 0 and "OK: no gap" in gaps.stdout, gaps.stdout + gaps.stderr
+
+    # A term that ends (a new proposer) and a graceful stop: each safekeeper uploads the segment it is
+    # writing, under a name giving the term that wrote it and where it ends.
+    old_term = load_control(d.sk_dir(2)).state.term_history[-1].term
+    d.stop("proposer")
+    d.start("proposer")
+    d.wait_sync()
+    wait_for(lambda: any(f".term-{old_term}." in k for k in store.list_files()), timeout=30,
+             what=f"a partial segment of term {old_term}")
+    with d.sql() as c:
+        commit_lsn_of(c, "INSERT INTO load VALUES (-2, 'in the new term')")
+    d.stop("safekeeper2")
+    new_term = load_control(d.sk_dir(2)).state.term_history[-1].term
+    partials = [k for k in store.list_files() if k.endswith(".partial")]
+    assert {int(k.split(".term-")[1].split(".")[0]) for k in partials} == {old_term, new_term} and new_term > old_term
+    for name in partials:
+        end = parse_lsn(name.split(".end-")[1].removesuffix(".partial").replace("-", "/"))
+        segment = name[:24]
+        assert name == partial_name(segment, int(name.split(".term-")[1].split(".")[0]), end)
+        assert parse_segment_file_name(segment, SEG)[1] == end // SEG
+        data, used = store.read(name), end % SEG
+        assert len(data) == SEG and data[:used] == (d.pg.pg_wal_dir / segment).read_bytes()[:used], name
+        assert data[used:] == bytes(SEG - used)
+
+
+def test_with_a_broker_the_upload_lease_holder_uploads(pg_factory: Callable[..., object], procs: ProcessTracker,
+                                                       test_dir: Path, s3: str, etcd: object) -> None:
+    d = Deployment(pg_factory(settings={"synchronous_standby_names": APP}), procs, test_dir)
+    for i in (1, 2, 3):
+        # No takeover by rank: with a broker only the lease decides.
+        d.extra[f"safekeeper{i}"] = ["--archive", f"s3://{BUCKET}/leased", "--s3-endpoint", s3, "--cluster", "prod",
+                                     "--broker", etcd.url, "--broker-lease", "3"]  # type: ignore[attr-defined]
+    d.start_all()
+    with d.sql() as c:
+        c.execute("CREATE TABLE load (id int, pad text)")
+        sysid = c.execute("SELECT system_identifier FROM pg_control_system()").fetchone()[0]
+    end = switch_segments(d, 2)
+    done = end - end % SEG
+    wait_for(lambda: all(backup_lsn(d, i) >= done for i in (1, 2, 3)), timeout=60,
+             what=f"every safekeeper's backup_lsn to reach {format_lsn(done)}")
+    store = open_storage(f"s3://{BUCKET}/leased/prod/{sysid}/wal", s3_endpoint=s3)
+    assert_identical_and_gapless(d, store, d.history_start(1), done)
+    uploaders = [i for i in (1, 2, 3) if "segment archived " in d.members[f"safekeeper{i}"].log_path.read_text()]
+    assert len(uploaders) == 1, uploaders
