@@ -153,3 +153,11 @@ def test_with_a_broker_the_upload_lease_holder_uploads(pg_factory: Callable[...,
     assert_identical_and_gapless(d, store, d.history_start(1), done)
     uploaders = [i for i in (1, 2, 3) if "segment archived " in d.members[f"safekeeper{i}"].log_path.read_text()]
     assert len(uploaders) == 1, uploaders
+    # etcd gone: commits go on (the broker is never on the commit path); etcd back: archiving resumes.
+    etcd.stop()  # type: ignore[attr-defined]
+    end = switch_segments(d, 2)  # returns once the quorum acknowledged its last commit
+    etcd.start()  # type: ignore[attr-defined]
+    done = end - end % SEG
+    wait_for(lambda: all(backup_lsn(d, i) >= done for i in (1, 2, 3)), timeout=90,
+             what=f"archiving to resume up to {format_lsn(done)} once etcd is back")
+    assert_identical_and_gapless(d, store, d.history_start(1), done)
