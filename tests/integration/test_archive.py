@@ -12,8 +12,10 @@ from support.helpers import wait_for, walsidecar
 from support.procs import ProcessTracker
 from support.s3 import aws_env, make_bucket, moto_server
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE as SEG
-from sidecar.lsn import format_lsn, parse_lsn, parse_segment_file_name
+from sidecar.config import RestoreWalSettings
+from sidecar.lsn import format_lsn, parse_lsn, parse_segment_file_name, segment_file_name
 from sidecar.objectstore import Storage, open_storage
+from sidecar.ops.restore import Exit, restore_wal
 from sidecar.safekeeper.backup import partial_name
 from sidecar.safekeeper.control import load_control
 
@@ -153,3 +155,60 @@ def test_with_a_broker_the_upload_lease_holder_uploads(pg_factory: Callable[...,
     assert_identical_and_gapless(d, store, d.history_start(1), done)
     uploaders = [i for i in (1, 2, 3) if "segment archived " in d.members[f"safekeeper{i}"].log_path.read_text()]
     assert len(uploaders) == 1, uploaders
+
+
+def restore_settings(d: Deployment, s3: str, *, readers: bool = True, **extra: object) -> RestoreWalSettings:
+    """restore-wal's settings: the safekeepers' reader ports (when `readers`) and the archive."""
+    archive = {"archive": f"s3://{BUCKET}/archive", "s3_endpoint": s3, **extra}
+    if not readers:
+        return RestoreWalSettings(**archive)
+    return RestoreWalSettings(safekeeper_readers=tuple(str(a) for a in d.reader_addresses),
+                              reader_passfile=d.reader_passfile, certs_dir=d.certs_dir("reader", "client"), **archive)
+
+
+def test_restore_wal_falls_back_to_the_archive_and_never_hands_out_a_partial(
+        archiving: Deployment, s3: str, test_dir: Path) -> None:
+    d = archiving
+    with d.sql() as c:
+        sysid = c.execute("SELECT system_identifier FROM pg_control_system()").fetchone()[0]
+    store = open_storage(f"s3://{BUCKET}/archive/{sysid}/{sysid}/wal", s3_endpoint=s3)
+    end = switch_segments(d, 2)
+    done = end - end % SEG
+    wait_for(lambda: all(backup_lsn(d, i) >= done for i in (1, 2, 3)), timeout=60,
+             what=f"every safekeeper's backup_lsn to reach {format_lsn(done)}")
+    wait_for(lambda: all(lowest_segment(d, i) >= done // SEG for i in (1, 2, 3)), timeout=30,
+             what=f"every safekeeper to remove its WAL below {format_lsn(done)}")
+    removed = segment_file_name(1, done // SEG - 1)
+    out = test_dir / "RECOVERYXLOG"
+    primary = (d.pg.pg_wal_dir / removed).read_bytes()
+
+    # The safekeepers removed it: alone they do not have it; with --archive it comes from there, checked.
+    only_safekeepers = restore_settings(d, s3).model_copy(update={"archive": None})
+    assert restore_wal(only_safekeepers, removed, out) == Exit.NOT_FOUND and not out.exists()
+    assert restore_wal(restore_settings(d, s3), removed, out) == Exit.RESTORED
+    assert out.read_bytes() == primary
+    out.unlink()
+
+    # From the archive alone (no safekeeper, no certificates): the system is the only one there.
+    alone = restore_settings(d, s3, readers=False)
+    assert restore_wal(alone, removed, out) == Exit.RESTORED and out.read_bytes() == primary
+    out.unlink()
+    assert restore_wal(restore_settings(d, s3, readers=False, system_id=sysid + 1), removed, out) == Exit.NOT_FOUND
+
+    # A partial segment in the archive is never given for its segment's name, nor under its own.
+    current = segment_file_name(1, end // SEG)
+    partial = partial_name(current, 99, end)
+    store.replace(partial, (d.pg.pg_wal_dir / current).read_bytes()[:end % SEG] + bytes(SEG - end % SEG))
+    assert restore_wal(alone, current, out) == Exit.NOT_FOUND
+    assert restore_wal(alone, partial, out) == Exit.NOT_FOUND
+    # A damaged object under a segment's name is refused, as bad WAL from a safekeeper is.
+    damaged = segment_file_name(1, end // SEG + 1)
+    store.replace(damaged, primary)  # another segment's bytes: its page addresses are wrong here
+    assert restore_wal(alone, damaged, out) == Exit.BAD_DATA
+    assert not out.exists()
+
+    # Two systems in the archive and nothing to choose: a usage error, the exit code says so.
+    open_storage(f"s3://{BUCKET}/archive/other/1/wal", s3_endpoint=s3).replace(removed, primary)
+    assert restore_wal(alone, removed, out) == Exit.USAGE
+    assert restore_wal(restore_settings(d, s3, readers=False, system_id=sysid), removed, out) == Exit.RESTORED
+    assert out.read_bytes() == primary
