@@ -178,6 +178,10 @@ def test_restore_wal_falls_back_to_the_archive_and_never_hands_out_a_partial(
              what=f"every safekeeper's backup_lsn to reach {format_lsn(done)}")
     wait_for(lambda: all(lowest_segment(d, i) >= done // SEG for i in (1, 2, 3)), timeout=30,
              what=f"every safekeeper to remove its WAL below {format_lsn(done)}")
+    # check's archive line: every safekeeper's backup_lsn close behind its commit_lsn.
+    check = walsidecar("check", "--pg-dsn", d.pg.dsn(), "--safekeepers", ",".join(d.addresses), *d.tls("client"))
+    assert sum(line.strip().startswith("archive: OK (safekeeper ") for line in check.stdout.splitlines()) == 3, \
+        check.stdout + check.stderr
     removed = segment_file_name(1, done // SEG - 1)
     out = test_dir / "RECOVERYXLOG"
     primary = (d.pg.pg_wal_dir / removed).read_bytes()
