@@ -100,5 +100,6 @@ def open_archived_wal(url: str, s3_endpoint: str | None, cluster: str | None, sy
     if not found:
         raise ArchiveError(f"no <cluster>/<system id>/wal/ under {where}: is --archive the safekeepers' --archive"
                            + (", and --cluster theirs?" if cluster else "?"))
-    raise AmbiguousArchive(f"{where} holds the WAL of several systems ({', '.join(f'{c}/{s}' for c, s in sorted(found))}):"
-                           " give --system-id (and --cluster) to choose one")
+    listed = ", ".join(f"{c}/{s}" for c, s in sorted(found))
+    raise AmbiguousArchive(f"{where} holds the WAL of several systems ({listed}): give --system-id (and --cluster) "
+                           "to choose one")
