@@ -215,16 +215,34 @@ def _cluster_name(value: str | None) -> str | None:
     return check_cluster_name(value) if value is not None else None
 
 
-class BrokerSettings(Settings):
+class ClusterSettings(Settings):
+    """The cluster's name, in the broker's keys and the archive's layout."""
+
+    cluster: Annotated[str | None, AfterValidator(_cluster_name)] = Field(
+        None, description="The cluster's name in the broker's keys (walsidecar/<cluster>/...) and the archive's "
+                          "layout; default: the primary's system id.")
+
+
+class ArchiveSettings(Settings):
+    """Where the WAL archive is: the safekeepers upload to it, restore-wal reads from it."""
+
+    archive: Annotated[str | None, AfterValidator(_archive_url), Metavar("URL")] = Field(
+        None, description="The WAL archive, s3://bucket/prefix or file:///path, holding <prefix>/<cluster>/<system "
+                          "id>/wal/: safekeepers upload committed, completed WAL segments and timeline history "
+                          "files to it; restore-wal reads what the safekeepers no longer hold from it. Off when "
+                          "not given.")
+    s3_endpoint: Annotated[str | None, Metavar("URL")] = Field(
+        None, description="S3 endpoint for an s3:// archive (default: AWS's, or AWS_ENDPOINT_URL); credentials come "
+                          "from the usual AWS_* variables and files.")
+
+
+class BrokerSettings(ClusterSettings):
     """The broker (etcd) where safekeepers publish their state, and the cluster's name there."""
 
     broker: Annotated[tuple[str, ...], NoDecode, BeforeValidator(_split), AfterValidator(_broker_endpoints),
                       Metavar("URL,...")] = Field(
         (), description="etcd endpoints of one etcd cluster, http://HOST:PORT or https://HOST:PORT, comma-separated. "
                         "Over https the --certs-dir certificate is the client certificate (etcd --client-cert-auth).")
-    cluster: Annotated[str | None, AfterValidator(_cluster_name)] = Field(
-        None, description="The cluster's name in the broker's keys (walsidecar/<cluster>/...) and the archive's "
-                          "layout; default: the primary's system id.")
 
 
 class SafekeeperBrokerSettings(BrokerSettings):
@@ -251,7 +269,7 @@ class SafekeeperBrokerSettings(BrokerSettings):
         return self
 
 
-class SafekeeperSettings(SafekeeperBrokerSettings, TlsSettings):
+class SafekeeperSettings(ArchiveSettings, SafekeeperBrokerSettings, TlsSettings):
     """walsidecar safekeeper: store WAL durably and vote in proposer elections."""
 
     command: ClassVar[str] = "safekeeper"
@@ -274,13 +292,7 @@ class SafekeeperSettings(SafekeeperBrokerSettings, TlsSettings):
                                                             "take more than SIZE, or its filesystem is more than PCT% "
                                                             "full; commits go on with the other safekeepers, and it "
                                                             "resumes once removal brings it below. Default: no limit.")
-    # Archiving (--cluster, which names the archive's directory, is the broker's).
-    archive: Annotated[str | None, AfterValidator(_archive_url), Metavar("URL")] = Field(
-        None, description="Upload committed, completed WAL segments and timeline history files to s3://bucket/prefix "
-                          "or file:///path, under <prefix>/<cluster>/<system id>/wal/; off when not given.")
-    s3_endpoint: Annotated[str | None, Metavar("URL")] = Field(
-        None, description="S3 endpoint for an s3:// archive (default: AWS's, or AWS_ENDPOINT_URL); credentials come "
-                          "from the usual AWS_* variables and files.")
+    # Archiving: --archive and --s3-endpoint (ArchiveSettings), --cluster (ClusterSettings).
     archive_takeover: float = Field(30.0, gt=0, description="Without a broker the lowest id uploads; safekeeper "
                                     "--id N uploads a committed segment still missing from the archive after (N-1) "
                                     "times this many seconds.")
@@ -412,11 +424,30 @@ ReaderAddresses = Annotated[
                                     "--pg-listen addresses).")]
 
 
-class RestoreWalSettings(ReaderCredentials):
-    """walsidecar restore-wal: PostgreSQL's restore_command, served by the safekeepers."""
+class RestoreWalSettings(ArchiveSettings, ClusterSettings, ReaderCredentials):
+    """walsidecar restore-wal: PostgreSQL's restore_command, served by the safekeepers, then the archive."""
 
     command: ClassVar[str] = "restore-wal"
-    safekeeper_readers: ReaderAddresses
+    safekeeper_readers: Annotated[tuple[PeerAddress, ...], NoDecode, BeforeValidator(_split),
+                                  AfterValidator(_distinct), Metavar("HOST:PORT,...")] = Field(
+        (), description="Comma-separated HOST:PORT list of every safekeeper's reader port (their --pg-listen "
+                        "addresses); without it, only --archive is read.")
+    system_id: int | None = Field(None, ge=1, description="With --archive: the system id whose WAL to read "
+                                                          "(<cluster>/<system id>/wal/); default: the safekeepers' "
+                                                          "(IDENTIFY_SYSTEM), else the only one in the archive.")
+
+    @model_validator(mode="after")
+    def _somewhere(self) -> RestoreWalSettings:
+        if not self.safekeeper_readers and not self.archive:
+            raise ValueError("safekeeper_readers: give --safekeeper-readers HOST:PORT,..., --archive URL, or both")
+        return self
+
+    @model_validator(mode="after")
+    def _tls(self) -> RestoreWalSettings:
+        # From the archive alone no safekeeper link is opened: no certificates to ask for.
+        if not self.safekeeper_readers and self.certs_dir is None:
+            return self
+        return TlsSettings._tls(self)  # type: ignore[return-value]
 
 
 class ReaderSlotSettings(ReaderCredentials):

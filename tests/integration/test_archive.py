@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import os
+import pwd
+import shlex
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from support.deployment import APP, Deployment, Writer, commit_lsn_of
-from support.helpers import wait_for, walsidecar
+from support.helpers import free_port, wait_for, walsidecar
 from support.procs import ProcessTracker
-from support.s3 import aws_env, make_bucket, moto_server
+from support.s3 import AWS_ENV, aws_env, make_bucket, moto_server
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE as SEG
-from sidecar.lsn import format_lsn, parse_lsn, parse_segment_file_name
+from sidecar.config import RestoreWalSettings
+from sidecar.lsn import format_lsn, parse_lsn, parse_segment_file_name, segment_file_name
 from sidecar.objectstore import Storage, open_storage
+from sidecar.ops.restore import Exit, restore_wal
+from sidecar.pgcluster import LocalCluster
+from sidecar.processes import sidecar_argv
 from sidecar.safekeeper.backup import partial_name
 from sidecar.safekeeper.control import load_control
 
@@ -161,3 +170,124 @@ def test_with_a_broker_the_upload_lease_holder_uploads(pg_factory: Callable[...,
     wait_for(lambda: all(backup_lsn(d, i) >= done for i in (1, 2, 3)), timeout=90,
              what=f"archiving to resume up to {format_lsn(done)} once etcd is back")
     assert_identical_and_gapless(d, store, d.history_start(1), done)
+
+
+def restore_settings(d: Deployment, s3: str, *, readers: bool = True, **extra: object) -> RestoreWalSettings:
+    """restore-wal's settings: the safekeepers' reader ports (when `readers`) and the archive."""
+    archive = {"archive": f"s3://{BUCKET}/archive", "s3_endpoint": s3, **extra}
+    if not readers:
+        return RestoreWalSettings(**archive)
+    return RestoreWalSettings(safekeeper_readers=tuple(str(a) for a in d.reader_addresses),
+                              reader_passfile=d.reader_passfile, certs_dir=d.certs_dir("reader", "client"), **archive)
+
+
+def test_restore_wal_falls_back_to_the_archive_and_never_hands_out_a_partial(
+        archiving: Deployment, s3: str, test_dir: Path) -> None:
+    d = archiving
+    with d.sql() as c:
+        sysid = c.execute("SELECT system_identifier FROM pg_control_system()").fetchone()[0]
+    store = open_storage(f"s3://{BUCKET}/archive/{sysid}/{sysid}/wal", s3_endpoint=s3)
+    end = switch_segments(d, 2)
+    done = end - end % SEG
+    wait_for(lambda: all(backup_lsn(d, i) >= done for i in (1, 2, 3)), timeout=60,
+             what=f"every safekeeper's backup_lsn to reach {format_lsn(done)}")
+    wait_for(lambda: all(lowest_segment(d, i) >= done // SEG for i in (1, 2, 3)), timeout=30,
+             what=f"every safekeeper to remove its WAL below {format_lsn(done)}")
+    # check's archive line: every safekeeper's backup_lsn close behind its commit_lsn.
+    check = walsidecar("check", "--pg-dsn", d.pg.dsn(), "--safekeepers", ",".join(d.addresses), *d.tls("client"))
+    assert sum(line.strip().startswith("archive: OK (safekeeper ") for line in check.stdout.splitlines()) == 3, \
+        check.stdout + check.stderr
+    removed = segment_file_name(1, done // SEG - 1)
+    out = test_dir / "RECOVERYXLOG"
+    primary = (d.pg.pg_wal_dir / removed).read_bytes()
+
+    # The safekeepers removed it: alone they do not have it; with --archive it comes from there, checked.
+    only_safekeepers = restore_settings(d, s3).model_copy(update={"archive": None})
+    assert restore_wal(only_safekeepers, removed, out) == Exit.NOT_FOUND and not out.exists()
+    assert restore_wal(restore_settings(d, s3), removed, out) == Exit.RESTORED
+    assert out.read_bytes() == primary
+    out.unlink()
+
+    # From the archive alone (no safekeeper, no certificates): the system is the only one there.
+    alone = restore_settings(d, s3, readers=False)
+    assert restore_wal(alone, removed, out) == Exit.RESTORED and out.read_bytes() == primary
+    out.unlink()
+    assert restore_wal(restore_settings(d, s3, readers=False, system_id=sysid + 1), removed, out) == Exit.NOT_FOUND
+
+    # A partial segment in the archive is never given for its segment's name, nor under its own.
+    current = segment_file_name(1, end // SEG)
+    partial = partial_name(current, 99, end)
+    store.replace(partial, (d.pg.pg_wal_dir / current).read_bytes()[:end % SEG] + bytes(SEG - end % SEG))
+    assert restore_wal(alone, current, out) == Exit.NOT_FOUND
+    assert restore_wal(alone, partial, out) == Exit.NOT_FOUND
+    # A damaged object under a segment's name is refused, as bad WAL from a safekeeper is.
+    damaged = segment_file_name(1, end // SEG + 1)
+    store.replace(damaged, primary)  # another segment's bytes: its page addresses are wrong here
+    assert restore_wal(alone, damaged, out) == Exit.BAD_DATA
+    assert not out.exists()
+
+    # Two systems in the archive and nothing to choose: a usage error, the exit code says so.
+    open_storage(f"s3://{BUCKET}/archive/other/1/wal", s3_endpoint=s3).replace(removed, primary)
+    assert restore_wal(alone, removed, out) == Exit.USAGE
+    assert restore_wal(restore_settings(d, s3, readers=False, system_id=sysid), removed, out) == Exit.RESTORED
+    assert out.read_bytes() == primary
+
+
+def test_a_primary_comes_back_from_a_base_backup_and_the_archive_alone(archiving: Deployment, s3: str,
+                                                                       test_dir: Path) -> None:
+    d = archiving
+    home = test_dir / "restored"
+    home.mkdir()
+    if os.geteuid() == 0:  # pg_basebackup runs as the postgres OS user
+        pw = pwd.getpwnam("postgres")
+        os.chown(home, pw.pw_uid, pw.pw_gid)
+    restored = LocalCluster(home / "data", free_port(), log_file=home / "restored.log")
+    restored._prepare_log_file()
+    restored.run_bin("pg_basebackup", "-D", str(restored.data_dir), "-d", d.pg.dsn(), "-X", "none",
+                     "-c", "fast", timeout=120)
+    writer = Writer(d.pg.dsn())
+    writer.start()
+    switch_segments(d, 2)
+    wait_for(lambda: len(writer.acked) >= 100, timeout=60, what="acknowledged single-row commits")
+    acked = writer.stop()
+    assert writer.error is None
+    # Every acknowledged row in a complete, committed segment: the archive holds complete segments only.
+    end = switch_segments(d, 1)
+    done = end - end % SEG
+    wait_for(lambda: all(backup_lsn(d, i) >= done for i in (1, 2, 3)), timeout=60,
+             what=f"every safekeeper's backup_lsn to reach {format_lsn(done)}")
+    with d.sql() as c:
+        sysid = c.execute("SELECT system_identifier FROM pg_control_system()").fetchone()[0]
+
+    # The primary and every safekeeper are gone.
+    for name in ("proposer", "safekeeper1", "safekeeper2", "safekeeper3"):
+        d.members[name].kill()
+    d.pg.crash()
+    shutil.rmtree(d.pg.data_dir)
+
+    credentials = [f"{k}={v}" for k, v in AWS_ENV.items()]  # restore_command runs as the postgres OS user
+    command = shlex.join(["env", *credentials, *sidecar_argv(
+        "restore-wal", "%f", "%p", "--archive", f"s3://{BUCKET}/archive", "--s3-endpoint", s3,
+        "--system-id", str(sysid))])
+    restored.set({"port": str(restored.port), "synchronous_standby_names": "", "restore_command": command,
+                  "recovery_target_timeline": "latest"})
+    signal = restored.data_dir / "recovery.signal"
+    signal.touch()
+    if os.geteuid() == 0:
+        os.chown(signal, pw.pw_uid, pw.pw_gid)
+    try:
+        restored.start(timeout=120)
+
+        def promoted() -> bool:
+            with psycopg.connect(restored.dsn(), autocommit=True, connect_timeout=5) as c:
+                return c.execute("SELECT NOT pg_is_in_recovery()").fetchone()[0]
+        wait_for(promoted, timeout=120, ignore=(psycopg.OperationalError,),
+                 what="the restored server to finish recovery")
+        with psycopg.connect(restored.dsn(), autocommit=True) as c:
+            written = {r[0] for r in c.execute("SELECT id FROM load WHERE pad = repeat('x', 200)")}
+            bulk = c.execute("SELECT count(*) FROM load WHERE pad = repeat('r', 300)").fetchone()[0]
+        assert not set(acked) - written, f"{len(set(acked) - written)} acknowledged rows lost"
+        assert bulk == 3 * 5000
+        assert restored.log_text().count('restored log file "0000000100') >= 3, restored.log_text()[-3000:]
+    finally:
+        restored.teardown()
