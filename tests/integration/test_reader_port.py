@@ -75,8 +75,10 @@ def test_pg_receivewal_writes_the_primarys_wal_and_resumes_from_its_slot(deploym
                       what="safekeeper 1's commit position to reach the primary's flush")
     # Without a slot position, it starts at the segment of IDENTIFY_SYSTEM's xlogpos; the WAL
     # before it is the primary's too, as it is stored: start from the earliest segment it wrote.
-    start = min(int(p.name[8:24], 16) * DEFAULT_SEGMENT_SIZE
-                for p in (test_dir / "recv1").iterdir() if not p.name.endswith(".tmp"))
+    def written() -> list[int]:
+        return [int(p.name[8:24], 16) * DEFAULT_SEGMENT_SIZE
+                for p in (test_dir / "recv1").iterdir() if not p.name.endswith(".tmp")]
+    start = min(wait_for(written, timeout=60, what="pg_receivewal to open its first segment"))
 
     primary = read_wal(d.pg.pg_wal_dir, start, commit)
     # pg_receivewal's .partial file is zero-padded from the start: wait for the bytes, not the length.

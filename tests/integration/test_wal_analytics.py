@@ -160,7 +160,7 @@ def test_analyze_needs_out_or_stats(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["analyze", str(tmp_path)])
     assert result.exit_code == 2 and "--out DIR, --stats, or both" in result.stderr
     result = CliRunner().invoke(main, ["analyze", "gs://bucket/wal", "--stats"])
-    assert result.exit_code == 1 and "unsupported WAL source" in result.stderr
+    assert result.exit_code == 1 and "unsupported storage 'gs://bucket/wal'" in result.stderr
 
 
 def test_spark_workers_load_the_compiled_scan_from_the_cache(wal: GeneratedWal, spark: Any) -> None:
