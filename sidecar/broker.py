@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from sidecar.lsn import format_lsn, parse_lsn
@@ -353,14 +353,9 @@ class Lease:
         return self.id is not None and time.monotonic() - self._renewed < self.ttl / 2
 
 
-class UploadElection(Protocol):
-    """Who uploads a timeline's WAL: exactly one safekeeper at a time, as far as it can tell."""
-
-    def may_upload(self, segment_start_lsn: int) -> bool: ...
-
-
 class LeaseElection:
-    """One uploader per timeline: the safekeeper whose lease holds `walsidecar/<cluster>/<tl>/uploader`.
+    """The upload election (safekeeper.backup.UploadElection) through etcd. One uploader per timeline: the
+    safekeeper whose lease holds `walsidecar/<cluster>/<tl>/uploader`.
 
     `campaign()` runs about once a second (the publisher calls it): it takes the key when free and
     this safekeeper may lead, or resigns. `may_upload` answers from the last round, without I/O, and
@@ -377,6 +372,9 @@ class LeaseElection:
     def may_upload(self, segment_start_lsn: int) -> bool:
         """True while this safekeeper holds the upload lease (the segment's bytes are the uploader's to check)."""
         return self._held_lease is not None and self._held_lease == self.lease.id and self.lease.fresh
+
+    def seen_archived(self, segment_start_lsn: int) -> None:
+        """Nothing to learn: the lease, not the archive, says who uploads."""
 
     @property
     def leading(self) -> bool:

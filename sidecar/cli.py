@@ -63,8 +63,11 @@ def safekeeper(s: SafekeeperSettings) -> None:
         sk = Safekeeper.open(s.id, s.data_dir, host, port, ctx, reader_port=_reader_port(s),
                              keep_wal=parse_size(s.keep_wal) if s.keep_wal else None,
                              max_disk_usage=DiskLimit.parse(s.max_disk_usage) if s.max_disk_usage else None,
+                             archive=_archive(s),
                              peers=s.peers, peer_security=client_security(s.certs_dir, s.link_security))
         sk.publisher = _publisher(s, sk)
+        if sk.uploader is not None and sk.publisher is not None:
+            sk.uploader.election = sk.publisher.election  # the broker's upload lease, in place of ranks
         monitor = SafekeeperMonitor(sk)
         endpoint = _endpoint(monitor, s.metrics, s.certs_dir)
     except (ControlFileError, StartupError, TlsError, AuthFileError, SlotsFileError) as e:
@@ -98,7 +101,7 @@ def _publisher(s: SafekeeperSettings, sk: Any) -> Any:
     # With an archive, the uploader asks publisher.election before each upload.
     return Publisher(sk, Broker(s.broker, s.certs_dir), ttl=s.broker_lease, cluster=s.cluster,
                      advertise=s.advertise, advertise_pg=s.advertise_pg,
-                     elect_uploader=bool(getattr(s, "archive", None)))
+                     elect_uploader=s.archive is not None)
 
 
 def _reader_port(s: SafekeeperSettings) -> Any:
@@ -113,6 +116,12 @@ def _reader_port(s: SafekeeperSettings) -> Any:
     # Readers are libpq clients: TLS with the node certificate, no client certificate asked.
     ssl_context = https_context(s.certs_dir) if s.certs_dir is not None else None
     return ReaderPort(host, port, auth, s.insecure, ssl_context)
+
+
+def _archive(s: SafekeeperSettings) -> Any:
+    """The uploader's options from --archive, --s3-endpoint, --cluster and --archive-takeover; None without --archive."""
+    from sidecar.safekeeper.backup import ArchiveOptions
+    return ArchiveOptions(s.archive, s.s3_endpoint, s.cluster, s.archive_takeover) if s.archive else None
 
 
 @main.group()

@@ -66,6 +66,15 @@ def _distinct(value: tuple[str, ...]) -> tuple[str, ...]:
     return value
 
 
+def _archive_url(value: str | None) -> str | None:
+    if value:
+        from sidecar.objectstore import open_storage
+        if "://" not in value:
+            raise ValueError("give a URL: s3://bucket/prefix or file:///path")
+        open_storage(value)
+    return value
+
+
 def _slot(value: str) -> str:
     from sidecar.proposer.primary import check_slot_name
     return check_slot_name(value)
@@ -207,16 +216,34 @@ def _cluster_name(value: str | None) -> str | None:
     return check_cluster_name(value) if value is not None else None
 
 
-class BrokerSettings(Settings):
+class ClusterSettings(Settings):
+    """The cluster's name, in the broker's keys and the archive's layout."""
+
+    cluster: Annotated[str | None, AfterValidator(_cluster_name)] = Field(
+        None, description="The cluster's name in the broker's keys (walsidecar/<cluster>/...) and the archive's "
+                          "layout; default: the primary's system id.")
+
+
+class ArchiveSettings(Settings):
+    """Where the WAL archive is: the safekeepers upload to it, restore-wal reads from it."""
+
+    archive: Annotated[str | None, AfterValidator(_archive_url), Metavar("URL")] = Field(
+        None, description="The WAL archive, s3://bucket/prefix or file:///path, holding <prefix>/<cluster>/<system "
+                          "id>/wal/: safekeepers upload committed, completed WAL segments and timeline history "
+                          "files to it; restore-wal reads what the safekeepers no longer hold from it. Off when "
+                          "not given.")
+    s3_endpoint: Annotated[str | None, Metavar("URL")] = Field(
+        None, description="S3 endpoint for an s3:// archive (default: AWS's, or AWS_ENDPOINT_URL); credentials come "
+                          "from the usual AWS_* variables and files.")
+
+
+class BrokerSettings(ClusterSettings):
     """The broker (etcd) where safekeepers publish their state, and the cluster's name there."""
 
     broker: Annotated[tuple[str, ...], NoDecode, BeforeValidator(_split), AfterValidator(_broker_endpoints),
                       Metavar("URL,...")] = Field(
         (), description="etcd endpoints of one etcd cluster, http://HOST:PORT or https://HOST:PORT, comma-separated. "
                         "Over https the --certs-dir certificate is the client certificate (etcd --client-cert-auth).")
-    cluster: Annotated[str | None, AfterValidator(_cluster_name)] = Field(
-        None, description="The cluster's name in the broker's keys (walsidecar/<cluster>/...) and the archive's "
-                          "layout; default: the primary's system id.")
 
 
 class SafekeeperBrokerSettings(BrokerSettings):
@@ -243,7 +270,7 @@ class SafekeeperBrokerSettings(BrokerSettings):
         return self
 
 
-class SafekeeperSettings(SafekeeperBrokerSettings, TlsSettings):
+class SafekeeperSettings(ArchiveSettings, SafekeeperBrokerSettings, TlsSettings):
     """walsidecar safekeeper: store WAL durably and vote in proposer elections."""
 
     command: ClassVar[str] = "safekeeper"
@@ -270,6 +297,10 @@ class SafekeeperSettings(SafekeeperBrokerSettings, TlsSettings):
                                                             "take more than SIZE, or its filesystem is more than PCT% "
                                                             "full; commits go on with the other safekeepers, and it "
                                                             "resumes once removal brings it below. Default: no limit.")
+    # Archiving: --archive and --s3-endpoint (ArchiveSettings), --cluster (ClusterSettings).
+    archive_takeover: float = Field(30.0, gt=0, description="Without a broker the lowest id uploads; safekeeper "
+                                    "--id N uploads a committed segment still missing from the archive after (N-1) "
+                                    "times this many seconds.")
 
     @model_validator(mode="after")
     def _reader_port(self) -> SafekeeperSettings:
@@ -402,11 +433,30 @@ ReaderAddresses = Annotated[
                                     "--pg-listen addresses).")]
 
 
-class RestoreWalSettings(ReaderCredentials):
-    """walsidecar restore-wal: PostgreSQL's restore_command, served by the safekeepers."""
+class RestoreWalSettings(ArchiveSettings, ClusterSettings, ReaderCredentials):
+    """walsidecar restore-wal: PostgreSQL's restore_command, served by the safekeepers, then the archive."""
 
     command: ClassVar[str] = "restore-wal"
-    safekeeper_readers: ReaderAddresses
+    safekeeper_readers: Annotated[tuple[PeerAddress, ...], NoDecode, BeforeValidator(_split),
+                                  AfterValidator(_distinct), Metavar("HOST:PORT,...")] = Field(
+        (), description="Comma-separated HOST:PORT list of every safekeeper's reader port (their --pg-listen "
+                        "addresses); without it, only --archive is read.")
+    system_id: int | None = Field(None, ge=1, description="With --archive: the system id whose WAL to read "
+                                                          "(<cluster>/<system id>/wal/); default: the safekeepers' "
+                                                          "(IDENTIFY_SYSTEM), else the only one in the archive.")
+
+    @model_validator(mode="after")
+    def _somewhere(self) -> RestoreWalSettings:
+        if not self.safekeeper_readers and not self.archive:
+            raise ValueError("safekeeper_readers: give --safekeeper-readers HOST:PORT,..., --archive URL, or both")
+        return self
+
+    @model_validator(mode="after")
+    def _tls(self) -> RestoreWalSettings:
+        # From the archive alone no safekeeper link is opened: no certificates to ask for.
+        if not self.safekeeper_readers and self.certs_dir is None:
+            return self
+        return TlsSettings._tls(self)  # type: ignore[return-value]
 
 
 class ReaderSlotSettings(ReaderCredentials):
@@ -433,10 +483,32 @@ class FailoverSettings(SafekeepersMixin, ReaderCredentials):
                                                            "promoting it.")
 
 
+class VerifyArchiveSettings(LinkSettings):
+    """walsidecar verify-archive: the archive's WAL, and with --safekeepers its gaps below their backup_lsn."""
+
+    command: ClassVar[str] = "verify-archive"
+    safekeepers: Safekeepers = Field((), description="Also ask these safekeepers (HOST:PORT,...) for their "
+                                                     "backup_lsn: every segment below it must be in the archive.")
+    certs_dir: Path | None = Field(None, description="Directory with a client certificate (`walsidecar certs "
+                                                     "create-node --role client`) to ask --safekeepers with.")
+    timeout: Timeout = 5.0
+    gaps_only: bool = Field(False, description="Only compare the archive's segment names with the safekeepers' "
+                                               "backup_lsn: no Spark, no decoding.")
+
+    @model_validator(mode="after")
+    def _asking(self) -> VerifyArchiveSettings:
+        if self.safekeepers and self.certs_dir is None and not self.insecure:
+            raise ValueError("safekeepers: give --certs-dir DIR (a client certificate) to ask them, or --insecure")
+        if self.gaps_only and not self.safekeepers:
+            raise ValueError("gaps_only: the gaps are found against the safekeepers' backup_lsn; give --safekeepers")
+        return self
+
+
 # Keys valid somewhere: a top-level key unknown to every command is a typo, not another command's option.
 ALL_SETTINGS: tuple[type[Settings], ...] = (SafekeeperSettings, StartSettings, CheckSettings, StatusSettings,
                                             InitPostgresSettings, UpSettings, CtlSettings, ReadersSettings,
-                                            RestoreWalSettings, ReaderSlotSettings, FailoverSettings)
+                                            RestoreWalSettings, ReaderSlotSettings, FailoverSettings,
+                                            VerifyArchiveSettings)
 
 
 def read_toml(path: Path, cls: type[Settings]) -> dict[str, Any]:

@@ -56,7 +56,8 @@ class Embedded:
             insecure=insecure, link_security=link_security, log_format=log_format, log=self.log,
             spawn=start_tied_child,
             extra={"proposer": ["--metrics", self.metrics[0]],
-                   **{f"safekeeper{i}": ["--metrics", self.metrics[i]] for i in range(1, SAFEKEEPERS + 1)}})
+                   **{f"safekeeper{i}": ["--metrics", self.metrics[i], "--archive", f"file://{self.base}/archive"]
+                      for i in range(1, SAFEKEEPERS + 1)}})
         self.standby: Standby | None = None
         if standby:
             self.standby = Standby(self.d, ChildServer(LocalCluster(self.base / "standby", pg_port + 1,

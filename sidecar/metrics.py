@@ -76,6 +76,8 @@ class SafekeeperMetrics:
         self.wal_removed = Counter("walsidecar_safekeeper_wal_removed_bytes",
                                    "WAL bytes removed below the removal horizon (whole segments).",
                                    ["safekeeper_id"], registry=r).labels(sk)
+        self.archived = Counter("walsidecar_safekeeper_archived_bytes", "WAL bytes this safekeeper uploaded to the "
+                                "archive (--archive).", ["safekeeper_id"], registry=r).labels(sk)
 
     def add_collector(self, collect: Callable[[], Iterable[Metric]]) -> None:
         """Register scrape-time gauges produced by `collect`."""

@@ -10,12 +10,17 @@ from typing import Any
 
 import click
 
+from sidecar.config import VerifyArchiveSettings, configured
 from sidecar.lsn import format_lsn
 
 F = Callable[..., Any]
 INSTALL_HINT = "pip install 'walsidecar[analytics]' and a Java 17+ runtime (scripts/install.sh installs both)"
 # Shown under each command's --help: the core install (pip install walsidecar) leaves the extra out.
 NEEDS_EXTRA = f"Needs the analytics extra: {INSTALL_HINT}."
+
+
+# What spark_options adds: passed through to Spark, not settings (verify-archive has settings besides).
+SPARK_OPTIONS = frozenset({"master", "confs", "spark_ui", "s3_endpoint", "progress", "first", "last"})
 
 
 def spark_options(fn: F) -> F:
@@ -44,14 +49,18 @@ def _imports() -> None:
         import pyarrow  # noqa: F401
         import pyspark  # noqa: F401
     except ImportError as exc:
-        raise click.ClickException(
-            f"{exc.name} is not installed: install the analytics extra: {INSTALL_HINT}"
-        ) from exc
+        raise _missing(exc) from exc
+
+
+def _missing(exc: ImportError) -> click.ClickException:
+    return click.ClickException(f"{exc.name} is not installed: install the analytics extra: {INSTALL_HINT}")
 
 
 def _plan(source: str, first: str | None, last: str | None, s3_endpoint: str | None) -> Any:
-    from sidecar.wal.archive import open_storage, plan_archive
-
+    try:
+        from sidecar.wal.archive import open_storage, plan_archive
+    except ImportError as exc:  # numpy: the plan lives beside the segment scan
+        raise _missing(exc) from exc
     try:
         return plan_archive(open_storage(source, s3_endpoint=s3_endpoint), first, last)
     except (FileNotFoundError, ValueError) as exc:
@@ -111,27 +120,28 @@ def analyze(source: str, out: str | None, want_stats: bool, master: str, confs: 
 @click.command("verify-archive", epilog=NEEDS_EXTRA)
 @click.argument("source")
 @spark_options
-def verify_archive(source: str, master: str, confs: tuple[str, ...], spark_ui: bool, s3_endpoint: str | None,
-                   progress: bool, first: str | None, last: str | None) -> None:
+@configured(VerifyArchiveSettings)
+def verify_archive(s: VerifyArchiveSettings, source: str, master: str, confs: tuple[str, ...], spark_ui: bool,
+                   s3_endpoint: str | None, progress: bool, first: str | None, last: str | None) -> None:
     """Check archived WAL: CRC of every record, page headers, xl_prev chain, missing segments, timelines.
 
     Exits 1 naming the segment and LSN of the first problem; prints a summary when the archive is intact.
-    SOURCE is a directory of WAL segments or s3://bucket/prefix.
+    SOURCE is a directory of WAL segments, file:///path or s3://bucket/prefix (the safekeepers upload to
+    <--archive>/<cluster>/<system id>/wal). With --safekeepers, a segment missing below any safekeeper's
+    backup_lsn is a problem too.
     """
+    plan = _plan(source, first, last, s3_endpoint)
+    gaps = _backup_gaps(s, plan)
+    if s.gaps_only:
+        _report(gaps)
+        click.echo(f"OK: no gap in {plan.storage.location} below the safekeepers' backup_lsn")
+        return
     _imports()
     from sidecar.analytics.pipeline import verify
 
-    plan = _plan(source, first, last, s3_endpoint)
     chain = _run(master, confs, spark_ui, progress, lambda spark, bar: verify(spark, plan, bar))
     segs = plan.segments
-    if chain.problems:
-        first_problem = chain.problems[0]
-        click.echo(f"FAILED: {first_problem.describe()}")
-        for p in chain.problems[1:20]:
-            click.echo(f"  also: {p.describe()}")
-        if len(chain.problems) > 20:
-            click.echo(f"  and {len(chain.problems) - 20} more")
-        sys.exit(1)
+    _report(sorted(set(chain.problems) | set(gaps)))
     tlis = sorted({s.tli for s in segs})
     last_seg = chain.summaries[-1] if chain.summaries else None
     click.echo(f"OK: {len(segs)} segments {segs[0].name}..{segs[-1].name} (timeline {', '.join(map(str, tlis))})")
@@ -139,3 +149,39 @@ def verify_archive(source: str, master: str, confs: tuple[str, ...], spark_ui: b
                " every CRC valid, page headers and xl_prev chain consistent")
     if last_seg is not None and not last_seg.reached_end:
         click.echo(f"  WAL ends in {last_seg.name}: {last_seg.end_reason}")
+
+
+def _report(problems: list[Any]) -> None:
+    """Print the problems and exit 1, if there are any."""
+    if not problems:
+        return
+    click.echo(f"FAILED: {problems[0].describe()}")
+    for p in problems[1:20]:
+        click.echo(f"  also: {p.describe()}")
+    if len(problems) > 20:
+        click.echo(f"  and {len(problems) - 20} more")
+    sys.exit(1)
+
+
+def _backup_gaps(s: VerifyArchiveSettings, plan: Any) -> list[Any]:
+    """Segments the archive lacks below each safekeeper's backup_lsn; a safekeeper that does not answer fails."""
+    import asyncio
+
+    from sidecar.linkauth import client_security
+    from sidecar.ops.probe import probe_safekeeper
+    from sidecar.wal.archive import backup_gaps
+
+    if not s.safekeepers:
+        return []
+    link = client_security(s.certs_dir, s.link_security)
+
+    async def ask() -> list[Any]:
+        return await asyncio.gather(*(probe_safekeeper(a, s.timeout, link) for a in s.safekeepers),
+                                    return_exceptions=True)
+
+    gaps = []
+    for addr, reply in zip(s.safekeepers, asyncio.run(ask())):
+        if isinstance(reply, BaseException):
+            raise click.ClickException(f"safekeeper {addr} did not answer ({reply}): its backup_lsn is unknown")
+        gaps += backup_gaps(plan, reply.backup_lsn, f"safekeeper {reply.node_id} ({addr})")
+    return sorted(set(gaps))

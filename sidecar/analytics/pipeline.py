@@ -21,6 +21,7 @@ from sidecar.analytics.arrow import (
     task_batches,
 )
 from sidecar.analytics.session import StageProgress
+from sidecar.objectstore import open_storage, upload_dir
 from sidecar.wal.archive import (
     ArchivePlan,
     ChainResult,
@@ -161,7 +162,7 @@ def _write_outputs(
         write_report(staging, plan, chain, stats, tables, compression)
         if out.startswith("s3://"):
             progress.step("uploading")
-            upload_dir(staging, out, s3_endpoint)
+            upload_dir(staging, open_storage(out, s3_endpoint=s3_endpoint))
     finally:
         if out.startswith("s3://"):
             shutil.rmtree(staging, ignore_errors=True)
@@ -255,15 +256,3 @@ def fpi_compression(records: Any) -> Any:
             .agg(F.count("*").alias("images"), F.sum("bimg_len").cast("long").alias("stored_bytes"),
                  F.sum(F.lit(8192) - F.col("bimg_len")).cast("long").alias("saved_bytes"))
             .orderBy("compression"))
-
-
-def upload_dir(local: Path, url: str, endpoint: str | None) -> None:
-    """Copy a local directory tree to s3://bucket/prefix with boto3 (credentials from the environment)."""
-    import boto3
-
-    bucket, _, prefix = url[len("s3://"):].partition("/")
-    prefix = prefix.strip("/")
-    client = boto3.session.Session().client("s3", endpoint_url=endpoint)
-    for path in sorted(p for p in local.rglob("*") if p.is_file()):
-        key = path.relative_to(local).as_posix()
-        client.upload_file(str(path), bucket, f"{prefix}/{key}" if prefix else key)

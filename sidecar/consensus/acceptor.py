@@ -122,7 +122,7 @@ class Acceptor:
         last_log_term = s.term_history[-1].term if s.term_history else 0
         return InfoReply(self.node_id, s.system_id, s.wal_seg_size, s.pg_version, s.timeline, s.term, last_log_term,
                          self.flush_lsn, s.commit_lsn, proposer_connected=self.owner is not None,
-                         reader_port=self.reader_port)
+                         reader_port=self.reader_port, backup_lsn=s.backup_lsn)
 
     @property
     def amnesic(self) -> bool:
@@ -273,6 +273,15 @@ class Acceptor:
         """Storage has fsynced up to `flush_lsn`: acknowledge it."""
         self.flush_lsn = max(self.flush_lsn, min(flush_lsn, self.write_lsn))
         return [Reply(AppendReply(self.state.term, self.flush_lsn, self.state.commit_lsn))]
+
+    def on_backed_up(self, backup_lsn: int) -> list[AcceptorAction]:
+        """The archive holds every segment below `backup_lsn`: persist it (it bounds WAL removal)."""
+        s = self.state
+        lsn = min(backup_lsn, s.commit_lsn)
+        if lsn <= s.backup_lsn:
+            return []
+        self.state = replace(s, backup_lsn=lsn)
+        return [Persist(self.state)]
 
     def _learn(self, commit_lsn: int, horizon_lsn: int) -> list[AcceptorAction]:
         # commit_lsn here is "acknowledged by a quorum and present here", so cap it at our WAL.

@@ -116,10 +116,10 @@ _APPEND = Struct(">QQQQ")  # term, begin_lsn, commit_lsn, peer_horizon_lsn; data
 _APPEND_REPLY = Struct(">QQQ")  # term, flush_lsn, commit_lsn
 _REFUSAL = Struct(">H")  # len(reason)
 # node_id, system_id, wal_seg_size, pg_version, timeline, term, last_log_term, flush_lsn,
-# commit_lsn, proposer_connected, reader_port
-_INFO_REPLY = Struct(">QQIIIQQQQBH")
-# Protocol version 1's InfoReply (no reader port): a client is told the safekeeper is older than it.
-_INFO_REPLY_V1_SIZE = _INFO_REPLY.size - 2
+# commit_lsn, proposer_connected, reader_port, backup_lsn
+_INFO_REPLY = Struct(">QQIIIQQQQBHQ")
+# Protocol version 1's InfoReply (no reader port, no backup_lsn): a client is told the safekeeper is older than it.
+_INFO_REPLY_V1_SIZE = _INFO_REPLY.size - 10
 # AuthResponse: nonce, then certificate, host and signature, each a u16 length and its bytes;
 # AuthConfirm: certificate and signature the same way.
 
@@ -209,6 +209,7 @@ def _check_info_reply(m: InfoReply) -> None:
     limits.check_lsn(m.flush_lsn, "flush LSN")
     limits.check_lsn(m.commit_lsn, "commit LSN")
     limits.check_port(m.reader_port)
+    limits.check_lsn(m.backup_lsn, "backup LSN")
 
 
 def _check_auth_challenge(m: AuthChallenge) -> None:
@@ -345,7 +346,7 @@ def _encode_info_reply(m: InfoReply) -> bytes:
     _check_info_reply(m)
     body = _INFO_REPLY.pack(m.node_id, m.system_id, m.wal_seg_size, m.pg_version, m.timeline, m.term,
                             m.last_log_term, m.flush_lsn, m.commit_lsn, 1 if m.proposer_connected else 0,
-                            m.reader_port)
+                            m.reader_port, m.backup_lsn)
     return _framed(TAG_INFO_REPLY, body)
 
 
@@ -577,9 +578,9 @@ def _decode_info_reply(body: Body) -> InfoReply:
         raise ProtocolError(f"the safekeeper speaks protocol version 1 (this walsidecar speaks {PROTOCOL_VERSION}): "
                             "upgrade it to this release")
     _need_exact(body, _INFO_REPLY.size, "InfoReply")
-    *fields, connected, reader_port = _INFO_REPLY.unpack_from(body)
+    *fields, connected, reader_port, backup = _INFO_REPLY.unpack_from(body)
     m = InfoReply(*fields, proposer_connected=_bool(connected, "proposer_connected", "InfoReply"),
-                  reader_port=reader_port)
+                  reader_port=reader_port, backup_lsn=backup)
     _check_info_reply(m)
     return m
 

@@ -141,6 +141,7 @@ class InfoReply:
     commit_lsn: int
     proposer_connected: bool
     reader_port: int = 0  # where it serves WAL to readers (0: nowhere)
+    backup_lsn: int = 0  # the archive holds every segment below it
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,9 @@ from sidecar.tls import TlsError, client_context
 
 Status = Literal["OK", "WARNING", "FAILED"]
 PLACEHOLDERS = {"N", "DIR", "CERTS_DIR"}  # in hints: what the user fills in
+# Whole segments a safekeeper's backup_lsn may trail its commit_lsn by: one or two while a segment
+# uploads; more means the archive stalls, and with it WAL removal.
+ARCHIVE_LAG_WARNING, ARCHIVE_LAG_FAILED = 4, 64
 
 
 @dataclass
@@ -358,6 +361,7 @@ class Checker:
                 good += 1
         q, n = self.s.quorum or len(self.s.safekeepers) // 2 + 1, len(self.s.safekeepers)
         self._lineage([r for r in replies if isinstance(r, InfoReply) and r.system_id == self.system_id])
+        self._archive([r for r in replies if isinstance(r, InfoReply) and r.system_id and r.wal_seg_size])
         if good >= q:
             self.add(_ok("safekeeper quorum", f"{good} of {n} usable, quorum {q}"))
         else:
@@ -387,6 +391,31 @@ class Checker:
                                               "backup); its sidecar is refused", rejoin))
         else:
             self.add(_ok("primary lineage", f"timeline {timeline}, at or past the committed {format_lsn(commit)}"))
+
+    def _archive(self, replies: list[InfoReply]) -> None:
+        """Does the archive keep up? Each safekeeper's backup_lsn against its own commit_lsn (from InfoReply)."""
+        if not replies:
+            return
+        hint = ("read the safekeepers' logs for 'archiving failed' (the archive unreachable, its credentials, a "
+                "full bucket) and their /status (archive_failing); WAL removal waits for the archive, so their "
+                "disks fill meanwhile")
+        if not any(r.backup_lsn for r in replies):
+            self.add(_warn("archive", "no safekeeper reports archived WAL (backup_lsn 0 on every one): either they "
+                                      "run without --archive, and WAL is then only as safe as its copies on the "
+                                      "safekeepers (fewer still with --keep-wal), or nothing was uploaded yet",
+                           "give every safekeeper --archive s3://BUCKET/PREFIX (or file:///PATH) and the same "
+                           "--cluster; if they have it, " + hint))
+            return
+        for r in replies:
+            lag = max(r.commit_lsn - r.backup_lsn, 0) // r.wal_seg_size
+            detail = f"safekeeper {r.node_id}: backup_lsn {format_lsn(r.backup_lsn)}, {lag} segment(s) behind its " \
+                     f"commit_lsn {format_lsn(r.commit_lsn)}"
+            if lag > ARCHIVE_LAG_FAILED:
+                self.add(_fail("archive", f"{detail}: the archive is not keeping up", hint))
+            elif lag > ARCHIVE_LAG_WARNING:
+                self.add(_warn("archive", f"{detail}: the archive falls behind", hint))
+            else:
+                self.add(_ok("archive", detail))
 
     def _identity(self, addr: str, r: InfoReply) -> bool:
         name = f"safekeeper {addr} system id"

@@ -52,17 +52,17 @@ def init_postgres(s: InitPostgresSettings) -> None:
 @click.argument("target", metavar="%p", type=click.Path(dir_okay=False, path_type=Path))
 @configured(RestoreWalSettings)
 def restore_wal(s: RestoreWalSettings, name: str, target: Path) -> None:
-    """PostgreSQL's restore_command: fetch WAL file %f from the safekeepers into %p.
+    """PostgreSQL's restore_command: fetch WAL file %f from the safekeepers (else --archive) into %p.
 
     restore_command = 'walsidecar restore-wal %f %p --config /etc/walsidecar/restore.toml'
 
     \b
     Exit codes (all below 126: PostgreSQL takes each failure as "not restored" and moves on):
       0  restored, checked (size, page headers, record CRCs)
-      1  no safekeeper holds %f
-      2  wrong usage or options
-      3  too few safekeepers answered to know
-      4  the safekeepers that hold %f sent WAL that fails the checks
+      1  no safekeeper holds %f, nor the archive
+      2  wrong usage or options (also: an archive of several systems and no --system-id)
+      3  too few safekeepers answered to know, and the archive lacks %f or did not answer
+      4  the safekeepers (or the archive) that hold %f gave WAL that fails the checks
       5  %p could not be written
     """
     from sidecar.ops.restore import restore_wal as run

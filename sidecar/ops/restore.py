@@ -5,6 +5,9 @@ unfinished segment is given only when a majority of the safekeepers answer, up t
 commit position they report (each a position a quorum flushed: invariant 5), zero-padded to the
 segment size as PostgreSQL expects of a segment. What arrives is checked (size, page headers,
 record CRCs) before `%p` is written: a temporary file, fsync, rename.
+
+With `--archive`, a file no safekeeper gives (removed below backup_lsn, none reachable, or no
+`--safekeeper-readers`) is looked up there, by its exact name, and checked the same way.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from sidecar import pgrepl
 from sidecar.address import Address
 from sidecar.config import RestoreWalSettings
 from sidecar.logs import get_logger
+from sidecar.ops.archivedwal import AmbiguousArchive, ArchiveError, open_archived_wal
 from sidecar.lsn import format_lsn, parse_segment_file_name
 from sidecar.walclient import ReaderError, ReaderUnreachable, WalReader, copy_wal
 from sidecar.wal.format import WalFormatError
@@ -38,9 +42,10 @@ class Exit(enum.IntEnum):
     """restore-wal's exit codes; all below 126, so PostgreSQL treats every failure as "not restored"."""
 
     RESTORED = 0
-    NOT_FOUND = 1  # no safekeeper holds the file: recovery moves on (streaming, or the end of recovery)
+    NOT_FOUND = 1  # no safekeeper (nor the archive) holds the file: recovery moves on (streaming, or its end)
+    USAGE = 2  # wrong options (click's own code), or an archive holding several systems and no --system-id
     UNREACHABLE = 3  # too few safekeepers answered to know
-    BAD_DATA = 4  # the safekeepers that hold it sent WAL that fails the checks
+    BAD_DATA = 4  # the safekeepers (or the archive) that hold it gave WAL that fails the checks
     CANNOT_WRITE = 5  # %p could not be written
 
 
@@ -50,6 +55,13 @@ class Failure(Exception):
     def __init__(self, code: Exit, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+@dataclass
+class Seen:
+    """What the safekeepers said of the system, for finding its WAL in the archive."""
+
+    system_id: int | None = None
 
 
 @dataclass
@@ -67,17 +79,7 @@ class Answer:
 def restore_wal(s: RestoreWalSettings, name: str, target: Path) -> Exit:
     """Restore `name` into `target`; the exit code. Failures are logged with the reason and returned."""
     try:
-        if _HISTORY.fullmatch(name):
-            data = _history(s, int(name[:8], 16))
-        else:
-            try:
-                tli, segno, partial = parse_segment_file_name(name)
-            except ValueError:
-                partial, tli = True, 0
-            if partial or tli == 0:
-                raise Failure(Exit.NOT_FOUND, f"{name} is neither a WAL segment nor a .history file; the "
-                                              "safekeepers serve only those")
-            data = _segment(s, name, tli, segno)
+        data = _restore(s, name)
     except Failure as e:
         # PostgreSQL asks for files that do not exist as a matter of course (the next timeline's history).
         say = log.info if e.code is Exit.NOT_FOUND else log.error
@@ -92,17 +94,73 @@ def restore_wal(s: RestoreWalSettings, name: str, target: Path) -> Exit:
     return Exit.RESTORED
 
 
+def _restore(s: RestoreWalSettings, name: str) -> bytes:
+    """The checked file: from the safekeepers, else from the archive."""
+    history = _HISTORY.fullmatch(name) is not None
+    if history:
+        tli, segno = int(name[:8], 16), 0
+    else:
+        try:
+            tli, segno, partial = parse_segment_file_name(name)
+        except ValueError:
+            partial, tli = True, 0
+        if partial or tli == 0:
+            raise Failure(Exit.NOT_FOUND, f"{name} is neither a WAL segment nor a .history file; the "
+                                          "safekeepers and the archive serve only those")
+    seen = Seen()
+    first: Failure | None = None
+    if s.safekeeper_readers:
+        try:
+            return _history(s, tli, seen) if history else _segment(s, name, tli, segno, seen)
+        except Failure as e:
+            if s.archive is None:
+                raise
+            first = e
+            log.info("not from the safekeepers; trying the archive", file=name, reason=str(e))
+    return _from_archive(s, name, tli, history, seen, first)
+
+
+def _from_archive(s: RestoreWalSettings, name: str, tli: int, history: bool, seen: Seen,
+                  first: Failure | None) -> bytes:
+    """`name` from --archive; `first` is why the safekeepers did not give it (None: none were asked)."""
+    assert s.archive is not None
+    before = f"{first}; " if first is not None else ""
+    if s.system_id and seen.system_id and s.system_id != seen.system_id:
+        raise Failure(Exit.USAGE, f"{before}--system-id {s.system_id} is not the safekeepers' system "
+                                  f"{seen.system_id}: fix --system-id or --safekeeper-readers")
+    try:
+        wal = open_archived_wal(s.archive, s.s3_endpoint, s.cluster, s.system_id or seen.system_id)
+        data = wal.history(name) if history else wal.segment(name, tli)
+    except AmbiguousArchive as e:
+        raise Failure(Exit.USAGE, f"{before}{e}") from None
+    except ArchiveError as e:
+        code = first.code if first is not None and first.code is Exit.BAD_DATA else Exit.UNREACHABLE
+        raise Failure(code, f"{before}the archive did not answer (check --archive, --s3-endpoint and the AWS "
+                            f"credentials): {e}") from None
+    except WalFormatError as e:
+        raise Failure(Exit.BAD_DATA, f"{before}{wal.location}/{name} in the archive fails the checks: {e}") from None
+    if data is None:
+        raise Failure(first.code if first is not None else Exit.NOT_FOUND,
+                      f"{before}{name} is not in the archive {wal.location} either" if first is not None
+                      else f"{name} is not in the archive {wal.location}")
+    log.info("restored from the archive", file=name, archive=wal.location, bytes=len(data),
+             system_id=wal.system_id)
+    return data
+
+
 def _addresses(s: RestoreWalSettings) -> list[Address]:
     return [Address.parse(a) for a in s.safekeeper_readers]
 
 
-def _history(s: RestoreWalSettings, tli: int) -> bytes:
+def _history(s: RestoreWalSettings, tli: int, seen: Seen) -> bytes:
     name = pgrepl.history_file_name(tli)
     unreachable: list[str] = []
     bad: list[str] = []
     for address in _addresses(s):
         try:
             with WalReader(address, s, application_name="walsidecar restore-wal") as r:
+                if s.archive is not None and seen.system_id is None:
+                    seen.system_id = r.identify()[0] or None  # where the archive keeps it, if needed
                 content = r.timeline_history(tli)
         except ReaderUnreachable as e:
             log.warning("safekeeper unreachable", safekeeper=str(address), reason=e.message)
@@ -136,7 +194,7 @@ def _nowhere(name: str, unreachable: list[str], bad: list[str], n: int) -> Failu
     return Failure(Exit.NOT_FOUND, f"{name} does not exist on the safekeepers")
 
 
-def _segment(s: RestoreWalSettings, name: str, tli: int, segno: int) -> bytes:
+def _segment(s: RestoreWalSettings, name: str, tli: int, segno: int, seen: Seen) -> bytes:
     addresses = _addresses(s)
     majority = len(addresses) // 2 + 1
     unreachable: list[str] = []
@@ -170,6 +228,7 @@ def _segment(s: RestoreWalSettings, name: str, tli: int, segno: int) -> bytes:
             raise Failure(Exit.BAD_DATA, "the safekeepers disagree on the system or the segment size: " + ", ".join(
                 f"{a.address} system {a.system_id} segment {a.seg_size}" for a in holding)
                 + "; --safekeeper-readers must list the safekeepers of one deployment")
+        seen.system_id = next((a.system_id for a in answers if a.system_id), None)
         if not holding:
             raise _nowhere(name, unreachable, bad, len(addresses))
         seg_size, system_id = holding[0].seg_size, holding[0].system_id

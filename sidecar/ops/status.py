@@ -26,7 +26,7 @@ from sidecar.proposer.primary import read_syncrep_state
 from sidecar.linkauth import client_security
 from sidecar.tls import TlsError, client_context
 
-COLUMNS = ("Safekeeper", "Address", "State", "Term", "Flush LSN", "Lag (bytes)", "Lag (s)", "Last contact")
+COLUMNS = ("Safekeeper", "Address", "State", "Term", "Flush LSN", "Lag (bytes)", "Lag (s)", "Last contact", "Backup LSN")
 
 
 async def gather(s: StatusSettings) -> dict[str, Any]:
@@ -68,7 +68,8 @@ async def gather(s: StatusSettings) -> dict[str, Any]:
         if isinstance(r, InfoReply):
             row["own"] = {"id": r.node_id, "system_id": str(r.system_id), "term": r.term,
                           "last_log_term": r.last_log_term, "flush_lsn": format_lsn(r.flush_lsn),
-                          "commit_lsn": format_lsn(r.commit_lsn), "proposer_connected": r.proposer_connected}
+                          "commit_lsn": format_lsn(r.commit_lsn), "proposer_connected": r.proposer_connected,
+                          "reader_port": r.reader_port or None, "backup_lsn": format_lsn(r.backup_lsn)}
             row["id"] = row["id"] or r.node_id
             if row["term"] is None:
                 row["term"] = r.term
@@ -165,7 +166,9 @@ def table(doc: dict[str, Any]) -> str:
         rows.append([_cell(r.get("id")), r["address"], _cell(r.get("state")), _cell(r.get("term")),
                      _cell(r.get("flush_lsn")), _cell(r.get("lag_bytes")),
                      "" if lag_s is None else f"{lag_s:.1f}",
-                     "" if contact is None else f"{contact:.1f}s ago"])
+                     "" if contact is None else f"{contact:.1f}s ago",
+                     # 0/0 until this safekeeper or another archived a segment (--archive)
+                     (r.get("own") or {}).get("backup_lsn", "")])
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(COLUMNS)]
     border = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
     prop = doc.get("proposer") or {}
@@ -216,8 +219,16 @@ def _summary(doc: dict[str, Any]) -> list[str]:
             wait_txt = f"commits waiting {waiting}" + (f" (the oldest for {oldest:.1f}s)" if waiting and oldest else "")
             sync = prim.get("sync_state") or "not connected"
             lines.append(f" Primary:  flush_lsn {prim.get('flush_lsn')}, {wait_txt}, sidecar sync_state {sync}")
+    lines += _reader_lines(doc["safekeepers"])
     lines += _broker_lines(doc.get("broker"))
     return lines
+
+
+def _reader_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Where each safekeeper serves readers (standbys, pg_receivewal, restore-wal), as it says itself."""
+    ports = [f"{r['id']}: port {own['reader_port']}" if own.get("reader_port") else f"{r['id']}: none"
+             for r in rows if "error" not in (own := r.get("own") or {"error": 1})]
+    return [f" Readers:  {', '.join(ports)}"] if ports else []
 
 
 def _broker_lines(b: dict[str, Any] | None) -> list[str]:

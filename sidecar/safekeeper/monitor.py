@@ -72,6 +72,9 @@ class SafekeeperMonitor:
             "write_lsn": format_lsn(v.write_lsn),
             "commit_lsn": format_lsn(p.commit_lsn),
             "peer_horizon_lsn": format_lsn(s.peer_horizon_lsn),
+            "backup_lsn": format_lsn(s.backup_lsn),
+            "archiving": v.archive is not None,
+            "archive_failing": v.archive_error is not None,
             # No proposer address, paths or error texts: a stranger may read this; the log has them.
             "proposer_connected": v.proposer_connected,
             "reader_listen": v.reader_listen,
@@ -112,6 +115,10 @@ class SafekeeperMonitor:
                 p.commit_lsn)
         yield g("walsidecar_safekeeper_peer_horizon_lsn_bytes", "Position every safekeeper holds, as last learned.",
                 s.peer_horizon_lsn)
+        yield g("walsidecar_safekeeper_backup_lsn_bytes", "End of the WAL the archive holds every segment of "
+                "(--archive).", s.backup_lsn)
+        yield g("walsidecar_safekeeper_archive_failing", "1 while archiving fails (the log says why); it is "
+                "retried.", 1 if v.archive_error else 0)
         yield g("walsidecar_safekeeper_disk_full", "1 once a full disk stopped this safekeeper acknowledging WAL "
                 "(free space, then restart it).", 1 if v.disk_full else 0)
         yield g("walsidecar_safekeeper_proposer_connected", "1 while an elected proposer streams to this safekeeper.",

@@ -26,9 +26,11 @@ from sidecar.consensus.quorum import peers_to_learn_from
 from sidecar.consensus.reading import ServerState
 from sidecar.consensus.session import AcceptorSession, Role
 from sidecar.logs import get_logger, set_context_provider
-from sidecar.lsn import format_lsn
+from sidecar.lsn import format_lsn, segment_file_name
 from sidecar.metrics import SafekeeperMetrics
 from sidecar.safekeeper.amnesia import TermLearner
+from sidecar.consensus.state import AcceptorState
+from sidecar.safekeeper.backup import ArchiveOptions, PartialSegment, uploader_for
 from sidecar.safekeeper.control import ControlData, save_control
 from sidecar.safekeeper.diskguard import DiskGuard
 from sidecar.safekeeper.pgserver import ReaderPort, ReaderServer
@@ -67,7 +69,7 @@ class Safekeeper:
     def __init__(self, node_id: int, data_dir: Path, host: str, port: int, security: linkauth.Security,
                  acceptor: Acceptor, storage: WalStorage | NoWal, stats: SafekeeperMetrics,
                  reader_port: ReaderPort | None = None, keep_wal: int | None = None,
-                 max_disk_usage: DiskLimit | None = None) -> None:
+                 max_disk_usage: DiskLimit | None = None, archive: ArchiveOptions | None = None) -> None:
         self.node_id = node_id
         # Neither: --insecure, every connection may act as a proposer.
         self.ssl_context = security if isinstance(security, ssl.SSLContext) else None
@@ -80,13 +82,16 @@ class Safekeeper:
         self.stats = stats
         self.positions = PositionWatch(self._positions())
         self.slots = Slots(data_dir)
-        # Removal (--keep-wal; the archive's backup_lsn once wired) and the disk guard (--max-disk-usage).
+        # Removal (the archive's backup_lsn, or --keep-wal) and the disk guard (--max-disk-usage).
         self.guard = DiskGuard(max_disk_usage, data_dir)
-        self.remover = Remover(self, self.guard, keep_wal)
+        self.remover = Remover(self, self.guard, keep_wal, backup_lsn=lambda: self.acceptor.state.backup_lsn
+                               if self.uploader is not None else None)
         self.slots.on_change = self.remover.wake
         # The reader port (--pg-listen): proposers learn it from the greeting (0: none).
         self.readers = ReaderServer(self, reader_port) if reader_port is not None else None
         self.acceptor.reader_port = reader_port.port if reader_port is not None else 0
+        self.uploader = uploader_for(self, archive.url, archive.s3_endpoint, archive.cluster, archive.takeover,
+                                     stats.archived.inc) if archive is not None else None
         self._server: asyncio.Server | None = None  # while serve() runs
         self._serving: asyncio.Task[None] | None = None
         self._flush_lock = asyncio.Lock()
@@ -104,6 +109,7 @@ class Safekeeper:
     def open(cls, node_id: int, data_dir: Path, host: str, port: int,
              security: linkauth.Security = None, reader_port: ReaderPort | None = None,
              keep_wal: int | None = None, max_disk_usage: DiskLimit | None = None,
+             archive: ArchiveOptions | None = None,
              peers: tuple[str, ...] = (), peer_security: linkauth.Security = None) -> Safekeeper:
         """Load the control file, check the stored WAL and find its end: a safekeeper ready to serve.
 
@@ -116,7 +122,7 @@ class Safekeeper:
         acceptor, storage = open_data_dir(node_id, data_dir, _disk_full_reporter(stats, log), log,
                                           peers_to_learn_from(len(peers) + 1) if peers else 0)
         sk = cls(node_id, data_dir, host, port, security, acceptor, storage, stats, reader_port,
-                 keep_wal, max_disk_usage)
+                 keep_wal, max_disk_usage, archive)
         if acceptor.amnesic:
             sk.learner = TermLearner(acceptor, peers, peer_security, sk._persist_learned)
         return sk
@@ -151,7 +157,10 @@ class Safekeeper:
             slots=tuple(SlotView(s.name, s.restart_lsn, s.timeline, s.temporary, s.active) for s in self.slots),
             broker=self.publisher.view() if self.publisher is not None else None,
             removal_horizon=self.remover.horizon, removal_stopped_by=self.remover.stopped_by,
-            disk_guard=self.guard.reason, disk_usage=self.guard.usage, learning_term_from=acc.amnesic_peers)
+            disk_guard=self.guard.reason, disk_usage=self.guard.usage,
+            archive=(self.uploader.store or self.uploader.root).location if self.uploader is not None else None,
+            archive_error=self.uploader.error if self.uploader is not None else None,
+            learning_term_from=acc.amnesic_peers)
 
     # ---- what readers see (safekeeper/pgserver.py, walsender.py) ------------------------------
 
@@ -168,7 +177,7 @@ class Safekeeper:
         acc, p, st = self.acceptor, self.positions.value, self.storage
         s = acc.state
         # The cuts up to the published generation (the acceptor may be a batch ahead of it).
-        cuts = acc.cuts[:len(acc.cuts) - (acc.cut_generation - p.generation)]
+        cuts = acc.cuts[:max(0, len(acc.cuts) - (acc.cut_generation - p.generation))]
         return ServerState(p.term, p.flush_lsn, p.commit_lsn, p.generation, s.timeline or 1, s.timeline_history,
                            st.first_lsn() if isinstance(st, WalStorage) else None, cuts)
 
@@ -182,6 +191,50 @@ class Safekeeper:
     def pin_wal(self, lsn: int, holder: str) -> WalPin:
         """Keep the stored WAL from `lsn` on from removal until the pin is released (readers, the uploader)."""
         return self.storage.pin(lsn, holder, self.remover.wake)
+
+    # ---- what the uploader (backup.py) reads and changes
+
+    def archive_state(self) -> AcceptorState:
+        return self.acceptor.state
+
+    def complete_segment(self, segno: int) -> Path | None:
+        st = self.storage
+        return st.complete_segment(segno) if isinstance(st, WalStorage) else None
+
+    async def read_partial(self) -> PartialSegment | None:
+        """The segment being written, up to flush_lsn, and the term that wrote its last byte; None at a
+        segment boundary.
+
+        Bytes below flush_lsn change only by a cut, and every cut comes with an Elected: so they are read
+        under the flush lock after checking that no Elected was applied since flush_lsn was taken.
+        """
+        acc, st = self.acceptor, self.storage
+        for _ in range(3):  # an Elected in between: take the new flush_lsn
+            if not isinstance(st, WalStorage) or not acc.state.term_history:
+                return None
+            generation, history, end = acc.cut_generation, acc.state.term_history, acc.flush_lsn
+            seg = st.seg_size
+            start = end - end % seg
+            if end == start:
+                return None
+            async with self._flush_lock:
+                if acc.cut_generation != generation:
+                    continue
+                data = await asyncio.to_thread(st.read, start, end - start)
+            term = next((e.term for e in reversed(history) if e.start_lsn < end), history[0].term)
+            return PartialSegment(segment_file_name(acc.state.timeline, start // seg, seg), term, end,
+                                  data + bytes(seg - len(data)))
+        return None
+
+    async def backed_up(self, lsn: int) -> None:
+        """The archive holds every segment below `lsn`: persist it as backup_lsn."""
+        actions = self.acceptor.on_backed_up(lsn)
+        if actions:
+            async with self._persist_lock:
+                for a in actions:
+                    if isinstance(a, Persist):
+                        await asyncio.to_thread(save_control, self.data_dir, ControlData(self.node_id, a.state))
+            self.remover.wake()  # the horizon may move with backup_lsn
 
     def _positions(self) -> Positions:
         acc = self.acceptor
@@ -217,6 +270,7 @@ class Safekeeper:
         publisher = asyncio.create_task(self.publisher.run()) if self.publisher is not None else None
         remover = asyncio.create_task(self.remover.run())
         learner = asyncio.create_task(self.learner.run()) if self.learner is not None else None
+        uploader = asyncio.create_task(self.uploader.run()) if self.uploader is not None else None
         try:
             if self.readers is not None:
                 await self.readers.start()
@@ -227,10 +281,12 @@ class Safekeeper:
             self._server.close()
             if self.readers is not None:
                 await self.readers.close()
-            for task in (flusher, slot_saver, remover, *(t for t in (publisher, learner) if t is not None)):
+            for task in (flusher, slot_saver, remover, *(t for t in (publisher, uploader, learner) if t is not None)):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            if self.uploader is not None and self.fatal is None:
+                await self.uploader.close()
             self.storage.close()
 
     def _role_of(self, ident: tls.Identity | None) -> Role:

@@ -374,6 +374,12 @@ class WalStorage:
         with self._lock:
             return [(f.tli, segno, f.partial) for segno, f in sorted(self._files.items())]
 
+    def complete_segment(self, segno: int) -> Path | None:
+        """The final-named (complete and durable) file of segment `segno`, or None."""
+        with self._lock:
+            f = self._files.get(segno)
+            return None if f is None or f.partial else self._path(segno)
+
     def first_lsn(self) -> int | None:
         """Start of the lowest stored segment, or None when nothing is stored."""
         with self._lock:

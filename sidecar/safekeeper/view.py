@@ -56,6 +56,8 @@ class SafekeeperView:
     readers: int = 0  # reader connections now
     streaming_readers: int = 0  # of which in START_REPLICATION
     slots: tuple[SlotView, ...] = ()
+    archive: str | None = None  # where committed segments are uploaded (--archive), if anywhere
+    archive_error: str | None = None  # the last archiving failure, until an upload succeeds
     broker: BrokerView | None = None  # with --broker
     removal_horizon: Horizon = Horizon(0, "nothing stored yet")  # WAL below it is removed
     removal_stopped_by: str | None = None  # a pin that kept removal below the horizon

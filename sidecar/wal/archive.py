@@ -1,4 +1,4 @@
-"""Archived WAL as a set of segment files: where they are stored, which ones form the WAL, and one segment's scan.
+"""Archived WAL as segment files in a sidecar.objectstore store: which ones form the WAL, and one segment's scan.
 
 A record belongs to the segment where it starts. Scanning a segment decodes and checks the records starting
 in it and finishes the last one by reading only the head of the following segment(s); a per-segment summary
@@ -7,12 +7,11 @@ then lets the caller check that consecutive segments chain together (see check_c
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -25,6 +24,7 @@ from sidecar.lsn import (
     parse_segment_file_name,
     segment_file_name,
 )
+from sidecar.objectstore import LocalStorage, S3Storage, Storage, open_storage  # noqa: F401 - re-exported
 from sidecar.pgrepl import parse_timeline_history
 from sidecar.wal import stopcodes
 from sidecar.wal.decode import BlockRef, decode_record, xact_time
@@ -59,127 +59,6 @@ _LSN_OF_PAGE = re.compile(r"\(page ([0-9A-F]{1,8}/[0-9A-F]{1,8})\)")
 _LSN_AT = re.compile(r"\bat ([0-9A-F]{1,8}/[0-9A-F]{1,8})\b")
 _STALE_PAGE = re.compile(r"page address mismatch: pageaddr ([0-9A-F]{1,8}/[0-9A-F]{1,8})")
 _MIN_HEAD_FETCH = 64 * 1024
-
-# ----- storage -----
-
-
-class Storage(Protocol):
-    """Where segment files live: a local directory or an S3 prefix. Must pickle: Spark tasks get a copy."""
-
-    location: str
-
-    def list_files(self) -> dict[str, int]:
-        """Every file name directly in the location, with its size."""
-        ...
-
-    def read(self, name: str) -> bytes:
-        """A whole file (FileNotFoundError when it is absent)."""
-        ...
-
-    def read_range(self, name: str, start: int, length: int) -> bytes:
-        """Up to length bytes at start; fewer where the file ends, b"" when it is absent."""
-        ...
-
-
-class LocalStorage:
-    """Segment files in a local directory (an archive, pg_wal or a safekeeper's wal/)."""
-
-    def __init__(self, directory: Path | str) -> None:
-        self.directory = Path(directory)
-        self.location = str(self.directory)
-
-    def list_files(self) -> dict[str, int]:
-        """File names and sizes; a missing directory is an error."""
-        if not self.directory.is_dir():
-            raise FileNotFoundError(f"{self.directory} is not a directory")
-        return {e.name: e.stat().st_size for e in os.scandir(self.directory) if e.is_file()}
-
-    def read(self, name: str) -> bytes:
-        """The whole file."""
-        return (self.directory / name).read_bytes()
-
-    def read_range(self, name: str, start: int, length: int) -> bytes:
-        """A byte range by pread."""
-        try:
-            with open(self.directory / name, "rb") as f:
-                return os.pread(f.fileno(), length, start)
-        except FileNotFoundError:
-            return b""
-
-
-class S3Storage:
-    """Segment files under s3://bucket/prefix, read with boto3 (listing on the driver, ranged GETs in tasks).
-
-    boto3 reads credentials and AWS_ENDPOINT_URL from the environment; endpoint_url overrides the latter.
-    """
-
-    def __init__(self, bucket: str, prefix: str, endpoint_url: str | None = None) -> None:
-        self.bucket = bucket
-        self.prefix = prefix.strip("/")
-        self.endpoint_url = endpoint_url
-        self.location = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
-        self._client: Any = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        # A boto3 client does not pickle; each task makes its own.
-        return {**self.__dict__, "_client": None}
-
-    @property
-    def client(self) -> Any:
-        if self._client is None:
-            import boto3
-
-            self._client = boto3.session.Session().client("s3", endpoint_url=self.endpoint_url)
-        return self._client
-
-    def _key(self, name: str) -> str:
-        return f"{self.prefix}/{name}" if self.prefix else name
-
-    def list_files(self) -> dict[str, int]:
-        """Objects directly under the prefix (not in deeper "directories")."""
-        base = f"{self.prefix}/" if self.prefix else ""
-        found: dict[str, int] = {}
-        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
-            for obj in page.get("Contents", []):
-                name = obj["Key"][len(base):]
-                if name and "/" not in name:
-                    found[name] = int(obj["Size"])
-        return found
-
-    def read(self, name: str) -> bytes:
-        """GET the whole object."""
-        try:
-            return self.client.get_object(Bucket=self.bucket, Key=self._key(name))["Body"].read()
-        except self.client.exceptions.NoSuchKey as exc:
-            raise FileNotFoundError(f"{self.location}/{name}") from exc
-
-    def read_range(self, name: str, start: int, length: int) -> bytes:
-        """A ranged GET; b"" for a missing object or a range past its end."""
-        if length <= 0:
-            return b""
-        try:
-            resp = self.client.get_object(Bucket=self.bucket, Key=self._key(name),
-                                          Range=f"bytes={start}-{start + length - 1}")
-        except self.client.exceptions.NoSuchKey:
-            return b""
-        except self.client.exceptions.ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") == "InvalidRange":
-                return b""
-            raise
-        return resp["Body"].read()
-
-
-def open_storage(source: str, *, s3_endpoint: str | None = None) -> Storage:
-    """A Storage for a local directory or an s3://bucket/prefix URL."""
-    if source.startswith("s3://"):
-        bucket, _, prefix = source[len("s3://"):].partition("/")
-        if not bucket:
-            raise ValueError(f"no bucket in {source!r}")
-        return S3Storage(bucket, prefix, s3_endpoint)
-    if "://" in source:
-        raise ValueError(f"unsupported WAL source {source!r}: use a directory or s3://bucket/prefix")
-    return LocalStorage(source)
-
 
 # ----- problems and the archive plan -----
 
@@ -302,6 +181,18 @@ def plan_archive(storage: Storage, first: str | None = None, last: str | None = 
         else:
             problems.append(Problem(segno * seg_size, MISSING, name, f"{name} is not in {storage.location}"))
     return ArchivePlan(storage, seg_size, chosen, problems)
+
+
+def backup_gaps(plan: ArchivePlan, backup_lsn: int, who: str) -> list[Problem]:
+    """Segments from the archive's first one up to `backup_lsn` that it lacks: `who` said they were archived."""
+    seg = plan.seg_size
+    held = {s.segno: s.tli for s in plan.segments if not s.partial}
+    if not held:
+        return []
+    tli = max(held.values())
+    return [Problem(segno * seg, MISSING, segment_file_name(tli, segno, seg),
+                    f"not in {plan.storage.location}, yet below the backup_lsn {format_lsn(backup_lsn)} of {who}")
+            for segno in range(min(held), backup_lsn // seg) if segno not in held]
 
 
 def _bound(name: str | None, seg_size: int, default: int) -> int:

@@ -265,6 +265,10 @@ def test_status_table_json_and_watch(ops: Ops) -> None:
     doc = json.loads(ops.status("--format", "json").stdout)
     assert [r["id"] for r in doc["safekeepers"]] == [1, 2, 3]
     assert all(r["own"]["proposer_connected"] for r in doc["safekeepers"])
+    # Each safekeeper says where it serves readers (its --pg-listen port).
+    ports = [a.port for a in ops.d.reader_addresses]
+    assert [r["own"]["reader_port"] for r in doc["safekeepers"]] == ports
+    assert f" Readers:  1: port {ports[0]}, 2: port {ports[1]}, 3: port {ports[2]}" in table
     ops.d.safekeepers[3].kill9()
 
     def sk3_down() -> bool:

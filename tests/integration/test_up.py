@@ -189,6 +189,13 @@ def test_banner_on_stdout_views_installed_and_ctl_errors(procs: ProcessTracker, 
             "SELECT table_name FROM information_schema.views WHERE table_schema = 'walsidecar'")}
         assert {"status", "replication", "slots", "waiting_commits"} <= views
         assert c.execute("SELECT protecting_commits FROM walsidecar.status").fetchone() == (True,)
+        # Committed segments go to the local archive (file://DIR/archive), under <cluster>/<system id>/wal.
+        sysid = c.execute("SELECT system_identifier FROM pg_control_system()").fetchone()[0]
+        segment = c.execute("SELECT pg_walfile_name(pg_current_wal_lsn())").fetchone()[0]
+        c.execute("SELECT pg_switch_wal()")
+        c.execute("CREATE TABLE after_switch ()")
+    archived = up.dir / "archive" / str(sysid) / str(sysid) / "wal" / segment
+    wait_for(archived.exists, timeout=60, what=f"{archived} to be archived")
 
     # ctl: the socket is the owner's only; wrong members and a second `up` on the same --dir get clear answers.
     assert (up.dir / "up.sock").stat().st_mode & 0o777 == 0o600

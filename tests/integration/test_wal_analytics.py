@@ -5,9 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
-import sys
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,7 +16,7 @@ from urllib.parse import urlparse
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner, Result
-from support.helpers import free_port, wait_for
+from support.s3 import moto_server
 from support.realwal import COMPRESSIONS, GeneratedWal, wal_fixture
 
 from sidecar.analytics.session import spark_session
@@ -130,22 +128,8 @@ def analyzed(wal: GeneratedWal, spark: Any, test_root: Path) -> Analyzed:
 @pytest.fixture(scope="module")
 def s3(spark: Any, test_root: Path) -> Iterator[str]:
     """moto_server on 127.0.0.1, stopped by its PID afterwards; yields its endpoint URL."""
-    port = free_port()
-    with open(test_root / "moto.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-    def accepting() -> bool:
-        assert proc.poll() is None, "moto_server exited"
-        with socket.socket() as s:
-            return s.connect_ex(("127.0.0.1", port)) == 0
-
-    try:
-        wait_for(accepting, timeout=60, what="moto_server to listen")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.kill()
-        proc.wait()
+    with moto_server(test_root) as endpoint:
+        yield endpoint
 
 
 # ----- set-up -----
@@ -176,7 +160,7 @@ def test_analyze_needs_out_or_stats(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["analyze", str(tmp_path)])
     assert result.exit_code == 2 and "--out DIR, --stats, or both" in result.stderr
     result = CliRunner().invoke(main, ["analyze", "gs://bucket/wal", "--stats"])
-    assert result.exit_code == 1 and "unsupported WAL source" in result.stderr
+    assert result.exit_code == 1 and "unsupported storage 'gs://bucket/wal'" in result.stderr
 
 
 def test_spark_workers_load_the_compiled_scan_from_the_cache(wal: GeneratedWal, spark: Any) -> None:

@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from sidecar.address import Address, parse_address, parse_listen
+from sidecar.analytics.commands import SPARK_OPTIONS
 from sidecar.cli import main
 from sidecar.config import ALL_SETTINGS, ConfigError, SafekeeperSettings, Settings, StartSettings, flag, load, \
     options_table
@@ -58,7 +59,8 @@ def test_every_field_is_an_option_with_help(cls: type[Settings]) -> None:
     command: click.Command = main
     for word in (cls.cli_words or cls.command).split():
         command = command.commands[word]  # type: ignore[attr-defined]
-    options = {p.name: p for p in command.params if isinstance(p, click.Option)}
+    options = {p.name: p for p in command.params
+               if isinstance(p, click.Option) and (p.name in cls.model_fields or p.name not in SPARK_OPTIONS)}
     assert set(options) == set(cls.model_fields) | {"config_file"}
     for name, field in cls.model_fields.items():
         assert field.description, f"{cls.__name__}.{name} has no description"

@@ -24,7 +24,7 @@ from support.helpers import walsidecar
 ROOT = Path(__file__).resolve().parents[2]
 UNITS = ROOT / "scripts" / "systemd"
 # The analytics extra's imports (and numba's llvmlite); the core install must not bring any of them.
-ANALYTICS_IMPORTS = {"pyspark", "numba", "llvmlite", "numpy", "pyarrow", "pandas", "matplotlib", "boto3"}
+ANALYTICS_IMPORTS = {"pyspark", "numba", "llvmlite", "numpy", "pyarrow", "pandas", "matplotlib"}
 # Modules that decode WAL in bulk (numpy, numba) or run Spark: only the analytics commands import them.
 ANALYTICS_MODULES = {"sidecar.wal.archive", "sidecar.wal.crc32c", "sidecar.wal.kernel", "sidecar.wal.recordscan"}
 

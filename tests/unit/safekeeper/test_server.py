@@ -4,6 +4,8 @@ and publishing its positions as it serves a proposer over a real connection."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -85,6 +87,26 @@ def test_stored_wal_opens_at_the_end_of_its_last_record(tmp_path: Path) -> None:
 
 # ---- positions published as the server carries out the acceptor's actions -------------------------
 
+@contextlib.asynccontextmanager
+async def talking_to(sk: Safekeeper) -> AsyncIterator[Callable[[Message], Awaitable[Message]]]:
+    """`sk` serving, and a function that sends it one message and returns its answer."""
+    server = asyncio.ensure_future(sk.serve())
+    await until(lambda: sk._server is not None and sk._server.sockets, "the safekeeper to listen")
+    port = sk._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    reader, writer = await framing.open_connection("127.0.0.1", port)
+
+    async def send(msg: Message) -> Message:
+        framing.write(writer, codec.encode(msg))
+        return await asyncio.wait_for(reader.read_message(), 10)
+
+    try:
+        yield send
+    finally:
+        writer.close()
+        server.cancel()
+        await asyncio.gather(server, return_exceptions=True)
+
+
 def test_positions_are_published_after_fsync_commit_and_cut(tmp_path: Path) -> None:
     b = WalBuilder(SEG, seg_size=SEG, sysid=SYSID)
     b.fill_to(SEG + 20_000, 200)
@@ -92,18 +114,9 @@ def test_positions_are_published_after_fsync_commit_and_cut(tmp_path: Path) -> N
 
     async def main() -> None:
         sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
-        server = asyncio.ensure_future(sk.serve())
-        await until(lambda: sk._server is not None and sk._server.sockets, "the safekeeper to listen")
-        port = sk._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        reader, writer = await framing.open_connection("127.0.0.1", port)
-
-        async def send(msg: Message) -> Message:
-            framing.write(writer, codec.encode(msg))
-            return await asyncio.wait_for(reader.read_message(), 10)
-
         flushed = asyncio.ensure_future(sk.positions.wait(lambda p: p.flush_lsn >= ends[-1]))
         committed = asyncio.ensure_future(sk.positions.wait(lambda p: p.commit_lsn >= ends[5]))
-        try:
+        async with talking_to(sk) as send:
             assert isinstance(await send(Greeting(PROTOCOL_VERSION, "p", SYSID, 1, SEG, 15)), GreetingReply)
             assert isinstance(await send(VoteRequest(1)), VoteReply)
             assert sk.positions.value == Positions(term=1)
@@ -119,10 +132,6 @@ def test_positions_are_published_after_fsync_commit_and_cut(tmp_path: Path) -> N
             assert isinstance(await send(Elected(2, ends[7], (TermEntry(1, SEG), TermEntry(2, ends[7])))),
                               ElectedReply)
             assert sk.positions.value == Positions(2, ends[7], ends[5], generation=2)
-        finally:
-            writer.close()
-            server.cancel()
-            await asyncio.gather(server, return_exceptions=True)
 
     run(main())
 
@@ -140,16 +149,7 @@ def test_a_promoted_primary_s_timeline_is_persisted_and_laid_out_as_its_pg_wal(t
 
     async def main() -> None:
         sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
-        server = asyncio.ensure_future(sk.serve())
-        await until(lambda: sk._server is not None and sk._server.sockets, "the safekeeper to listen")
-        port = sk._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        reader, writer = await framing.open_connection("127.0.0.1", port)
-
-        async def send(msg: Message) -> Message:
-            framing.write(writer, codec.encode(msg))
-            return await asyncio.wait_for(reader.read_message(), 10)
-
-        try:
+        async with talking_to(sk) as send:
             await send(Greeting(PROTOCOL_VERSION, "p", SYSID, 1, SEG, 15))
             await send(VoteRequest(1))
             await send(Elected(1, SEG, (TermEntry(1, SEG),), 1))
@@ -159,10 +159,6 @@ def test_a_promoted_primary_s_timeline_is_persisted_and_laid_out_as_its_pg_wal(t
             assert isinstance(reply, ElectedReply) and reply.flush_lsn == end
             s = sk.reader_state()
             assert (s.timeline, s.history) == (2, switch)
-        finally:
-            writer.close()
-            server.cancel()
-            await asyncio.gather(server, return_exceptions=True)
 
     run(main())
     wal_dir = tmp_path / "wal"

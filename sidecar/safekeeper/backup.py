@@ -1,0 +1,301 @@
+"""The uploader: committed, completed WAL segments and timeline history files to the archive.
+
+Layout under the `--archive` URL: `<cluster>/<system id>/wal/<PostgreSQL's file name>`, so restore_command
+tooling, `walsidecar analyze` and `verify-archive` read it as they read pg_wal. Only segments wholly below
+commit_lsn are uploaded: one above it may still be cut by a later term. backup_lsn (persisted through the
+acceptor) is the end of the uploaded prefix; it moves segment by segment, in order, also when another
+safekeeper did the upload. The segment being written goes up as `<name>.term-T.end-X-Y.partial` when a
+term ends and at shutdown, a name no complete segment has.
+
+One uploader at a time, chosen by an `UploadElection`: with --broker the holder of the broker's upload
+lease (broker.LeaseElection), without one by rank (RankElection). A race is harmless (puts of the same bytes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from sidecar.consensus.state import AcceptorState
+from sidecar.logs import get_logger
+from sidecar.lsn import format_lsn, segment_file_name
+from sidecar.objectstore import ObjectConflict, Storage
+from sidecar.pgrepl import format_timeline_history, history_file_name, history_up_to, timeline_of
+from sidecar.safekeeper.positions import PositionWatch
+from sidecar.wal.format import LONG_PAGE_HEADER, XLOG_PAGE_MAGIC, XLP_LONG_HEADER
+
+RETRY = 1.0  # seconds between looks at the archive while another safekeeper should upload
+MAX_BACKOFF = 30.0  # seconds, after repeated failures of the archive
+SHUTDOWN_UPLOAD = 15.0  # seconds the partial segment's upload may hold up a shutdown
+
+
+class UploadElection(Protocol):
+    """Who uploads (a broker's lease, or ranks): asked before each upload of a committed segment the archive
+    lacks, and told of each one found already archived by someone else."""
+
+    def may_upload(self, segment_start_lsn: int) -> bool: ...
+
+    def seen_archived(self, segment_start_lsn: int) -> None: ...
+
+
+class RankElection:
+    """Without a broker: safekeeper 1 uploads at once; safekeeper N once the archive has lacked what it needs
+    for (N-1) x `takeover` seconds, counted from the first lack seen after the last segment someone else
+    uploaded. Having taken over it goes on uploading at once, until it finds a segment uploaded by another
+    (a lower id is back): then it waits again.
+
+    Ids need not be dense: a missing id only delays the next one. The clock is per process, so a restart
+    starts the wait again; that delays a takeover, it never brings two different uploads.
+    """
+
+    def __init__(self, node_id: int, takeover: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.wait = (node_id - 1) * takeover
+        self.clock = clock
+        self._missing_since: float | None = None
+
+    def may_upload(self, segment_start_lsn: int) -> bool:
+        now = self.clock()
+        if self._missing_since is None:
+            self._missing_since = now
+        return now - self._missing_since >= self.wait
+
+    def seen_archived(self, segment_start_lsn: int) -> None:
+        self._missing_since = None
+
+
+@dataclass(frozen=True)
+class ArchiveOptions:
+    """--archive, --s3-endpoint, --cluster and --archive-takeover."""
+
+    url: str
+    s3_endpoint: str | None = None
+    cluster: str | None = None
+    takeover: float = 30.0
+
+
+@dataclass(frozen=True)
+class PartialSegment:
+    """The segment being written: its file name, the term that wrote its last byte, where its WAL ends, the bytes."""
+
+    name: str
+    term: int
+    end_lsn: int
+    data: bytes  # the whole segment size, zeros after end_lsn
+
+
+class Archived(Protocol):
+    """What the uploader needs of a safekeeper (sidecar.safekeeper.server.Safekeeper)."""
+
+    node_id: int
+    positions: PositionWatch
+
+    def archive_state(self) -> AcceptorState: ...
+
+    def complete_segment(self, segno: int) -> Path | None: ...
+
+    def pin_wal(self, lsn: int, holder: str) -> AbstractContextManager[object]: ...
+
+    async def read_partial(self) -> PartialSegment | None: ...
+
+    async def backed_up(self, lsn: int) -> None: ...
+
+
+def default_cluster(system_id: int) -> str:
+    """The cluster name when --cluster is not given."""
+    return str(system_id)
+
+
+def wal_prefix(cluster: str, system_id: int) -> str:
+    """Where a cluster's WAL lives under the archive URL."""
+    return f"{cluster}/{system_id}/wal"
+
+
+def partial_name(segment_name: str, term: int, end_lsn: int) -> str:
+    """The object name of a partial segment: no complete segment and no other term's partial has it."""
+    return f"{segment_name}.term-{term}.end-{format_lsn(end_lsn).replace('/', '-')}.partial"
+
+
+def first_archived_lsn(state: AcceptorState) -> int:
+    """The first segment this cluster's safekeepers hold whole: the one the first term starts in (at its start)."""
+    seg = state.wal_seg_size
+    start = state.term_history[0].start_lsn
+    return -(-start // seg) * seg
+
+
+def check_segment(data: bytes, lsn: int, seg_size: int, system_id: int) -> str | None:
+    """Why `data` is not a whole segment starting at `lsn` of this system; None when it is."""
+    if len(data) != seg_size:
+        return f"{len(data)} bytes, not {seg_size}"
+    magic, info, _, pageaddr, _, sysid, size, _ = LONG_PAGE_HEADER.unpack_from(data)
+    if magic != XLOG_PAGE_MAGIC or not info & XLP_LONG_HEADER or pageaddr != lsn:
+        return f"no long page header for {format_lsn(lsn)} at its start"
+    if sysid != system_id or size != seg_size:
+        return f"system identifier {sysid} / segment size {size} differ from {system_id} / {seg_size}"
+    return None
+
+
+class Uploader:
+    """Uploads a safekeeper's committed WAL while it serves; `close()` uploads the partial segment."""
+
+    def __init__(self, sk: Archived, store: Storage, election: UploadElection, cluster: str | None = None,
+                 on_upload: Callable[[int], None] | None = None) -> None:
+        self.sk = sk
+        self.root = store
+        self.election = election
+        self.cluster = cluster
+        self.on_upload = on_upload or (lambda n: None)
+        self.log = get_logger(node=sk.node_id, archive=store.location)
+        self.store: Storage | None = None  # the cluster's wal/ once the system id is known
+        self.error: str | None = None  # the last failure, until an upload succeeds
+        self._histories: set[str] = set()
+        self._partial: tuple[int, int] | None = None  # (term, end) of the last partial uploaded
+        self._waiting: int | None = None  # segment start another safekeeper should upload
+        self._not_whole: int | None = None  # the last segment found not held whole here (logged once)
+
+    # ---- the loop
+
+    async def run(self) -> None:
+        """Upload what becomes ready until cancelled; archive failures are retried with back-off."""
+        backoff = RETRY
+        term = self.sk.positions.value.term
+        while True:
+            try:
+                now = self.sk.positions.value.term
+                if now > term:  # the previous term ended here: its partial segment first
+                    await self.upload_partial()
+                    term = now
+                ready = await self._upload_ready()
+                self.error, backoff = None, RETRY
+            except Exception as e:  # the archive, or a segment that cannot be read: try again later
+                self.error = f"{type(e).__name__}: {e}"
+                self.log.error("archiving failed; retrying", error=self.error, retry_seconds=backoff,
+                               backup_lsn=format_lsn(self.sk.archive_state().backup_lsn))
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF)
+                continue
+            if ready is None:
+                await self.sk.positions.changed()
+            else:
+                # A wait for commit_lsn to pass `ready`, or for a term change; a timer while another
+                # safekeeper is the uploader, to see whether it did.
+                await self._until(ready, RETRY if self._waiting is not None else None)
+
+    async def _until(self, lsn: int, timeout: float | None) -> None:
+        term = self.sk.positions.value.term
+        wait = self.sk.positions.wait(lambda p: p.commit_lsn >= lsn or p.term != term)
+        if timeout is None:
+            await wait
+        else:
+            try:
+                await asyncio.wait_for(wait, timeout)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _upload_ready(self) -> int | None:
+        """Upload every ready segment in order; the commit_lsn the next one waits for (None: no WAL yet)."""
+        state = self.sk.archive_state()
+        if not state.system_id or not state.wal_seg_size or not state.term_history:
+            return None
+        seg = state.wal_seg_size
+        store = self._store(state)
+        await self._upload_histories(store, state)
+        lsn = max(state.backup_lsn, first_archived_lsn(state))
+        self._waiting = None
+        while lsn + seg <= self.sk.positions.value.commit_lsn:
+            if not await self._segment(store, self.sk.archive_state(), lsn):
+                self._waiting = lsn
+                return lsn + seg
+            lsn += seg
+            await self.sk.backed_up(lsn)
+        return lsn + seg
+
+    def _store(self, state: AcceptorState) -> Storage:
+        if self.store is None:
+            cluster = self.cluster or default_cluster(state.system_id)
+            self.store = self.root.child(wal_prefix(cluster, state.system_id))
+            self.log = self.log.bind(archive=self.store.location)
+        return self.store
+
+    async def _segment(self, store: Storage, state: AcceptorState, lsn: int) -> bool:
+        """Make sure the archive holds the committed segment at `lsn`; False while it lacks it and we may not upload."""
+        seg = state.wal_seg_size
+        segno = lsn // seg
+        path = self.sk.complete_segment(segno)
+        name = path.name if path is not None else \
+            segment_file_name(timeline_of(state.timeline_history, state.timeline, lsn + seg - 1), segno, seg)
+        size = await asyncio.to_thread(store.head, name)
+        if size == seg:
+            self.election.seen_archived(lsn)
+            return True  # puts are atomic: a whole-size object is complete
+        if size is not None:
+            raise ObjectConflict(f"{store.location}/{name} has {size} bytes, a segment has {seg}")
+        if path is None or not self.election.may_upload(lsn):
+            return False
+        with self.sk.pin_wal(lsn, "the uploader"):  # removal stops below backup_lsn anyway; this says so
+            data = await asyncio.to_thread(path.read_bytes)
+        bad = check_segment(data, lsn, seg, state.system_id)
+        if bad is not None:
+            # Not held whole here (this safekeeper joined inside it): another one uploads it.
+            if self._not_whole != lsn:
+                self._not_whole = lsn
+                self.log.warning("segment not held whole here; leaving it to another safekeeper", segment=name,
+                                 reason=bad, lsn=format_lsn(lsn))
+            return False
+        began = time.perf_counter()
+        wrote = await asyncio.to_thread(store.put, name, data)
+        if wrote:
+            self.on_upload(len(data))
+        self.log.info("segment archived" if wrote else "segment already archived", segment=name,
+                      end_lsn=format_lsn(lsn + seg), seconds=round(time.perf_counter() - began, 3))
+        return True
+
+    async def _upload_histories(self, store: Storage, state: AcceptorState) -> None:
+        """The .history file of every timeline this WAL went through, once its switch is committed."""
+        commit = self.sk.positions.value.commit_lsn
+        history = state.timeline_history
+        for tli in {e.timeline for e in history[1:]} | {state.timeline}:
+            name = history_file_name(tli)
+            leading = history_up_to(history, tli)
+            if tli <= 1 or name in self._histories or not leading or leading[-1].switch_lsn > commit:
+                continue
+            await asyncio.to_thread(store.put, name, format_timeline_history(leading).encode())
+            self._histories.add(name)
+            self.log.info("timeline history archived", file=name)
+
+    # ---- the partial segment
+
+    async def upload_partial(self) -> None:
+        """Upload the segment being written, up to flush_lsn, under a name giving its term and end."""
+        part = await self.sk.read_partial()
+        state = self.sk.archive_state()
+        if part is None or (part.term, part.end_lsn) == self._partial or not state.system_id:
+            return
+        store = self._store(state)
+        name = partial_name(part.name, part.term, part.end_lsn)
+        await asyncio.to_thread(store.put, name, part.data)
+        self._partial = (part.term, part.end_lsn)
+        self.log.info("partial segment archived", file=name, term=part.term, end_lsn=format_lsn(part.end_lsn))
+
+    async def close(self) -> None:
+        """At shutdown: the partial segment, within SHUTDOWN_UPLOAD seconds (a stuck archive must not hang it)."""
+        try:
+            await asyncio.wait_for(self.upload_partial(), SHUTDOWN_UPLOAD)
+        except Exception as e:
+            self.log.warning("partial segment not archived at shutdown", error=f"{type(e).__name__}: {e}")
+
+
+def uploader_for(sk: Archived, url: str, s3_endpoint: str | None, cluster: str | None, takeover: float,
+                 on_upload: Callable[[int], None] | None = None) -> Uploader:
+    """The uploader for `--archive URL`, elected by rank (no broker)."""
+    from sidecar.objectstore import open_storage
+    return Uploader(sk, open_storage(url, s3_endpoint=s3_endpoint), RankElection(sk.node_id, takeover), cluster,
+                    on_upload)
+
+
+__all__ = ["ArchiveOptions", "Archived", "PartialSegment", "RankElection", "UploadElection", "Uploader",
+           "default_cluster", "partial_name", "uploader_for", "wal_prefix"]
