@@ -21,7 +21,9 @@ from sidecar.linkauth import Security
 from sidecar.logs import get_logger
 from sidecar.ops.probe import ProbeError, probe_safekeeper
 
-RETRY = 1.0  # seconds between rounds of questions while too few peers answered
+# Seconds between rounds of questions while too few peers answered: short at first, as the members
+# of a brand-new cluster start within moments of each other, then a second.
+RETRY_MIN, RETRY_MAX = 0.05, 1.0
 TIMEOUT = 3.0  # seconds one peer has to answer
 
 
@@ -66,7 +68,7 @@ class TermLearner:
                 self.log.warning("empty data directory: not voting until enough peers tell their term",
                                  needed=acc.amnesic_peers, answered=sorted(self.answered),
                                  waiting_for=self.waiting_for, rounds=rounds)
-            await asyncio.sleep(RETRY)
+            await asyncio.sleep(min(RETRY_MIN * 2 ** (rounds - 1), RETRY_MAX))
 
     async def _ask(self, peer: str) -> None:
         try:

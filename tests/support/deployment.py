@@ -8,6 +8,7 @@ from pathlib import Path
 import psycopg
 
 from support.backends import PgServer
+from support.helpers import wait_for
 from support.pki import TestPKI, session_pki
 from support.procs import ManagedProcess, ProcessTracker
 from sidecar.deployment import APP, LocalDeployment
@@ -80,8 +81,10 @@ class Deployment(LocalDeployment):
                                 "connect_timeout": 10, **ssl, **params})
 
     def history_start(self, i: int) -> int:
-        data = load_control(self.sk_dir(i))
-        assert data is not None and data.state.term_history
+        """Where the first term starts, as safekeeper i knows it once it joined a term (an empty
+        data directory joins only after it learned its term from its peers)."""
+        data = wait_for(lambda: (c := load_control(self.sk_dir(i))) is not None and c.state.term_history and c,
+                        timeout=30, what=f"safekeeper {i} to join a term")
         return data.state.term_history[0].start_lsn
 
 
