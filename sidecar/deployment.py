@@ -622,9 +622,20 @@ class LocalDeployment:
         """Start every member not running yet, in the order added, then wait until streaming."""
         for member in self.members.values():
             if not member.running:
+                if isinstance(member, Proposer):
+                    self._wait_terms_learned(timeout)
                 member.start()
         if wait:
             self.wait_streaming(timeout)
+
+    def _wait_terms_learned(self, timeout: float) -> None:
+        """Until every running safekeeper has a control file: an empty one first learns its term from
+        its peers (safekeeper/amnesia.py), so the proposer then finds them all ready to vote."""
+        from sidecar.safekeeper.control import control_path
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not all(
+                control_path(m.data_dir).exists() for m in self._safekeepers() if m.running):
+            time.sleep(0.05)
 
     def stop_all(self) -> None:
         """Stop everything this deployment started, by PID: the primary first, as its shutdown checkpoint
