@@ -438,7 +438,8 @@ class Safekeeper(SidecarMember):
         readers = [] if self.reader_port is None or self.d.reader_auth is None else \
             ["--pg-listen", str(self.reader_address), "--pg-auth-file", str(self.d.reader_auth)]
         # Its peers: an empty data directory (a lost disk) learns its term from them before it votes.
-        peers = [a for a in self.d.addresses if a != self.address]
+        # On loopback only: safekeepers placed in network namespaces need not reach one another.
+        peers = [a for a in self.d.addresses if a != self.address] if self.place.address == LOOPBACK_HOST else []
         return ["safekeeper", "--id", str(self.node_id), "--listen", self.address, "--data-dir", str(self.data_dir),
                 *readers, *(["--peers", ",".join(peers)] if peers else [])]
 
