@@ -157,7 +157,10 @@ static PyObject *parse_frames(PyObject *module, PyObject *const *args, Py_ssize_
         /* As the reference's finally does: what was parsed is consumed. */
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
-        set_ssize(self, s_start, pos);
+        if (pos == end)
+            pos = end = 0;
+        if (set_ssize(self, s_start, pos) < 0 || set_ssize(self, s_end, end) < 0)
+            PyErr_Clear();
         PyErr_Restore(type, value, tb);
         return NULL;
     }

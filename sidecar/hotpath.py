@@ -6,6 +6,7 @@ WALSIDECAR_PURE_PYTHON=1, everything runs on the reference in `consensus/codec.p
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from types import ModuleType
 
@@ -16,6 +17,13 @@ from sidecar.consensus.messages import Append, AppendReply
 __all__ = ["COMPILED", "FrameDecoder", "parse_copy_data", "implementation"]
 
 
+_FIELDS = {
+    Append: ("term", "begin_lsn", "commit_lsn", "peer_horizon_lsn", "data"),
+    AppendReply: ("term", "flush_lsn", "commit_lsn"),
+    pgrepl.XLogData: ("start", "wal_end", "send_time", "data"),
+}
+
+
 def _load() -> ModuleType | None:
     if os.environ.get("WALSIDECAR_PURE_PYTHON", "").strip() not in ("", "0"):
         return None
@@ -23,6 +31,11 @@ def _load() -> ModuleType | None:
         from sidecar import _hotpath  # type: ignore[attr-defined]
     except ImportError:
         return None
+    # The compiled code sets these fields as the generated __init__ does, without calling it: a message that
+    # gains a field or a check in __post_init__ runs on the reference until _hotpath.c follows.
+    for cls, names in _FIELDS.items():
+        if tuple(f.name for f in dataclasses.fields(cls)) != names or hasattr(cls, "__post_init__"):
+            return None
     _hotpath.configure(Append, AppendReply, pgrepl.XLogData, codec.FrameDecoder._parse, pgrepl.parse_copy_data)
     return _hotpath
 
