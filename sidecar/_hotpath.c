@@ -81,7 +81,7 @@ static int set_ssize(PyObject *obj, PyObject *name, Py_ssize_t value) {
 
 /* The message of a whole frame at p (header included) if it is one the fast path takes, else NULL with
  * no error set (the reference decides), or NULL with an error set (memory). */
-static PyObject *fast_frame(const unsigned char *p, uint32_t length) {
+static PyObject *fast_frame(const unsigned char *p, uint64_t length) {
     unsigned char tag = p[FRAME_HEADER_SIZE];
     const unsigned char *body = p + FRAME_HEADER_SIZE + 1;
     if (tag == TAG_APPEND_REPLY && length == 1 + APPEND_REPLY_BODY) {
@@ -127,16 +127,18 @@ static PyObject *parse_frames(PyObject *module, PyObject *const *args, Py_ssize_
     PyObject *scratch = PyObject_GetAttr(self, s_scratch);
     if (scratch == NULL)
         return NULL;
-    if (!PyByteArray_CheckExact(scratch) || pos < 0 || end < pos || end > PyByteArray_GET_SIZE(scratch)) {
+    if (!PyByteArray_CheckExact(scratch) || pos < 0 || end < pos || end > PyByteArray_GET_SIZE(scratch) ||
+        max_frame < 0) {
         Py_DECREF(scratch);
         return PyObject_CallFunctionObjArgs(py_parse, self, out, NULL);
     }
     int failed = 0;
-    while (end - pos >= FRAME_HEADER_SIZE) {
-        /* Re-read the pointer each time: nothing here resizes the bytearray, but be safe. */
+    /* The buffer is looked at afresh for every frame: allocating a message may run the garbage collector,
+     * and with it any finalizer. */
+    while (end - pos >= FRAME_HEADER_SIZE && end <= PyByteArray_GET_SIZE(scratch)) {
         const unsigned char *buf = (const unsigned char *)PyByteArray_AS_STRING(scratch);
-        uint32_t length = be32(buf + pos);
-        if (length == 0 || (Py_ssize_t)length > max_frame || (Py_ssize_t)length > end - pos - FRAME_HEADER_SIZE)
+        uint64_t length = be32(buf + pos);
+        if (length == 0 || length > (uint64_t)max_frame || length > (uint64_t)(end - pos - FRAME_HEADER_SIZE))
             break; /* a bad length or an incomplete frame: the reference rejects or keeps it */
         PyObject *msg = fast_frame(buf + pos, length);
         if (msg == NULL) {
