@@ -90,10 +90,11 @@ if ! "$PY" -c 'import pip' 2>/dev/null; then
     as_root "$SYSTEM_PYTHON" -m venv "$VENV"
 fi
 
-# Reinstall only when this checkout is not the installed one, pyproject.toml changed or extras are missing.
-# The stamp holds pyproject.toml's hash and the extras installed from this checkout.
+# Reinstall only when this checkout is not the installed one, its build files changed or extras are missing.
+# The stamp holds the hash of pyproject.toml and of the compiled hot path's build (setup.py and its C source,
+# compiled in place by the editable install) and the extras installed from this checkout.
 stamp="$VENV/walsidecar-install-$(printf '%s' "$REPO" | sha256sum | cut -c1-16)"
-want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+want="$(cat pyproject.toml setup.py sidecar/_hotpath.c | sha256sum | cut -d' ' -f1)"
 installed_ok() {
     local have_sha have_extras
     [ -f "$stamp" ] && read -r have_sha have_extras < "$stamp" || return 1
