@@ -439,7 +439,8 @@ class Safekeeper(SidecarMember):
             ["--pg-listen", str(self.reader_address), "--pg-auth-file", str(self.d.reader_auth)]
         # Its peers: an empty data directory (a lost disk) learns its term from them before it votes.
         # On loopback only: safekeepers placed in network namespaces need not reach one another.
-        peers = [a for a in self.d.addresses if a != self.address] if self.place.address == LOOPBACK_HOST else []
+        peers = [a for a in self.d.addresses if a != self.address] \
+            if self.d.peers and self.place.address == LOOPBACK_HOST else []
         return ["safekeeper", "--id", str(self.node_id), "--listen", self.address, "--data-dir", str(self.data_dir),
                 *readers, *(["--peers", ",".join(peers)] if peers else [])]
 
@@ -490,8 +491,9 @@ class LocalDeployment:
                  extra: Mapping[str, Sequence[str]] | None = None, spawn: Spawn = start_child,
                  pick_port: Callable[[], int] = free_port, log: Any = None,
                  safekeeper_kind: Callable[..., Member] = Safekeeper,
-                 proposer_kind: Callable[..., Member] = Proposer, readers: bool = True) -> None:
+                 proposer_kind: Callable[..., Member] = Proposer, readers: bool = True, peers: bool = False) -> None:
         self.base = Path(base).absolute()
+        self.peers = peers  # each safekeeper gets the others as --peers (an empty one learns its term first)
         self.pick_port = pick_port
         self.reader_auth: Path | None = None  # the safekeepers' --pg-auth-file
         self.reader_passfile: Path | None = None  # READER_USER's password, for libpq clients
@@ -623,7 +625,7 @@ class LocalDeployment:
         """Start every member not running yet, in the order added, then wait until streaming."""
         for member in self.members.values():
             if not member.running:
-                if isinstance(member, Proposer):
+                if isinstance(member, Proposer) and self.peers:
                     self._wait_terms_learned(timeout)
                 member.start()
         if wait:

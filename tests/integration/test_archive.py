@@ -15,6 +15,7 @@ import pytest
 from support.deployment import APP, Deployment, Writer, commit_lsn_of
 from support.helpers import free_port, wait_for, walsidecar
 from support.procs import ProcessTracker
+from support.recovery import recover
 from support.s3 import AWS_ENV, aws_env, make_bucket, moto_server
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE as SEG
 from sidecar.config import RestoreWalSettings
@@ -269,20 +270,8 @@ def test_a_primary_comes_back_from_a_base_backup_and_the_archive_alone(archiving
     command = shlex.join(["env", *credentials, *sidecar_argv(
         "restore-wal", "%f", "%p", "--archive", f"s3://{BUCKET}/archive", "--s3-endpoint", s3,
         "--system-id", str(sysid))])
-    restored.set({"port": str(restored.port), "synchronous_standby_names": "", "restore_command": command,
-                  "recovery_target_timeline": "latest"})
-    signal = restored.data_dir / "recovery.signal"
-    signal.touch()
-    if os.geteuid() == 0:
-        os.chown(signal, pw.pw_uid, pw.pw_gid)
     try:
-        restored.start(timeout=120)
-
-        def promoted() -> bool:
-            with psycopg.connect(restored.dsn(), autocommit=True, connect_timeout=5) as c:
-                return c.execute("SELECT NOT pg_is_in_recovery()").fetchone()[0]
-        wait_for(promoted, timeout=120, ignore=(psycopg.OperationalError,),
-                 what="the restored server to finish recovery")
+        recover(restored, command, recovery_target_timeline="latest")
         with psycopg.connect(restored.dsn(), autocommit=True) as c:
             written = {r[0] for r in c.execute("SELECT id FROM load WHERE pad = repeat('x', 200)")}
             bulk = c.execute("SELECT count(*) FROM load WHERE pad = repeat('r', 300)").fetchone()[0]

@@ -17,8 +17,18 @@ from sidecar.lsn import DEFAULT_SEGMENT_SIZE, segment_file_name
 pytestmark = pytest.mark.integration
 
 
-def test_a_wiped_safekeeper_learns_its_term_from_its_peers_before_voting(deployment: Deployment) -> None:
-    d = deployment
+@pytest.fixture
+def peered(pg_factory, procs: ProcessTracker, test_dir: Path) -> Deployment:  # noqa: ANN001
+    """The usual deployment, each safekeeper naming the others as --peers."""
+    d = Deployment(pg_factory(settings={"synchronous_standby_names": APP}), procs, test_dir, peers=True)
+    d.start_all()
+    with d.sql() as c:
+        c.execute("CREATE TABLE load (id int, pad text)")
+    return d
+
+
+def test_a_wiped_safekeeper_learns_its_term_from_its_peers_before_voting(peered: Deployment) -> None:
+    d = peered
     writer = Writer(d.pg.dsn())
     writer.start()
     wait_for(lambda: len(writer.acked) >= 50, timeout=60, what="writes before the disk loss")
@@ -52,7 +62,7 @@ def test_a_new_safekeeper_replaces_a_dead_one_after_the_primary_recycled_its_wal
         pg_factory, procs: ProcessTracker, test_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     pg = pg_factory(settings={"synchronous_standby_names": APP, "max_wal_size": "32MB", "min_wal_size": "32MB",
                               "wal_keep_size": "0"})
-    d = Deployment(pg, procs, test_dir)
+    d = Deployment(pg, procs, test_dir, peers=True)
     # The proposer reads a peer's reader port as reader `walsidecar`, with libpq's own password file.
     monkeypatch.setenv("PGPASSFILE", str(d.reader_passfile))
     retention = ("--primary-retention", "1MB")

@@ -350,7 +350,8 @@ def test_quorum_wait_alert_limbo_and_waiting_commits_view(ops: Ops) -> None:
 def test_peer_log_lines_name_id_term_and_lsn(ops: Ops) -> None:
     ops.d.safekeepers[2].kill9()
     wait_for(lambda: "connection lost" in ops.d.proposer.log_text(), timeout=30, what="the lost connection log line")
-    line = next(ln for ln in ops.d.proposer.log_text().splitlines() if "connection lost" in ln)
+    line = next(ln for ln in ops.d.proposer.log_text().splitlines()
+                if "connection lost" in ln and f"peer={ops.d.addresses[1]}" in ln)
     assert f"peer={ops.d.addresses[1]}" in line and "safekeeper_id=2" in line and "term=" in line \
         and "flush_lsn=" in line, line
     sk_line = next(ln for ln in ops.d.safekeepers[1].log_text().splitlines() if "greeting" in ln)

@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from support.deployment import Deployment, Writer, commit_lsn_of, read_wal
 from support.backends import PgServer
 from support.helpers import free_port, wait_for
+from support.recovery import recover
 from sidecar.address import Address
 from sidecar.cli import main
 from sidecar.config import RestoreWalSettings
@@ -160,20 +161,8 @@ def test_a_wiped_primary_comes_back_from_a_base_backup_and_the_safekeepers(deplo
     command = shlex.join(sidecar_argv("restore-wal", "%f", "%p", "--safekeeper-readers",
                                       ",".join(str(a) for a in d.reader_addresses), "--certs-dir", str(certs),
                                       "--reader-passfile", str(passfile)))
-    restored.set({"port": str(restored.port), "synchronous_standby_names": "", "restore_command": command})
-    signal = restored.data_dir / "recovery.signal"
-    signal.touch()
-    if os.geteuid() == 0:
-        pw = pwd.getpwnam("postgres")
-        os.chown(signal, pw.pw_uid, pw.pw_gid)
     try:
-        restored.start(timeout=120)
-
-        def promoted() -> bool:
-            with psycopg.connect(restored.dsn(), autocommit=True, connect_timeout=5) as c:
-                return c.execute("SELECT NOT pg_is_in_recovery()").fetchone()[0]
-        wait_for(promoted, timeout=120, ignore=(psycopg.OperationalError,),
-                 what="the restored server to finish recovery")
+        recover(restored, command)
         with psycopg.connect(restored.dsn(), autocommit=True) as c:
             ids = {r[0] for r in c.execute("SELECT id FROM load WHERE id > 0")}
             assert not set(acked) - ids, f"{len(set(acked) - ids)} acknowledged rows lost"

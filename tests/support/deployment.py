@@ -34,11 +34,11 @@ class Deployment(LocalDeployment):
     SIGKILLed by PID at teardown, logs printed for a failed test), certificates from the session PKI."""
 
     def __init__(self, pg: PgServer, procs: ProcessTracker, base: Path, n: int = 3, *, insecure: bool = False,
-                 link_security: str = "tls", pki: TestPKI | None = None) -> None:
+                 link_security: str = "tls", pki: TestPKI | None = None, peers: bool = False) -> None:
         self.procs = procs
         self.pki = pki or session_pki()
         super().__init__(base, safekeepers=n, primary=pg, insecure=insecure, link_security=link_security,
-                         certificates=SessionCertificates(self.pki), spawn=procs.spawn)
+                         certificates=SessionCertificates(self.pki), spawn=procs.spawn, peers=peers)
 
     @property
     def ports(self) -> list[int]:
