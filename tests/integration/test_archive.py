@@ -13,16 +13,15 @@ import psycopg
 import pytest
 
 from support.deployment import APP, Deployment, Writer, commit_lsn_of
-from support.helpers import free_port, wait_for, walsidecar
+from support.helpers import wait_for, walsidecar
 from support.procs import ProcessTracker
-from support.recovery import recover
+from support.recovery import base_backup, recover
 from support.s3 import AWS_ENV, aws_env, make_bucket, moto_server
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE as SEG
 from sidecar.config import RestoreWalSettings
 from sidecar.lsn import format_lsn, parse_lsn, parse_segment_file_name, segment_file_name
 from sidecar.objectstore import Storage, open_storage
 from sidecar.ops.restore import Exit, restore_wal
-from sidecar.pgcluster import LocalCluster
 from sidecar.processes import sidecar_argv
 from sidecar.safekeeper.backup import partial_name
 from sidecar.safekeeper.control import load_control
@@ -242,10 +241,7 @@ def test_a_primary_comes_back_from_a_base_backup_and_the_archive_alone(archiving
     if os.geteuid() == 0:  # pg_basebackup runs as the postgres OS user
         pw = pwd.getpwnam("postgres")
         os.chown(home, pw.pw_uid, pw.pw_gid)
-    restored = LocalCluster(home / "data", free_port(), log_file=home / "restored.log")
-    restored._prepare_log_file()
-    restored.run_bin("pg_basebackup", "-D", str(restored.data_dir), "-d", d.pg.dsn(), "-X", "none",
-                     "-c", "fast", timeout=120)
+    restored = base_backup(home, d.pg.dsn())
     writer = Writer(d.pg.dsn())
     writer.start()
     switch_segments(d, 2)

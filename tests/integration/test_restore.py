@@ -14,15 +14,14 @@ from click.testing import CliRunner
 
 from support.deployment import Deployment, Writer, commit_lsn_of, read_wal
 from support.backends import PgServer
-from support.helpers import free_port, wait_for
-from support.recovery import recover
+from support.helpers import wait_for
+from support.recovery import base_backup, recover
 from sidecar.address import Address
 from sidecar.cli import main
 from sidecar.config import RestoreWalSettings
 from sidecar.consensus.messages import TimelineEntry
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE, parse_lsn, segment_file_name
 from sidecar.ops.restore import Exit, restore_wal
-from sidecar.pgcluster import LocalCluster
 from sidecar.processes import sidecar_argv
 from sidecar.walclient import ReaderError, WalReader, copy_wal
 
@@ -137,10 +136,7 @@ def test_a_wiped_primary_comes_back_from_a_base_backup_and_the_safekeepers(deplo
     d = deployment
     home = test_dir / "restored"
     certs, passfile = postgres_owned(home, d)
-    restored = LocalCluster(home / "data", free_port(), log_file=home / "restored.log")
-    restored._prepare_log_file()
-    restored.run_bin("pg_basebackup", "-D", str(restored.data_dir), "-d", d.pg.dsn(), "-X", "none",
-                     "-c", "fast", timeout=120)
+    restored = base_backup(home, d.pg.dsn())
 
     # The workload after the backup: single-row commits and a bulk load across segments.
     writer = Writer(d.pg.dsn())
