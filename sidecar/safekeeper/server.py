@@ -230,10 +230,7 @@ class Safekeeper:
         """The archive holds every segment below `lsn`: persist it as backup_lsn."""
         actions = self.acceptor.on_backed_up(lsn)
         if actions:
-            async with self._persist_lock:
-                for a in actions:
-                    if isinstance(a, Persist):
-                        await asyncio.to_thread(save_control, self.data_dir, ControlData(self.node_id, a.state))
+            await self._save_persisted(actions)
             self.remover.wake()  # the horizon may move with backup_lsn
 
     def _positions(self) -> Positions:
@@ -408,7 +405,7 @@ class Safekeeper:
             for a in actions:
                 match a:
                     case Persist():
-                        await asyncio.to_thread(save_control, self.data_dir, ControlData(self.node_id, a.state))
+                        await self._save(a.state)
                     case Truncate():
                         async with self._flush_lock:
                             st = self._storage_for_write()
@@ -421,13 +418,20 @@ class Safekeeper:
                     case _:
                         self._apply((a,), writer)
 
+    async def _save(self, state: AcceptorState) -> None:
+        await asyncio.to_thread(save_control, self.data_dir, ControlData(self.node_id, state))
+
+    async def _save_persisted(self, actions: list[AcceptorAction]) -> None:
+        """Save the Persist actions of a batch outside a session, in turn with every other state change."""
+        async with self._persist_lock:
+            for a in actions:
+                if isinstance(a, Persist):
+                    await self._save(a.state)
+
     async def _persist_learned(self, actions: list[AcceptorAction]) -> None:
         """The term learned from the peers: saved in turn with every other state change."""
         try:
-            async with self._persist_lock:
-                for a in actions:
-                    if isinstance(a, Persist):
-                        await asyncio.to_thread(save_control, self.data_dir, ControlData(self.node_id, a.state))
+            await self._save_persisted(actions)
         except Exception as e:  # the acceptor already votes on a term the disk does not hold
             self._stop(e, self.log)
             return
