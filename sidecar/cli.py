@@ -258,7 +258,8 @@ def start(s: StartSettings) -> None:
         readers = ReaderCredentials(certs_dir=s.certs_dir, insecure=s.insecure)
         service = ProposerService(StartOptions(s.pg_dsn, s.safekeepers, s.quorum, s.application_name, s.slot,
                                                s.allow_primary_mismatch, s.wal_buffer * 1024 * 1024, ctx, readers,
-                                               primary_retention=parse_size(s.primary_retention) if s.primary_retention else None))
+                                               primary_retention=parse_size(s.primary_retention) if s.primary_retention else None,
+                                               archive=(s.archive, s.s3_endpoint, s.cluster) if s.archive else None))
         monitor = ProposerMonitor(service, s.quorum_wait_alert or None)  # reads the service's published view
         service.subscribe(monitor)
         endpoint = _endpoint(monitor, s.metrics, s.certs_dir)

@@ -230,8 +230,9 @@ class ArchiveSettings(Settings):
     archive: Annotated[str | None, AfterValidator(_archive_url), Metavar("URL")] = Field(
         None, description="The WAL archive, s3://bucket/prefix or file:///path, holding <prefix>/<cluster>/<system "
                           "id>/wal/: safekeepers upload committed, completed WAL segments and timeline history "
-                          "files to it; restore-wal reads what the safekeepers no longer hold from it. Off when "
-                          "not given.")
+                          "files to it; restore-wal reads what the safekeepers no longer hold from it, and start "
+                          "catches a safekeeper up from it when neither the primary nor a peer has the WAL. Off "
+                          "when not given.")
     s3_endpoint: Annotated[str | None, Metavar("URL")] = Field(
         None, description="S3 endpoint for an s3:// archive (default: AWS's, or AWS_ENDPOINT_URL); credentials come "
                           "from the usual AWS_* variables and files.")
@@ -309,7 +310,7 @@ class SafekeeperSettings(ArchiveSettings, SafekeeperBrokerSettings, TlsSettings)
         return self
 
 
-class StartSettings(SafekeepersMixin, PrimarySettings, TlsSettings):
+class StartSettings(ArchiveSettings, ClusterSettings, SafekeepersMixin, PrimarySettings, TlsSettings):
     """walsidecar start: the WAL proposer attached to a primary."""
 
     command: ClassVar[str] = "start"

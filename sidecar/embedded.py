@@ -50,13 +50,14 @@ class Embedded:
         if standby:
             self.ports.append((pg_port + 1, "the standby", "--pg-port (the standby takes the next port)"))
         self.log = get_logger(role="up")
+        archive = f"file://{self.base}/archive"  # the safekeepers upload to it; the proposer catches up from it
         server = ChildServer(LocalCluster(self.base / "pg", pg_port, log_file=self.base / "postgres.log"))
         self.d = LocalDeployment(
             self.base, safekeepers=SAFEKEEPERS, primary=server, sk_ports=[sk_port + i for i in range(SAFEKEEPERS)],
             insecure=insecure, link_security=link_security, log_format=log_format, log=self.log,
             spawn=start_tied_child,
-            extra={"proposer": ["--metrics", self.metrics[0]],
-                   **{f"safekeeper{i}": ["--metrics", self.metrics[i], "--archive", f"file://{self.base}/archive"]
+            extra={"proposer": ["--metrics", self.metrics[0], "--archive", archive],
+                   **{f"safekeeper{i}": ["--metrics", self.metrics[i], "--archive", archive]
                       for i in range(1, SAFEKEEPERS + 1)}})
         self.standby: Standby | None = None
         if standby:

@@ -1,20 +1,22 @@
-"""Catch-up from the primary: WAL a lagging safekeeper needs, read from the primary's pg_wal.
+"""Catch-up: WAL a lagging safekeeper needs, from the primary's pg_wal, a peer's reader port or the archive.
 
-A slot-less replication connection under a reader's name copies [start, end) and hands it over
-in Append-sized pieces; the service checks the donor's tail with the same reader.
+A slot-less replication connection under a reader's name copies [start, end) from the primary and
+hands it over in Append-sized pieces (the service checks the donor's tail with the same reader);
+what the primary recycled comes from a safekeeper of the term, and what every safekeeper removed
+from the archive's checked segments.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from sidecar.address import Address
 from sidecar.config import ReaderCredentials
 from sidecar.consensus.messages import TimelineHistory
 from sidecar.consensus.proposer import MAX_APPEND
-from sidecar.lsn import format_lsn
+from sidecar.lsn import format_lsn, segment_file_name
 from sidecar.pgrepl import timeline_end, timeline_of
 from sidecar.proposer import replication as repl
 
@@ -164,6 +166,47 @@ class DonorReader:
         if got < end:
             raise repl.ReplicationError(f"safekeeper {address} ended the stream at {format_lsn(got)} before "
                                         f"{format_lsn(end)}")
+
+
+class ArchiveReader:
+    """Reads WAL ranges from the archive's whole segments, checked as restore-wal checks them (`archivedwal`)."""
+
+    def __init__(self, url: str, s3_endpoint: str | None, cluster: str | None) -> None:
+        self.url, self.s3_endpoint, self.cluster = url, s3_endpoint, cluster
+        self._wal: dict[int, Any] = {}  # system id -> its ArchivedWal, opened once
+
+    @property
+    def location(self) -> str:
+        return self.url
+
+    async def copy(self, start: int, end: int, system_id: int, timeline: int, history: TimelineHistory,
+                   seg_size: int, sink: Sink, link: Backlog | None = None) -> int:
+        """Hand WAL [start, end) to `sink` segment by segment; stop at the first the archive lacks: how far it got.
+
+        A segment is named for the timeline of its last byte, as the safekeepers name what they upload.
+        Raises ArchiveError when the archive does not answer, WalFormatError when a segment fails the checks.
+        """
+        from sidecar.ops.archivedwal import open_archived_wal
+        wal = self._wal.get(system_id)
+        if wal is None:
+            wal = self._wal[system_id] = await asyncio.to_thread(open_archived_wal, self.url, self.s3_endpoint,
+                                                                 self.cluster, system_id)
+        pos = start
+        while pos < end:
+            segno = pos // seg_size
+            seg_start = segno * seg_size
+            tli = timeline_of(history, timeline, seg_start + seg_size - 1)
+            data = await asyncio.to_thread(wal.segment, segment_file_name(tli, segno, seg_size), tli)
+            if data is None:
+                break
+            upto = min(end, seg_start + seg_size)
+            while pos < upto:
+                if link is not None and link.buffered() > CATCHUP_BACKLOG:
+                    await link.drain()
+                piece = min(MAX_APPEND, upto - pos)
+                sink(pos, memoryview(data)[pos - seg_start: pos - seg_start + piece])
+                pos += piece
+        return pos
 
 
 def reader_address(peer: str, port: int) -> str:

@@ -26,6 +26,9 @@ class StartOptions:
     # Bytes of WAL the horizon slot keeps below the commit position for lagging safekeepers
     # (--primary-retention); None: all that the slowest safekeeper lacks.
     primary_retention: int | None = None
+    # The safekeepers' archive as (URL, S3 endpoint, cluster name): WAL that neither the primary nor any
+    # safekeeper of the term holds any more comes from it. None: not from an archive.
+    archive: tuple[str, str | None, str | None] | None = None
 
     @property
     def catchup_slot(self) -> str:

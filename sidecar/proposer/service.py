@@ -25,10 +25,12 @@ from sidecar.logs import get_logger
 from sidecar.proposer import pgerrors, primary
 from sidecar.proposer.actions import exhausted_text, log_event, log_fields, refused_text
 from sidecar.proposer import replication as repl
-from sidecar.proposer.catchup import DonorReader, PrimaryReader, reader_address
+from sidecar.ops.archivedwal import ArchiveError
+from sidecar.proposer.catchup import ArchiveReader, DonorReader, PrimaryReader, reader_address
 from sidecar.proposer.options import StartOptions
 from sidecar.proposer.peers import PeerLink
 from sidecar.proposer.view import PeerView, ProposerObserver
+from sidecar.wal.format import WalFormatError
 from sidecar.walclient import ReaderError
 
 ELECTION_TIMEOUT = 5.0
@@ -99,6 +101,8 @@ class ProposerService:
         # WAL the primary no longer has comes from a safekeeper of the term, over its reader port.
         self.peer_reader = DonorReader(options.reader_credentials) if options.reader_credentials else None
         self._donor: str | None = None
+        # What every safekeeper removed comes from the archive they upload to (start --archive).
+        self.archive = ArchiveReader(*options.archive) if options.archive else None
         self.observers: list[ProposerObserver] = []
         self._primary = primary.PrimarySnapshot()
         self.stream: repl.ReplicationStream | None = None
@@ -547,7 +551,7 @@ class ProposerService:
             raise PrimaryMismatch(problem)
 
     async def _fetch(self, a: FetchWal) -> None:
-        """Catch a lagging safekeeper up from the primary's pg_wal."""
+        """Catch a lagging safekeeper up: from the primary's pg_wal, else a peer's reader port or the archive."""
         core, link = self.core, self.links[a.peer]
         assert core is not None
         self.log.info("catching up safekeeper", peer=a.peer, term=core.term,
@@ -560,15 +564,12 @@ class ProposerService:
             try:
                 await self.reader.copy(a.start, a.end, self._timeline, sink, link, self._history)
             except (repl.ReplicationError, psycopg.Error, OSError) as e:
-                source = self._catchup_source(a)
-                if source is None:
+                if self._catchup_source(a) is None and self.archive is None:
                     raise
-                # The primary recycled it (or lost it): a safekeeper of the term has it up to its flush.
-                self.log.warning("the primary cannot serve the WAL; catching up from a safekeeper's reader port",
-                                 peer=a.peer, source=source, term=core.term, end_lsn=format_lsn(a.end),
-                                 error=pgerrors.first_line(e))
-                await self._copy_from_peer(source, a, sink)
-        except (repl.ReplicationError, psycopg.Error, OSError, ReaderError) as e:
+                # The primary recycled it (or lost it): a safekeeper of the term has it up to its flush,
+                # the archive what they all removed.
+                await self._copy_elsewhere(a, sink, e)
+        except (repl.ReplicationError, psycopg.Error, OSError, ReaderError, ArchiveError, WalFormatError) as e:
             self.log.error("catch-up failed; will retry after reconnect", peer=a.peer, error=str(e).strip())
             link.drop()
             return
@@ -576,6 +577,36 @@ class ProposerService:
             self._fetches.pop(a.peer, None)
         if core is self.core:
             self._run(core.catchup_done(a.peer))
+
+    async def _copy_elsewhere(self, a: FetchWal, sink: Callable[[int, bytes], None], why: Exception) -> None:
+        """What `a.peer` still needs, from a peer's reader port; what no peer holds any more, from the archive."""
+        core = self.core
+        assert core is not None
+        while (pos := core.peers[a.peer].sent_lsn) < a.end:  # what was delivered before a source failed stays sent
+            source = self._catchup_source(a)
+            if source is not None:
+                self.log.warning("the primary cannot serve the WAL; catching up from a safekeeper's reader port",
+                                 peer=a.peer, source=source, term=core.term, start_lsn=format_lsn(pos),
+                                 end_lsn=format_lsn(a.end), error=pgerrors.first_line(why))
+                try:
+                    await self._copy_from_peer(source, a, sink)
+                    return
+                except (ReaderError, repl.ReplicationError, OSError) as e:
+                    if self.archive is None:
+                        raise
+                    why = e
+            if self.archive is None:
+                raise why
+            self.log.warning("catching up from the archive", peer=a.peer, archive=self.archive.location,
+                             term=core.term, start_lsn=format_lsn(pos), end_lsn=format_lsn(a.end),
+                             error=pgerrors.first_line(why))
+            got = await self.archive.copy(pos, a.end, core.config.system_id, self._timeline, self._history,
+                                          self._seg_size, sink, self.links[a.peer])
+            if got == pos:
+                raise ArchiveError(f"the archive {self.archive.location} lacks the segment at {format_lsn(pos)} "
+                                   f"too; {pgerrors.first_line(why)}")
+            self.log.info("caught up from the archive", peer=a.peer, term=core.term, start_lsn=format_lsn(pos),
+                          end_lsn=format_lsn(got))
 
     def _catchup_source(self, a: FetchWal) -> str | None:
         """A safekeeper of this term holding [a.start, a.end) with a reader port: the donor first."""
@@ -590,9 +621,8 @@ class ProposerService:
         """Copy what `a.peer` still needs from `source`'s reader port, in our term (up to its flush)."""
         core = self.core
         assert core is not None and self.peer_reader is not None
-        start = core.peers[a.peer].sent_lsn  # what the primary delivered before it failed stays sent
-        await self.peer_reader.copy(reader_address(source, core.peers[source].reader_port), start, a.end,
-                                    core.term, sink, self.links[a.peer])
+        await self.peer_reader.copy(reader_address(source, core.peers[source].reader_port),
+                                    core.peers[a.peer].sent_lsn, a.end, core.term, sink, self.links[a.peer])
 
     # ---- plumbing --------------------------------------------------------------------------
 

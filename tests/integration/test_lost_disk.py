@@ -1,8 +1,10 @@
 """A safekeeper's lost disk against real PostgreSQL 15: an empty directory learns its term from its peers
-before it votes, and a brand-new safekeeper replaces a dead one after the primary recycled the WAL it needs."""
+before it votes, and a brand-new safekeeper replaces a dead one after the primary recycled the WAL it needs and
+the others removed it (archived)."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 
@@ -58,44 +60,48 @@ def test_a_wiped_safekeeper_learns_its_term_from_its_peers_before_voting(peered:
         assert {r[0] for r in c.execute("SELECT id FROM load")} >= set(acked)
 
 
-def test_a_new_safekeeper_replaces_a_dead_one_after_the_primary_recycled_its_wal(
+def test_a_new_safekeeper_replaces_a_dead_one_from_the_archive_and_its_peers(
         pg_factory, procs: ProcessTracker, test_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """The primary recycled what the new safekeeper needs and the others removed it once archived: the
+    archive gives what no one else holds, a peer's reader port the rest."""
     pg = pg_factory(settings={"synchronous_standby_names": APP, "max_wal_size": "32MB", "min_wal_size": "32MB",
                               "wal_keep_size": "0"})
     d = Deployment(pg, procs, test_dir, peers=True)
     # The proposer reads a peer's reader port as reader `walsidecar`, with libpq's own password file.
     monkeypatch.setenv("PGPASSFILE", str(d.reader_passfile))
-    retention = ("--primary-retention", "1MB")
+    archive = ("--archive", f"file://{test_dir}/archive")
+    proposer_args = ("--primary-retention", "1MB", *archive)
     for i in (1, 2, 3):
-        d.start_safekeeper(i)
-    d.start_proposer(*retention)
+        d.start_safekeeper(i, *archive)
+    d.start_proposer(*proposer_args)
     d.wait_sync()
     with d.sql() as c:
         c.execute("CREATE TABLE load (id int, pad text)")
     start = d.history_start(1)
-    first = d.pg.pg_wal_dir / segment_file_name(1, start // DEFAULT_SEGMENT_SIZE)
+    first = segment_file_name(1, start // DEFAULT_SEGMENT_SIZE)
     # Dead within the first segment: the horizon slot no longer keeps what it lacks.
     d.safekeepers[3].kill9()
     shutil.rmtree(d.sk_dir(3))
     with d.sql() as c:
         c.execute("CREATE TABLE big AS SELECT g, repeat('z', 300) AS pad FROM generate_series(1, 60000) g")
 
-    def recycled() -> bool:
+    def gone() -> bool:
         with d.sql() as c:
             c.execute("INSERT INTO load SELECT g, repeat('r', 200) FROM generate_series(1, 2000) g")
             c.execute("SELECT pg_switch_wal()")
             c.execute("CHECKPOINT")
-        return not first.exists()
+        return not (d.pg.pg_wal_dir / first).exists() and \
+            not any((d.sk_dir(i) / "wal" / first).exists() for i in (1, 2))
 
-    # The horizon slot keeps only 1 MB below the commit position, not what the dead safekeeper lacks.
-    wait_for(recycled, timeout=90, what=f"the primary to recycle {first.name}")
+    # The horizon slot keeps only 1 MB below the commit position; the safekeepers remove what is archived.
+    wait_for(gone, timeout=90, what=f"the primary to recycle {first} and the safekeepers to remove it")
     check = walsidecar("check", "--pg-dsn", d.pg.dsn(), "--safekeepers", ",".join(d.addresses), *d.tls("client"))
     assert "the primary keeps" in check.stdout and "bytes of WAL for the safekeepers" in check.stdout, check.stdout
     d.proposer.kill9()
     del d.members["safekeeper3"]
     d.add(Safekeeper(d, "safekeeper4", node_id=4, port=d.pick_port()))
-    d.start("safekeeper4")
-    d.start_proposer(*retention)
+    d.start("safekeeper4")  # not archiving: it keeps every byte it gets, for the comparison below
+    d.start_proposer(*proposer_args)
     d.wait_sync()
     with d.sql() as c:
         c.execute("INSERT INTO load VALUES (0, 'after the replacement')")
@@ -103,8 +109,17 @@ def test_a_new_safekeeper_replaces_a_dead_one_after_the_primary_recycled_its_wal
     sk4 = d.data_dir("safekeeper4") / "wal"
     wait_for(lambda: len(read_wal(sk4, start, end)) == end - start, timeout=120,
              what="safekeeper 4 to hold all the WAL from the first term's start")
-    assert read_wal(sk4, start, end) == read_wal(d.sk_dir(1) / "wal", start, end)
-    assert "catching up from a safekeeper's reader port" in d.proposer.log_text()
+    # What safekeeper 1 still holds, the archive below it: copied in that order, as removal follows upload.
+    expected = test_dir / "expected"
+    expected.mkdir()
+    for f in (test_dir / "archive").glob("*/*/wal/0*"):
+        shutil.copyfile(f, expected / f.name)
+    for f in (d.sk_dir(1) / "wal").iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            shutil.copyfile(f, expected / f.name)
+    assert read_wal(sk4, start, end) == read_wal(expected, start, end)
+    log = d.proposer.log_text()
+    assert "caught up from the archive" in log and "catching up from a safekeeper's reader port" in log
     assert "learned the term from the peers" in d.safekeepers[4].log_text()
     # Commits still wait for a quorum, which now counts safekeeper 4.
     d.safekeepers[1].kill9()
@@ -112,6 +127,6 @@ def test_a_new_safekeeper_replaces_a_dead_one_after_the_primary_recycled_its_wal
     thread, result = start_commit(d.pg.dsn(), "INSERT INTO load VALUES (-1, 'waits')")
     wait_for(lambda: syncrep_waiters(d) >= 1, timeout=30, what="the commit to wait for the quorum")
     assert not result
-    d.start_safekeeper(1)
+    d.start_safekeeper(1, *archive)
     thread.join(timeout=60)
     assert result.get("done"), result

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from sidecar.consensus.messages import TimelineEntry
 from sidecar.proposer.catchup import PrimaryReader
@@ -68,3 +71,24 @@ def test_a_range_across_a_promotion_is_read_on_the_old_timeline_then_the_new_one
         assert repl.opened[-1] == (SWITCH + 10, 2)
 
     run(main())
+
+
+def test_the_archive_gives_nothing_it_lacks_and_nothing_unchecked(tmp_path: Path) -> None:
+    from sidecar.lsn import DEFAULT_SEGMENT_SIZE as SEG, segment_file_name
+    from sidecar.proposer.catchup import ArchiveReader
+    from sidecar.wal.format import WalFormatError
+
+    system_id = 7300000000000000001
+    wal = tmp_path / str(system_id) / str(system_id) / "wal"
+    wal.mkdir(parents=True)
+    reader = ArchiveReader(f"file://{tmp_path}", None, None)
+    got: list[int] = []
+
+    async def copy(start: int) -> int:
+        return await reader.copy(start, start + SEG, system_id, 1, (), SEG, lambda lsn, data: got.append(lsn))
+
+    assert run(copy(2 * SEG + 100)) == 2 * SEG + 100, "a segment the archive lacks gave WAL"
+    (wal / segment_file_name(1, 3)).write_bytes(bytes(SEG))  # whole, but no WAL page in it
+    with pytest.raises(WalFormatError):
+        run(copy(3 * SEG))
+    assert got == []
