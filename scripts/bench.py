@@ -962,7 +962,7 @@ def goals(report: dict[str, Any]) -> list[str]:
             continue
         value, detail = got
         ok = value >= bound if op == "≥" else value <= bound
-        out.append(f"* {what} {op} {bound:g}{unit}: {'met' if ok else 'NOT met'} ({detail})")
+        out.append(f"* {what} {op} {bound}{unit}: {'met' if ok else 'NOT met'} ({detail})")
     return out if len(out) > 2 else []
 
 
@@ -1033,7 +1033,8 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     p.add_argument("--rounds", type=int, help="interleaved rounds (default 3; 1 with --quick)")
     p.add_argument("--duration", type=float, help="seconds per pgbench run (default 30; 2 with --quick)")
     p.add_argument("--only", default="", help="comma-separated configurations and/or workloads to run "
-                   f"(configurations: {', '.join(CONFIGS)}; workloads: {', '.join(WORKLOADS)})")
+                   f"(configurations: {', '.join(CONFIGS)}; workloads: {', '.join(WORKLOADS)}); {ONE_DOWN} "
+                   "brings pgbench-16, what its TPS is divided by")
     p.add_argument("--quick", action="store_true", help="a small run (under a minute) that checks the harness")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="where results go (default bench-results)")
     p.add_argument("--scale", type=int, help="pgbench scale (default 20; 1 with --quick)")
@@ -1073,6 +1074,8 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     s.configs = tuple(c for c in CONFIGS if c in only) or CONFIGS
     # --quick checks the harness in under a minute: Spark's start alone would take a good part of it.
     default = tuple(w for w in WORKLOADS if not (a.quick and w == "wal-analytics"))
+    if ONE_DOWN in only:
+        only.append("pgbench-16")
     s.workloads = tuple(w for w in WORKLOADS if w in only) or default
     if s.rounds < 1 or s.duration <= 0 or s.scale < 1 or s.contended_scale < 1:
         p.error("--rounds, --duration, --scale and --contended-scale must be positive")
