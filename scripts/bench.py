@@ -23,8 +23,8 @@ of a template cluster (one per pgbench scale, each built once per run). Workload
 * catchup               one receiver down while WAL is written (CPU and RSS measured meanwhile), then
                         restarted: MB/s until it is level again
 * pgbench-16-contended  16 clients at --contended-scale (default 10) on a cluster of its own: every
-                        transaction updates one of ten branch rows, so commits queue behind row locks
-                        and commit latency is throughput
+                        transaction updates one of the branch rows (ten: one per unit of scale), so
+                        commits queue behind row locks and commit latency is throughput
 * wal-analytics         after the last round, decodes the WAL one safekeeper stored
                         (scripts/bench_wal_analytics.py): pg_waldump, walsidecar's segment scan per core
                         and `analyze --stats` on Spark, in MB/s
@@ -1035,7 +1035,7 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     p.add_argument("--only", default="", help="comma-separated configurations and/or workloads to run "
                    f"(configurations: {', '.join(CONFIGS)}; workloads: {', '.join(WORKLOADS)}); {ONE_DOWN} "
                    "brings pgbench-16, what its TPS is divided by")
-    p.add_argument("--quick", action="store_true", help="a small run (under a minute) that checks the harness")
+    p.add_argument("--quick", action="store_true", help="a small run (about a minute) that checks the harness")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="where results go (default bench-results)")
     p.add_argument("--scale", type=int, help="pgbench scale (default 20; 1 with --quick)")
     p.add_argument("--contended-scale", type=int,
@@ -1079,9 +1079,11 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     s.workloads = tuple(w for w in WORKLOADS if w in only) or default
     if s.rounds < 1 or s.duration <= 0 or s.scale < 1 or s.contended_scale < 1:
         p.error("--rounds, --duration, --scale and --contended-scale must be positive")
-    if s.pin and len(os.sched_getaffinity(0)) < 2:
-        p.error(f"--pin needs at least 2 CPUs (the primary and pgbench on one, the receivers on the others); this "
-                f"process may use {len(os.sched_getaffinity(0))}: run without --pin")
+    if s.pin:
+        try:
+            Pinning.split()
+        except BenchError as e:
+            p.error(str(e))
     return s
 
 
