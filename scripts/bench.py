@@ -12,15 +12,29 @@ the same disk and fsync on everywhere:
 * walsidecar-insecure  the same with --insecure: no TLS (walsidecar ÷ walsidecar-insecure is TLS's cost)
 
 Rounds are interleaved (A B C D, A B C D, ...); each configuration starts from a fresh copy
-of one template cluster. Workloads: pgbench TPC-B with 1 client (latency) and 16 clients
-(TPS), bulk ingest (WAL MB/s from the LSN difference over wall time, plus the receivers'
-CPU seconds per GB and peak RSS), and catch-up (one receiver down while WAL is written, with
-CPU and RSS measured meanwhile, then restarted: MB/s until it is level again). After the last
-round, wal-analytics decodes the WAL one safekeeper stored (scripts/bench_wal_analytics.py):
-pg_waldump, walsidecar's segment scan per core and `analyze --stats` on Spark, in MB/s.
+of a template cluster (one per pgbench scale, each built once per run). Workloads:
 
-Writes results.json (every round), results.md (medians and ratios) and chart.png to --out.
-MB means 10^6 bytes, GB 10^9 bytes.
+* pgbench-1             pgbench TPC-B, 1 client: latency, CPU per transaction (= per commit round trip)
+* pgbench-16            16 clients: TPS, CPU per transaction
+* pgbench-16-one-down   16 clients with one receiver stopped (native-quorum: a pg_receivewal;
+                        walsidecar: a safekeeper), TPS; restarted and level again before the next
+                        workload. The report shows its TPS over pgbench-16's, per configuration
+* bulk                  WAL MB/s from the LSN difference over wall time, the receivers' CPU s per GB, RSS
+* catchup               one receiver down while WAL is written (CPU and RSS measured meanwhile), then
+                        restarted: MB/s until it is level again
+* pgbench-16-contended  16 clients at --contended-scale (default 10) on a cluster of its own: every
+                        transaction updates one of the branch rows (ten: one per unit of scale), so
+                        commits queue behind row locks and commit latency is throughput
+* wal-analytics         after the last round, decodes the WAL one safekeeper stored
+                        (scripts/bench_wal_analytics.py): pg_waldump, walsidecar's segment scan per core
+                        and `analyze --stats` on Spark, in MB/s
+
+With --pin the primary PostgreSQL (the postmaster, so every backend it forks) and pgbench run on
+the first CPU and the receivers (pg_receivewal, or the safekeepers and the sidecar) on the others:
+how much the receivers competing with the primary for the same cores bounds the results.
+
+Writes results.json (every round), results.md (medians, ratios and the goals) and chart.png to
+--out. MB means 10^6 bytes, GB 10^9 bytes.
 """
 
 from __future__ import annotations
@@ -58,8 +72,11 @@ CONFIGS = ("async", "receivewal-1", "native-quorum", "walsidecar", "walsidecar-a
 # walsidecar with mutually authenticated TLS on every link (the default), and with --insecure: the difference
 # is what TLS costs.
 SIDECAR_CONFIGS = ("walsidecar", "walsidecar-auth", "walsidecar-insecure")
-WORKLOADS = ("pgbench-1", "pgbench-16", "bulk", "catchup", "wal-analytics")
-CATCHUP_CONFIGS = ("native-quorum", *SIDECAR_CONFIGS)  # a receiver can be down without stopping commits
+ONE_DOWN = "pgbench-16-one-down"
+CONTENDED = "pgbench-16-contended"
+WORKLOADS = ("pgbench-1", "pgbench-16", ONE_DOWN, "bulk", "catchup", CONTENDED, "wal-analytics")
+QUORUM_CONFIGS = ("native-quorum", *SIDECAR_CONFIGS)  # a receiver can be down without stopping commits
+CONTENDED_SCALE = 10  # ten branch rows: sixteen clients queue behind their row locks
 SIDECAR_APP = "walsidecar"
 MB, GB = 1_000_000, 1_000_000_000
 BULK_ROW_PAD = 1000  # bytes of text per bulk row: about 1.1 kB of WAL
@@ -94,6 +111,7 @@ class Settings:
     rounds: int = 3
     duration: float = 30.0
     scale: int = 20
+    contended_scale: int = CONTENDED_SCALE
     bulk_bytes: int = 1 * GB
     catchup_bytes: int = 1 * GB
     configs: tuple[str, ...] = CONFIGS
@@ -104,6 +122,7 @@ class Settings:
     fsync_floor: bool = True
     keep: bool = False
     quick: bool = False
+    pin: bool = False
 
 
 # ---- processes and /proc ---------------------------------------------------------------------
@@ -219,6 +238,64 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval
         time.sleep(interval)
 
 
+@dataclass(frozen=True)
+class Pinning:
+    """--pin: the CPUs of the primary PostgreSQL and pgbench, and those of the receivers."""
+
+    primary: frozenset[int]
+    receivers: frozenset[int]
+
+    @classmethod
+    def split(cls) -> Pinning:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            raise BenchError(f"--pin needs at least 2 CPUs (the primary and pgbench on one, the receivers on the "
+                             f"others) and this process may use {len(cpus)}: run without --pin")
+        return cls(frozenset(cpus[:1]), frozenset(cpus[1:]))
+
+    def describe(self) -> dict[str, list[int]]:
+        return {"primary_and_pgbench_cpus": sorted(self.primary), "receiver_cpus": sorted(self.receivers)}
+
+
+@contextmanager
+def affinity(cpus: frozenset[int] | None) -> Iterator[None]:
+    """Processes started inside run on `cpus`: a child inherits the affinity of the thread that forks it."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def pin_tree(pid: int, cpus: frozenset[int]) -> None:
+    """Every thread of `pid` and of its descendants onto `cpus` (those started before it was pinned too)."""
+    children: dict[int, list[int]] = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # exited meanwhile
+            children.setdefault(ppid, []).append(int(proc.name))
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = [int(t.name) for t in Path(f"/proc/{p}/task").iterdir()]
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except ProcessLookupError:
+                pass
+        todo += children.get(p, [])
+
+
 # ---- one configuration ------------------------------------------------------------------------
 
 
@@ -242,10 +319,11 @@ class ReceiveWal(ProcessMember):
 class Setup:
     """A primary copied from the template plus the configuration's receivers, as a LocalDeployment."""
 
-    def __init__(self, config: str, base: Path, template: Path, bin_dir: Path) -> None:
+    def __init__(self, config: str, base: Path, template: Path, bin_dir: Path, pin: Pinning | None = None) -> None:
         self.config = config
         self.base = base
         self.bin_dir = bin_dir
+        self.pin = pin
         self.port = free_port()
         self.d = LocalDeployment(base, safekeepers=3 if config in SIDECAR_CONFIGS else 0, pg_port=self.port,
                                  application_name=SIDECAR_APP, insecure=config == "walsidecar-insecure",
@@ -262,7 +340,10 @@ class Setup:
         os.chmod(self.base, 0o755)
         subprocess.run(["cp", "-a", str(self._template), str(self.cluster.data_dir)], check=True, timeout=300)
         self.cluster.set({"port": str(self.port), "synchronous_standby_names": STANDBY_NAMES[self.config]})
-        self.d.start("primary")
+        # The postmaster is pinned before it forks the backends pgbench and the receivers connect to.
+        with affinity(self.pin and self.pin.primary):
+            self.d.start("primary")
+        self.repin()
         receivewal = RECEIVEWAL_NAMES.get(self.config, ())
         with self.sql() as c:
             for name in receivewal:
@@ -270,12 +351,39 @@ class Setup:
         for name in receivewal:
             (self.base / name).mkdir()
         # The certificates are made as each process starts: before anything is measured.
-        self.d.start_all(wait=False)
+        with affinity(self.pin and self.pin.receivers):
+            self.d.start_all(wait=False)
+        self.repin()
         self.wait_synchronous()
 
     def start_receiver(self, name: str) -> None:
         """Start (or restart) one receiver by name: r1..r3, safekeeper1..3 or the proposer."""
-        self.d.start(name)
+        with affinity(self.pin and self.pin.receivers):
+            self.d.start(name)
+        self.repin()
+
+    def postmaster_pid(self) -> int | None:
+        return self.cluster.postmaster_pid()
+
+    def repin(self) -> None:
+        """With --pin, set the affinity of every process again (threads started meanwhile included)."""
+        if self.pin is None:
+            return
+        if (pid := self.postmaster_pid()) is not None:
+            pin_tree(pid, self.pin.primary)
+        for pid in self.measured_pids().values():
+            pin_tree(pid, self.pin.receivers)
+
+    def cpus(self) -> dict[str, list[int]]:
+        """The CPUs each process may run on now (the primary as 'postgres')."""
+        pids = {"postgres": self.postmaster_pid(), **self.measured_pids()}
+        out = {}
+        for name, pid in pids.items():
+            try:
+                out[name] = sorted(os.sched_getaffinity(pid)) if pid is not None else []
+            except ProcessLookupError:
+                pass
+        return out
 
     def stop_receiver(self, name: str) -> None:
         self.d.stop(name)
@@ -326,11 +434,18 @@ def pgbench(setup: Setup, clients: int, duration: float, log_dir: Path) -> dict[
     argv = [str(setup.bin_dir / "pgbench"), "-n", "-r", "-c", str(clients), "-j", str(min(clients, 2)),
             "-T", str(max(1, round(duration))), "--log", f"--log-prefix={prefix}",
             "-h", "127.0.0.1", "-p", str(setup.port), "-U", "postgres", "postgres"]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=duration + 120)
+    with affinity(setup.pin and setup.pin.primary):  # pgbench's, not this process's while it waits
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=duration + 120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
     if proc.returncode != 0:
-        raise BenchError(f"pgbench failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    tps = re.search(r"^tps = ([\d.]+) \(without initial connection time\)", proc.stdout, re.M)
-    commit = re.search(r"^\s+([\d.]+)\s+END;", proc.stdout, re.M)
+        raise BenchError(f"pgbench failed ({proc.returncode}):\n{stdout[-2000:]}\n{stderr[-2000:]}")
+    tps = re.search(r"^tps = ([\d.]+) \(without initial connection time\)", stdout, re.M)
+    commit = re.search(r"^\s+([\d.]+)\s+END;", stdout, re.M)
     latencies: list[int] = []
     for f in log_dir.glob(f"{prefix.name}.*"):
         for line in f.read_text().splitlines():
@@ -339,7 +454,7 @@ def pgbench(setup: Setup, clients: int, duration: float, log_dir: Path) -> dict[
                 latencies.append(int(parts[2]))
         f.unlink()
     if tps is None or not latencies:
-        raise BenchError(f"cannot read pgbench's results:\n{proc.stdout[-2000:]}")
+        raise BenchError(f"cannot read pgbench's results:\n{stdout[-2000:]}")
     latencies.sort()
     return {
         "clients": clients,
@@ -418,6 +533,21 @@ def with_usage(result: dict[str, Any], usage: dict[str, dict[str, float]]) -> di
     return result
 
 
+def measured_pgbench(setup: Setup, clients: int, duration: float, profile_prefix: Path | None,
+                     gil: bool = False) -> dict[str, Any]:
+    """pgbench with the receivers' CPU time per transaction (and py-spy on them with --profile)."""
+    prof = Profiler(setup.measured_pids(), profile_prefix, gil) if profile_prefix else None
+    meter = Meter(setup.measured_pids())
+    try:
+        data = pgbench(setup, clients, duration, setup.base / "pgbench")
+    finally:
+        if prof:
+            prof.stop()
+    setup.check_alive()
+    per_txn(data, meter.finish())
+    return data
+
+
 def bulk(setup: Setup, nbytes: int, profile_prefix: Path | None, gil: bool = False) -> dict[str, Any]:
     meter = Meter(setup.measured_pids())
     prof = Profiler(setup.measured_pids(), profile_prefix, gil) if profile_prefix else None
@@ -436,12 +566,44 @@ def standby_lsn(setup: Setup, name: str, column: str) -> int | None:
     return parse_lsn(row[0]) if row and row[0] else None
 
 
+def down_receiver(setup: Setup) -> tuple[str, str, str]:
+    """The receiver the one-down workloads stop, and the standby and column that show it level again."""
+    if setup.config in SIDECAR_CONFIGS:
+        return "safekeeper3", SIDECAR_APP, "replay_lsn"  # replay = flushed on every safekeeper
+    return "r3", "r3", "flush_lsn"
+
+
+def bring_back(setup: Setup, victim: str, target: int, timeout: float) -> float:
+    """Restart the stopped receiver and wait until it has the WAL up to `target`: the seconds that took."""
+    _, name, column = down_receiver(setup)
+    t0 = time.monotonic()
+    setup.start_receiver(victim)
+
+    def level() -> bool:
+        setup.check_alive()
+        lsn = standby_lsn(setup, name, column)
+        return lsn is not None and lsn >= target
+
+    wait_until(level, timeout, f"{victim} to catch up")
+    return time.monotonic() - t0
+
+
+def pgbench_one_down(setup: Setup, duration: float, profile_prefix: Path | None, gil: bool = False,
+                     timeout: float = 600) -> dict[str, Any]:
+    """pgbench with 16 clients while one receiver is stopped; restarted and level again afterwards."""
+    victim, _, _ = down_receiver(setup)
+    setup.stop_receiver(victim)
+    data = measured_pgbench(setup, 16, duration, profile_prefix, gil)
+    with setup.sql() as c:
+        target = parse_lsn(c.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()[0])
+    data["victim"] = victim
+    data["catchup_seconds"] = round(bring_back(setup, victim, target, timeout), 3)
+    return data
+
+
 def catchup(setup: Setup, nbytes: int, timeout: float = 600) -> dict[str, Any]:
     """One receiver down while `nbytes` of WAL are written (CPU and RSS measured), then restarted."""
-    if setup.config in SIDECAR_CONFIGS:
-        victim, name, column = "safekeeper3", SIDECAR_APP, "replay_lsn"  # replay = flushed on every safekeeper
-    else:
-        victim, name, column = "r3", "r3", "flush_lsn"
+    victim, _, column = down_receiver(setup)
     with setup.sql() as c:
         c.execute("CHECKPOINT")
     setup.stop_receiver(victim)
@@ -454,16 +616,7 @@ def catchup(setup: Setup, nbytes: int, timeout: float = 600) -> dict[str, Any]:
                             (victim,)).fetchone()
         behind = parse_lsn(row[0])
     target = written["end_lsn"]
-    t0 = time.monotonic()
-    setup.start_receiver(victim)
-
-    def level() -> bool:
-        setup.check_alive()
-        lsn = standby_lsn(setup, name, column)
-        return lsn is not None and lsn >= target
-
-    wait_until(level, timeout, f"{victim} to catch up")
-    elapsed = time.monotonic() - t0
+    elapsed = bring_back(setup, victim, target, timeout)
     return {"victim": victim, "dead_run": written, "catchup_bytes": target - behind,
             "catchup_seconds": round(elapsed, 3), "catchup_mb_s": round((target - behind) / MB / elapsed, 1),
             "sidecar_cpu_s_per_gb_dead": written.get("sidecar_cpu_s_per_gb"),
@@ -474,7 +627,7 @@ def catchup(setup: Setup, nbytes: int, timeout: float = 600) -> dict[str, Any]:
 
 
 def build_template(work: Path, scale: int, bin_dir: Path) -> Path:
-    cluster = LocalCluster(work / "template", free_port(), log_file=work / "template.log")
+    cluster = LocalCluster(work / f"template-scale{scale}", free_port(), log_file=work / f"template-scale{scale}.log")
     cluster.init(PRIMARY_SETTINGS)
     cluster.start()
     try:
@@ -501,49 +654,63 @@ def fsync_floor(work: Path, bin_dir: Path) -> dict[str, float] | None:
     return {"fdatasync_ops_s": float(m.group(1)), "fdatasync_us": float(m.group(2))} if m else None
 
 
-def run_config(s: Settings, config: str, rnd: int, work: Path, template: Path, bin_dir: Path,
-               log: Callable[[str], None], results: list[dict[str, Any]]) -> None:
-    """Build one configuration, run the workloads on it, append a row per workload to `results`."""
-    setup = Setup(config, work / f"r{rnd}-{config}", template, bin_dir)
+def setups(s: Settings) -> dict[int, tuple[str, ...]]:
+    """The workloads to run per pgbench scale: one template cluster each, and one setup per round and config."""
+    out: dict[int, tuple[str, ...]] = {}
+    for w in s.workloads:
+        scale = s.contended_scale if w == CONTENDED else s.scale
+        out[scale] = (*out.get(scale, ()), w)
+    return out
+
+
+def run_config(s: Settings, config: str, rnd: int, work: Path, templates: dict[int, Path], bin_dir: Path,
+               pin: Pinning | None, log: Callable[[str], None], results: list[dict[str, Any]]) -> None:
+    """Build the configuration from each template in turn, run its workloads, append a row per workload."""
+    for scale, workloads in setups(s).items():
+        name = f"r{rnd}-{config}" + ("" if scale == s.scale else f"-scale{scale}")
+        setup = Setup(config, work / name, templates[scale], bin_dir, pin)
+        try:
+            t0 = time.monotonic()
+            setup.build()
+            log(f"round {rnd} {config:14s} built (pgbench scale {scale}) in {time.monotonic() - t0:.1f} s")
+            run_workloads(s, setup, rnd, workloads, log, results)
+        except (BenchError, psycopg.Error, ClusterError, OSError, subprocess.SubprocessError) as e:
+            results.append({"round": rnd, "config": config, "workload": "error", "error": str(e)})
+            log(f"round {rnd} {config}: FAILED: {e}")
+            log(f"--- tail of {setup.cluster.log_file} ---\n{setup.cluster.log_tail(15)}")
+        finally:
+            setup.teardown(s.keep)
+
+
+def run_workloads(s: Settings, setup: Setup, rnd: int, workloads: tuple[str, ...], log: Callable[[str], None],
+                  results: list[dict[str, Any]]) -> None:
+    """Run `workloads` in order on one built setup."""
+    config = setup.config
 
     def record(workload: str, data: dict[str, Any]) -> None:
         row = {"round": rnd, "config": config, "workload": workload, **data}
+        if setup.pin is not None:
+            row["cpus"] = setup.cpus()
         results.append(row)
-        log(f"round {rnd} {config:14s} {workload:10s} {summary(row)}")
+        log(f"round {rnd} {config:14s} {workload:20s} {summary(row)}")
 
-    try:
-        t0 = time.monotonic()
-        setup.build()
-        log(f"round {rnd} {config:14s} built in {time.monotonic() - t0:.1f} s")
-        prof_dir = s.out / "profile" if s.profile and config == "walsidecar" else None
-        for clients in (1, 16):
-            if f"pgbench-{clients}" in s.workloads:
-                prof = Profiler(setup.measured_pids(), prof_dir / f"r{rnd}-pgbench{clients}",
-                                s.profile == "gil") if prof_dir else None
-                meter = Meter(setup.measured_pids())
-                try:
-                    data = pgbench(setup, clients, s.duration, setup.base / "pgbench")
-                finally:
-                    if prof:
-                        prof.stop()
-                setup.check_alive()
-                per_txn(data, meter.finish())
-                record(f"pgbench-{clients}", data)
-        if "bulk" in s.workloads:
-            data = bulk(setup, s.bulk_bytes, prof_dir / f"r{rnd}-bulk" if prof_dir else None, s.profile == "gil")
+    prof_dir = s.out / "profile" if s.profile and config == "walsidecar" else None
+    gil = s.profile == "gil"
+    for workload in workloads:
+        prof = prof_dir / f"r{rnd}-{workload.replace('-', '', 1)}" if prof_dir else None  # r1-pgbench16-...
+        if workload in ("pgbench-1", "pgbench-16", CONTENDED):
+            record(workload, measured_pgbench(setup, 1 if workload == "pgbench-1" else 16, s.duration, prof, gil))
+        elif workload == ONE_DOWN and config in QUORUM_CONFIGS:
+            record(workload, pgbench_one_down(setup, s.duration, prof, gil))
+        elif workload == "bulk":
+            data = bulk(setup, s.bulk_bytes, prof, gil)
             setup.check_alive()
             record("bulk", data)
-        if "catchup" in s.workloads and config in CATCHUP_CONFIGS:
+        elif workload == "catchup" and config in QUORUM_CONFIGS:
             record("catchup", catchup(setup, s.catchup_bytes))
-        if "wal-analytics" in s.workloads and config == "walsidecar" and rnd == s.rounds:
+        elif workload == "wal-analytics" and config == "walsidecar" and rnd == s.rounds:
             results.append({"round": rnd, "config": config, "workload": "wal-analytics",
                             "rows": wal_analytics(setup.base / "safekeeper1" / "wal", log)})
-    except (BenchError, psycopg.Error, ClusterError, OSError, subprocess.SubprocessError) as e:
-        results.append({"round": rnd, "config": config, "workload": "error", "error": str(e)})
-        log(f"round {rnd} {config}: FAILED: {e}")
-        log(f"--- tail of {setup.cluster.log_file} ---\n{setup.cluster.log_tail(15)}")
-    finally:
-        setup.teardown(s.keep)
 
 
 def wal_analytics(wal_dir: Path, log: Callable[[str], None]) -> list[dict[str, Any]]:
@@ -568,7 +735,7 @@ def wal_analytics(wal_dir: Path, log: Callable[[str], None]) -> list[dict[str, A
 
 
 def summary(row: dict[str, Any]) -> str:
-    keys = ("tps", "latency_mean_ms", "latency_p99_ms", "commit_mean_ms", "receivers_cpu_ms_per_txn",
+    keys = ("victim", "tps", "latency_mean_ms", "latency_p99_ms", "commit_mean_ms", "receivers_cpu_ms_per_txn",
             "sidecar_cpu_ms_per_txn", "wal_mb_s", "sidecar_cpu_s_per_gb",
             "sidecar_peak_rss_mb", "all_receivers_cpu_s_per_gb", "catchup_mb_s", "sidecar_peak_rss_mb_dead")
     return "  ".join(f"{k}={row[k]}" for k in keys if row.get(k) is not None)
@@ -576,6 +743,7 @@ def summary(row: dict[str, Any]) -> str:
 
 def run(s: Settings) -> dict[str, Any]:
     bin_dir = find_bin_dir()
+    pin = Pinning.split() if s.pin else None
     s.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="walsidecar-bench-", dir=s.workdir))
     os.chmod(work, 0o755)
@@ -594,17 +762,20 @@ def run(s: Settings) -> dict[str, Any]:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "loadavg_at_start": os.getloadavg()},
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "pinned": pin.describe() if pin else None,
     }
     try:
         if s.fsync_floor:
             meta["fsync_floor"] = fsync_floor(work, bin_dir)
             log(f"fsync floor: {meta['fsync_floor']}")
-        t0 = time.monotonic()
-        template = build_template(work, s.scale, bin_dir)
-        log(f"template cluster (pgbench scale {s.scale}) built in {time.monotonic() - t0:.1f} s in {work}")
+        templates = {}
+        for scale in setups(s):
+            t0 = time.monotonic()
+            templates[scale] = build_template(work, scale, bin_dir)
+            log(f"template cluster (pgbench scale {scale}) built in {time.monotonic() - t0:.1f} s in {work}")
         for rnd in range(1, s.rounds + 1):
             for config in s.configs:
-                run_config(s, config, rnd, work, template, bin_dir, log, rows)
+                run_config(s, config, rnd, work, templates, bin_dir, pin, log, rows)
     finally:
         meta["seconds"] = round(time.time() - started, 1)
         meta["machine"]["loadavg_at_end"] = os.getloadavg()
@@ -631,6 +802,7 @@ class Metric:
     higher_is_better: bool
     digits: int = 1
     configs: tuple[str, ...] = CONFIGS
+    over: str = ""  # a workload: then the row is this median over that workload's median of `key`
 
 
 METRICS = (
@@ -638,30 +810,42 @@ METRICS = (
     Metric("pgbench 1 client: p99 latency (ms)", "pgbench-1", "latency_p99_ms", False, 3),
     Metric("pgbench 1 client: COMMIT mean (ms)", "pgbench-1", "commit_mean_ms", False, 3),
     Metric("pgbench 1 client: TPS", "pgbench-1", "tps", True, 0),
+    Metric("pgbench 1 client: sidecar (proposer) CPU ms per transaction", "pgbench-1", "sidecar_cpu_ms_per_txn",
+           False, 3, SIDECAR_CONFIGS),
     Metric("pgbench 16 clients: TPS", "pgbench-16", "tps", True, 0),
     Metric("pgbench 16 clients: mean latency (ms)", "pgbench-16", "latency_mean_ms", False, 2),
     Metric("pgbench 16 clients: CPU ms per transaction, all receivers", "pgbench-16", "receivers_cpu_ms_per_txn",
            False, 3, CONFIGS[1:]),
     Metric("pgbench 16 clients: sidecar (proposer) CPU ms per transaction", "pgbench-16", "sidecar_cpu_ms_per_txn",
            False, 3, SIDECAR_CONFIGS),
+    Metric("pgbench 16 clients, one receiver down: TPS", ONE_DOWN, "tps", True, 0, QUORUM_CONFIGS),
+    Metric("one receiver down: TPS ÷ all up (16 clients)", ONE_DOWN, "tps", True, 2, QUORUM_CONFIGS,
+           over="pgbench-16"),
+    Metric("pgbench 16 clients, contended: TPS", CONTENDED, "tps", True, 0),
+    Metric("pgbench 16 clients, contended: mean latency (ms)", CONTENDED, "latency_mean_ms", False, 2),
+    Metric("pgbench 16 clients, contended: CPU ms per transaction, all receivers", CONTENDED,
+           "receivers_cpu_ms_per_txn", False, 3, CONFIGS[1:]),
+    Metric("pgbench 16 clients, contended: sidecar (proposer) CPU ms per transaction", CONTENDED,
+           "sidecar_cpu_ms_per_txn", False, 3, SIDECAR_CONFIGS),
     Metric("bulk ingest: WAL MB/s", "bulk", "wal_mb_s", True, 0),
     Metric("bulk ingest: CPU s per GB, all receivers", "bulk", "all_receivers_cpu_s_per_gb", False, 2,
            CONFIGS[1:]),
     Metric("bulk ingest: sidecar (proposer) CPU s per GB", "bulk", "sidecar_cpu_s_per_gb", False, 2, SIDECAR_CONFIGS),
     Metric("bulk ingest: sidecar peak RSS (MB)", "bulk", "sidecar_peak_rss_mb", False, 0, SIDECAR_CONFIGS),
-    Metric("one receiver down: WAL MB/s", "catchup", "dead_run.wal_mb_s", True, 0, CATCHUP_CONFIGS),
+    Metric("one receiver down: WAL MB/s", "catchup", "dead_run.wal_mb_s", True, 0, QUORUM_CONFIGS),
     Metric("one safekeeper down: sidecar CPU s per GB", "catchup", "sidecar_cpu_s_per_gb_dead", False, 2,
            SIDECAR_CONFIGS),
     Metric("one safekeeper down: sidecar peak RSS (MB)", "catchup", "sidecar_peak_rss_mb_dead", False, 0,
            SIDECAR_CONFIGS),
-    Metric("catch-up of the restarted receiver: MB/s", "catchup", "catchup_mb_s", True, 0, CATCHUP_CONFIGS),
+    Metric("catch-up of the restarted receiver: MB/s", "catchup", "catchup_mb_s", True, 0, QUORUM_CONFIGS),
 )
 
 
-def values(report: dict[str, Any], m: Metric, config: str) -> list[float]:
+def values(report: dict[str, Any], m: Metric, config: str, workload: str = "") -> list[float]:
+    """`m.key` of every round of `config` (in `workload`, by default the metric's)."""
     out = []
     for row in report["rounds"]:
-        if row["config"] != config or row["workload"] != m.workload:
+        if row["config"] != config or row["workload"] != (workload or m.workload):
             continue
         v: Any = row
         for part in m.key.split("."):
@@ -673,7 +857,12 @@ def values(report: dict[str, Any], m: Metric, config: str) -> list[float]:
 
 def median(report: dict[str, Any], m: Metric, config: str) -> float | None:
     vs = values(report, m, config)
-    return statistics.median(vs) if vs else None
+    if not vs:
+        return None
+    if not m.over:
+        return statistics.median(vs)
+    base = values(report, m, config, m.over)
+    return statistics.median(vs) / statistics.median(base) if base and statistics.median(base) else None
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -700,13 +889,18 @@ def markdown(report: dict[str, Any]) -> str:
     floor = report.get("fsync_floor")
     notes = [
         "",
-        f"{rounds} interleaved round(s); pgbench TPC-B scale {s['scale']}, {s['duration']:g} s per pgbench run; "
+        f"{rounds} interleaved round(s); pgbench TPC-B scale {s['scale']} (contended: scale "
+        f"{s.get('contended_scale', CONTENDED_SCALE)}), {s['duration']:g} s per pgbench run; "
         f"bulk ingest {s['bulk_bytes'] / MB:.0f} MB of WAL; catch-up after {s['catchup_bytes'] / MB:.0f} MB; "
         f"{report['machine']['cpus']} CPUs; load average {report['machine']['loadavg_at_start'][0]:.1f} at start. "
         "MB = 10^6 bytes.",
     ]
     if floor:
         notes.append(f"fsync floor (pg_test_fsync, one 8 kB write + fdatasync): {floor['fdatasync_us']:.0f} µs.")
+    if pinned := report.get("pinned"):
+        notes.append(f"Pinned (--pin): the primary PostgreSQL and pgbench on CPU "
+                     f"{_cpus(pinned['primary_and_pgbench_cpus'])}, the receivers on CPU "
+                     f"{_cpus(pinned['receiver_cpus'])}.")
     notes += goals(report) + analytics_table(report)
     if errors:
         notes += ["", "Failed rounds:"] + [f"* round {r['round']} {r['config']}: {r['error'].splitlines()[0]}"
@@ -726,30 +920,60 @@ def analytics_table(report: dict[str, Any]) -> list[str]:
 
 
 def goals(report: dict[str, Any]) -> list[str]:
-    """The targets of the benchmark, checked against this run's medians."""
+    """The targets of the benchmark (issue 16's table, catch-up and memory), checked on walsidecar's medians."""
     by_label = {m.label: m for m in METRICS}
 
-    def med(label: str, config: str) -> float | None:
+    def med(label: str, config: str = "walsidecar") -> float | None:
         return median(report, by_label[label], config)
 
+    def ratio(label: str, of_label: str = "", of_config: str = "native-quorum") -> tuple[float, str] | None:
+        ours, theirs = med(label), med(of_label or label, of_config)
+        if ours is None or not theirs:
+            return None
+        return ours / theirs, f"{ours / theirs:.2f}: {_sig(ours)} vs {_sig(theirs)}"
+
+    def alone(label: str, unit: str) -> tuple[float, str] | None:
+        ours = med(label)
+        return None if ours is None else (ours, f"{_sig(ours)} {unit}")
+
+    settings = report["settings"]
+    tps16 = "pgbench 16 clients: TPS"
     checks = [
-        ("16 clients: TPS ≥ 1.0 × native-quorum", med("pgbench 16 clients: TPS", "walsidecar"),
-         med("pgbench 16 clients: TPS", "native-quorum"), 1.0, True),
-        ("1 client: mean latency ≤ 1.2 × receivewal-1", med("pgbench 1 client: mean latency (ms)", "walsidecar"),
-         med("pgbench 1 client: mean latency (ms)", "receivewal-1"), 1.2, False),
-        ("bulk ingest: WAL MB/s ≥ 0.9 × async", med("bulk ingest: WAL MB/s", "walsidecar"),
-         med("bulk ingest: WAL MB/s", "async"), 0.9, True),
-        ("catch-up ≥ 150 MB/s", med("catch-up of the restarted receiver: MB/s", "walsidecar"), 150.0, 1.0, True),
-        ("sidecar peak RSS < 300 MB with a safekeeper down",
-         med("one safekeeper down: sidecar peak RSS (MB)", "walsidecar"), 300.0, 1.0, False),
+        (f"contended pgbench (scale {settings.get('contended_scale', CONTENDED_SCALE)}, 16 clients): "
+         "TPS ÷ native-quorum", "≥", 1.0, "", ratio("pgbench 16 clients, contended: TPS")),
+        (f"pgbench scale {settings['scale']}, 16 clients: TPS ÷ native-quorum", "≥", 1.1, "", ratio(tps16)),
+        ("1 client: mean latency ÷ native-quorum", "≤", 1.1, "", ratio("pgbench 1 client: mean latency (ms)")),
+        ("1 client: p99 latency ÷ native-quorum", "≤", 0.8, "", ratio("pgbench 1 client: p99 latency (ms)")),
+        ("16 clients: CPU per transaction, all receivers ÷ native-quorum", "≤", 1.5, "",
+         ratio("pgbench 16 clients: CPU ms per transaction, all receivers")),
+        ("sidecar CPU per commit round trip (1 client)", "≤", 0.1, " ms",
+         alone("pgbench 1 client: sidecar (proposer) CPU ms per transaction", "ms")),
+        ("bulk ingest: WAL MB/s ÷ native-quorum", "≥", 1.3, "", ratio("bulk ingest: WAL MB/s")),
+        ("one safekeeper down: TPS ÷ all up (16 clients)", "≥", 0.95, "",
+         ratio("pgbench 16 clients, one receiver down: TPS", tps16, "walsidecar")),
+        ("catch-up of the restarted safekeeper", "≥", 150, " MB/s",
+         alone("catch-up of the restarted receiver: MB/s", "MB/s")),
+        ("sidecar peak RSS with a safekeeper down", "≤", 300, " MB",
+         alone("one safekeeper down: sidecar peak RSS (MB)", "MB")),
     ]
-    out = ["", "Goals:"]
-    for text, ours, ref, factor, higher in checks:
-        if ours is None or ref is None:
+    out = ["", "Goals (walsidecar's medians):"]
+    for what, op, bound, unit, got in checks:
+        if got is None:
             continue
-        ok = ours >= factor * ref if higher else ours <= factor * ref
-        out.append(f"* {text}: {'met' if ok else 'NOT met'} ({_num(ours, 2)} vs {_num(factor * ref, 2)})")
+        value, detail = got
+        ok = value >= bound if op == "≥" else value <= bound
+        out.append(f"* {what} {op} {bound}{unit}: {'met' if ok else 'NOT met'} ({detail})")
     return out if len(out) > 2 else []
+
+
+def _sig(v: float) -> str:
+    """A measured value with the digits that matter at its size."""
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}" if abs(v) >= 1 else f"{v:.3f}"
+
+
+def _cpus(cpus: list[int]) -> str:
+    return f"{cpus[0]}–{cpus[-1]}" if len(cpus) > 2 and cpus == list(range(cpus[0], cpus[-1] + 1)) else \
+        ", ".join(map(str, cpus))
 
 
 def _num(v: float | None, digits: int) -> str:
@@ -766,10 +990,10 @@ def chart(report: dict[str, Any], path: Path, log: Callable[[str], None]) -> Non
         log("matplotlib is not installed: no chart (pip install -e '.[bench]')")
         return
     configs = [c for c in CONFIGS if c in report["settings"]["configs"]]
-    shown = [m for m in METRICS if m.key in ("latency_mean_ms", "tps", "wal_mb_s", "catchup_mb_s",
-                                                 "all_receivers_cpu_s_per_gb", "sidecar_peak_rss_mb_dead")
-             and not (m.key == "tps" and m.workload == "pgbench-1") and not (m.key == "latency_mean_ms"
-                                                                             and m.workload == "pgbench-16")]
+    panels = {("pgbench-1", "latency_mean_ms"), ("pgbench-16", "tps"), (CONTENDED, "tps"), (ONE_DOWN, "tps"),
+              ("bulk", "wal_mb_s"), ("bulk", "all_receivers_cpu_s_per_gb"),
+              ("catchup", "catchup_mb_s"), ("catchup", "sidecar_peak_rss_mb_dead")}
+    shown = [m for m in METRICS if (m.workload, m.key) in panels and not m.over]
     shown = [m for m in shown if any(values(report, m, c) for c in configs)]
     if not shown:
         return
@@ -804,15 +1028,20 @@ def chart(report: dict[str, Any], path: Path, log: Callable[[str], None]) -> Non
 
 
 def parse_args(argv: list[str] | None = None) -> Settings:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    first, _, rest = __doc__.partition("\n\n")
+    p = argparse.ArgumentParser(description=first, epilog=rest, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, help="interleaved rounds (default 3; 1 with --quick)")
     p.add_argument("--duration", type=float, help="seconds per pgbench run (default 30; 2 with --quick)")
     p.add_argument("--only", default="", help="comma-separated configurations and/or workloads to run "
-                   f"(configurations: {', '.join(CONFIGS)}; workloads: {', '.join(WORKLOADS)})")
-    p.add_argument("--quick", action="store_true", help="a small run (under a minute) that checks the harness")
+                   f"(configurations: {', '.join(CONFIGS)}; workloads: {', '.join(WORKLOADS)}); {ONE_DOWN} "
+                   "brings pgbench-16, what its TPS is divided by")
+    p.add_argument("--quick", action="store_true", help="a small run (about a minute) that checks the harness")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="where results go (default bench-results)")
     p.add_argument("--scale", type=int, help="pgbench scale (default 20; 1 with --quick)")
+    p.add_argument("--contended-scale", type=int,
+                   help=f"pgbench scale of {CONTENDED}: one branch row per unit, which every transaction "
+                   f"updates, so 16 clients queue behind the row locks (default {CONTENDED_SCALE}; 1 with --quick). "
+                   "At another scale than --scale it runs on a cluster of its own")
     p.add_argument("--bulk-mb", type=int, help="MB of WAL for bulk ingest (default 1000; 32 with --quick)")
     p.add_argument("--catchup-mb", type=int, help="MB of WAL written while a receiver is down (default 1000)")
     p.add_argument("--workdir", type=Path, help="parent of the scratch directory (default: the system's temp dir)")
@@ -821,14 +1050,20 @@ def parse_args(argv: list[str] | None = None) -> Settings:
                    "wall-clock samples, or with 'gil' only samples of running Python code")
     p.add_argument("--keep", action="store_true", help="keep the scratch directories (data, logs)")
     p.add_argument("--no-fsync-floor", action="store_true", help="skip the pg_test_fsync measurement")
+    p.add_argument("--pin", action="store_true",
+                   help="pin the primary PostgreSQL (its postmaster, so every backend) and pgbench to the first CPU, "
+                   "the receivers (pg_receivewal, or the safekeepers and the sidecar) to the others: how much their "
+                   "competing for the same cores bounds the results. Needs 2 CPUs or more; the report says so")
     a = p.parse_args(argv)
-    s = Settings(out=a.out, workdir=a.workdir, profile=a.profile, keep=a.keep, quick=a.quick)
+    s = Settings(out=a.out, workdir=a.workdir, profile=a.profile, keep=a.keep, quick=a.quick, pin=a.pin)
     if a.quick:
         s.rounds, s.duration, s.scale, s.bulk_bytes, s.catchup_bytes = 1, 2.0, 1, 32 * MB, 32 * MB
+        s.contended_scale = 1  # as --scale: the contended workload runs on the same cluster
         s.fsync_floor = False
     s.rounds = a.rounds if a.rounds is not None else s.rounds
     s.duration = a.duration if a.duration is not None else s.duration
     s.scale = a.scale if a.scale is not None else s.scale
+    s.contended_scale = a.contended_scale if a.contended_scale is not None else s.contended_scale
     s.bulk_bytes = a.bulk_mb * MB if a.bulk_mb is not None else s.bulk_bytes
     s.catchup_bytes = a.catchup_mb * MB if a.catchup_mb is not None else s.catchup_bytes
     s.fsync_floor = s.fsync_floor and not a.no_fsync_floor
@@ -839,9 +1074,16 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     s.configs = tuple(c for c in CONFIGS if c in only) or CONFIGS
     # --quick checks the harness in under a minute: Spark's start alone would take a good part of it.
     default = tuple(w for w in WORKLOADS if not (a.quick and w == "wal-analytics"))
+    if ONE_DOWN in only:
+        only.append("pgbench-16")
     s.workloads = tuple(w for w in WORKLOADS if w in only) or default
-    if s.rounds < 1 or s.duration <= 0:
-        p.error("--rounds and --duration must be positive")
+    if s.rounds < 1 or s.duration <= 0 or s.scale < 1 or s.contended_scale < 1:
+        p.error("--rounds, --duration, --scale and --contended-scale must be positive")
+    if s.pin:
+        try:
+            Pinning.split()
+        except BenchError as e:
+            p.error(str(e))
     return s
 
 

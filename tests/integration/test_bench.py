@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,8 +24,10 @@ def test_quick_benchmark_produces_every_output(test_dir: Path) -> None:
     except ClusterError as e:
         pytest.skip(str(e))
     out = test_dir / "bench"
+    # --pin where it can: the primary and pgbench on one CPU, the receivers on the others.
+    pin = ["--pin"] if len(os.sched_getaffinity(0)) > 1 else []
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--out", str(out),
-                           "--workdir", str(test_dir)], capture_output=True, text=True, timeout=600)
+                           "--workdir", str(test_dir), *pin], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
     report = json.loads((out / "results.json").read_text())
@@ -32,8 +35,9 @@ def test_quick_benchmark_produces_every_output(test_dir: Path) -> None:
     assert not [r for r in rows if r["workload"] == "error"]
     done = {(r["config"], r["workload"]) for r in rows}
     for config in CONFIGS:
-        assert {(config, "pgbench-1"), (config, "pgbench-16"), (config, "bulk")} <= done
-    assert {("native-quorum", "catchup"), ("walsidecar", "catchup")} <= done
+        assert {(config, w) for w in ("pgbench-1", "pgbench-16", "bulk", "pgbench-16-contended")} <= done
+    for config in ("native-quorum", "walsidecar"):
+        assert {(config, "catchup"), (config, "pgbench-16-one-down")} <= done
     for r in rows:
         if r["workload"].startswith("pgbench"):
             assert r["tps"] > 0 and r["latency_p99_ms"] > 0 and r["transactions"] > 0
@@ -42,7 +46,19 @@ def test_quick_benchmark_produces_every_output(test_dir: Path) -> None:
     sidecar = next(r for r in rows if r["config"] == "walsidecar" and r["workload"] == "catchup")
     assert sidecar["catchup_bytes"] > 0 and sidecar["sidecar_peak_rss_mb_dead"] > 0
 
+    if pin:
+        cpus = next(r for r in rows if r["config"] == "walsidecar" and r["workload"] == "pgbench-16")["cpus"]
+        assert report["pinned"]["primary_and_pgbench_cpus"] == cpus["postgres"]
+        assert all(cpus[name] == report["pinned"]["receiver_cpus"] for name in ("safekeeper1", "proposer"))
+
     table = (out / "results.md").read_text()
     assert table.startswith("| metric") and "walsidecar ÷ native-quorum" in table
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines() if line.startswith("|")]
+    rows_md = {r[0]: r for r in cells}
+    head = rows_md["metric (median of rounds)"]
+    one_down = rows_md["one receiver down: TPS ÷ all up (16 clients)"]
+    assert float(one_down[head.index("walsidecar")]) > 0 and float(one_down[head.index("native-quorum")]) > 0
+    assert "pgbench 16 clients, contended: TPS" in rows_md
+    assert "one safekeeper down: TPS ÷ all up (16 clients) ≥ 0.95" in table
     pytest.importorskip("matplotlib")
     assert (out / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
