@@ -33,6 +33,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #define PROTOCOL_VERSION 2
@@ -62,6 +63,10 @@ static uint64_t seg_no;
 static pthread_mutex_t spare_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t spare_cv = PTHREAD_COND_INITIALIZER;
 static int spare_ready, spare_wanted;
+
+/* ---- what the log says at exit (SIGTERM): how long the disk took */
+static volatile sig_atomic_t stopping;
+static uint64_t syncs, sync_ns, sync_max_ns, appends, replies;
 
 /* ---- the connection */
 static int conn = -1;
@@ -247,13 +252,30 @@ static int reply_append(void) {
     return 0;
 }
 
+static uint64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
 static int sync_and_reply(void) {
     if (write_lsn > flush_lsn) {
+        uint64_t began = now_ns();
         if (fdatasync(seg_fd) < 0)
             die("fdatasync");
+        uint64_t took = now_ns() - began;
+        syncs++, sync_ns += took;
+        if (took > sync_max_ns)
+            sync_max_ns = took;
         flush_lsn = write_lsn;
     }
+    replies++;
     return reply_append();
+}
+
+static void on_term(int sig) {
+    (void)sig;
+    stopping = 1;
 }
 
 /* ---- messages: 0 handled, -1 close the connection */
@@ -379,6 +401,7 @@ static int on_append(const unsigned char *b, size_t n) {
     }
     if (t != elected_term || begin != write_lsn)
         return -1;
+    appends++;
     if (n > 32) {
         store(begin, b + 32, n - 32);
         write_lsn += n - 32;
@@ -492,6 +515,8 @@ int main(int argc, char **argv) {
     if ((rbuf = malloc(RECV_BUF)) == NULL)
         die("malloc");
     signal(SIGPIPE, SIG_IGN);
+    struct sigaction term_action = {.sa_handler = on_term};
+    sigaction(SIGTERM, &term_action, NULL);
     pthread_t spare;
     if (pthread_create(&spare, NULL, spare_maker, NULL) != 0)
         die("pthread_create");
@@ -509,7 +534,7 @@ int main(int argc, char **argv) {
         die("listening on %s", listen_at);
     say("listening on %s (a measurement stand-in: nothing is persisted but WAL)", listen_at);
 
-    for (;;) {
+    while (!stopping) {
         struct pollfd p[2] = {{lfd, POLLIN, 0}, {conn, POLLIN, 0}};
         if (poll(p, conn >= 0 ? 2 : 1, -1) < 0) {
             if (errno == EINTR)
@@ -529,4 +554,7 @@ int main(int argc, char **argv) {
         if (conn >= 0 && p[1].revents)
             serve();
     }
+    say("stopped: %" PRIu64 " Appends, %" PRIu64 " replies, %" PRIu64 " fdatasyncs, mean %.0f us, max %.0f us",
+        appends, replies, syncs, syncs ? sync_ns / 1e3 / (double)syncs : 0.0, sync_max_ns / 1e3);
+    return 0;
 }
