@@ -10,8 +10,9 @@
  *
  * What it skips, so never run it for anything but a measurement: the term and history live in memory only
  * (a restart forgets every promise), no control file, no record-boundary scan (tail_lsn 0: the proposer
- * skips its CRC check of the primary), no TLS, auth-only, InfoRequest, reader port, timeline switches or
- * Refusal. Anything else than the happy path closes the connection; one connection at a time (the newest).
+ * skips its CRC check of the primary), no .partial names, no WAL removal, no TLS, auth-only, InfoRequest,
+ * reader port, timeline switches or Refusal. Anything but the happy path closes the connection, and it
+ * serves one connection at a time (a new one replaces the old). At SIGTERM it logs its fdatasync times.
  *
  * Build: gcc -O2 -pthread -o floor_safekeeper floor_safekeeper.c
  * Run:   floor_safekeeper --id N --listen 127.0.0.1:PORT --data-dir DIR
