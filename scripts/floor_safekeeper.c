@@ -518,9 +518,14 @@ int main(int argc, char **argv) {
     signal(SIGPIPE, SIG_IGN);
     struct sigaction term_action = {.sa_handler = on_term};
     sigaction(SIGTERM, &term_action, NULL);
+    sigset_t term_only, before;
+    sigemptyset(&term_only);
+    sigaddset(&term_only, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &term_only, &before); /* the thread inherits the mask: SIGTERM wakes poll() */
     pthread_t spare;
     if (pthread_create(&spare, NULL, spare_maker, NULL) != 0)
         die("pthread_create");
+    pthread_sigmask(SIG_SETMASK, &before, NULL);
 
     char host[64];
     snprintf(host, sizeof host, "%.*s", (int)(colon - listen_at), listen_at);
