@@ -10,6 +10,10 @@ the same disk and fsync on everywhere:
 * walsidecar     three safekeepers, quorum 2, mutually authenticated TLS on every link
 * walsidecar-auth      the same with --link-security auth-only: certificates checked at connection start, no encryption
 * walsidecar-insecure  the same with --insecure: no TLS (walsidecar ÷ walsidecar-insecure is TLS's cost)
+* walsidecar-floor     the sidecar with --insecure against three scripts/floor_safekeeper.c: the floor, what
+                       it achieves when a safekeeper costs nothing but recv/pwrite/fdatasync/send (a
+                       measurement stand-in compiled into the scratch directory; run only when --only
+                       names it; no catch-up workload)
 
 Rounds are interleaved (A B C D, A B C D, ...); each configuration starts from a fresh copy
 of a template cluster (one per pgbench scale, each built once per run). Workloads:
@@ -66,16 +70,24 @@ sys.path.insert(1, str(ROOT / "scripts"))  # bench_wal_analytics
 
 from sidecar.lsn import parse_lsn  # noqa: E402
 from sidecar.pgcluster import ClusterError, LocalCluster, find_bin_dir  # noqa: E402
-from sidecar.deployment import DeploymentError, LocalDeployment, MemberExited, ProcessMember, free_port  # noqa: E402
+from sidecar.deployment import (  # noqa: E402
+    DeploymentError, LocalDeployment, MemberExited, ProcessMember, Safekeeper, free_port,
+)
 
-CONFIGS = ("async", "receivewal-1", "native-quorum", "walsidecar", "walsidecar-auth", "walsidecar-insecure")
+CONFIGS = ("async", "receivewal-1", "native-quorum", "walsidecar", "walsidecar-auth", "walsidecar-insecure",
+           "walsidecar-floor")
 # walsidecar with mutually authenticated TLS on every link (the default), and with --insecure: the difference
 # is what TLS costs.
-SIDECAR_CONFIGS = ("walsidecar", "walsidecar-auth", "walsidecar-insecure")
+SIDECAR_CONFIGS = ("walsidecar", "walsidecar-auth", "walsidecar-insecure", "walsidecar-floor")
+FLOOR = "walsidecar-floor"  # the sidecar against scripts/floor_safekeeper.c (FloorSafekeeper)
+FLOOR_SOURCE = ROOT / "scripts" / "floor_safekeeper.c"
+DEFAULT_CONFIGS = tuple(c for c in CONFIGS if c != FLOOR)  # the floor only when --only names it
 ONE_DOWN = "pgbench-16-one-down"
 CONTENDED = "pgbench-16-contended"
 WORKLOADS = ("pgbench-1", "pgbench-16", ONE_DOWN, "bulk", "catchup", CONTENDED, "wal-analytics")
-QUORUM_CONFIGS = ("native-quorum", *SIDECAR_CONFIGS)  # a receiver can be down without stopping commits
+# A receiver can be down without stopping commits. Not the floor: a restarted stand-in is empty and has
+# no reader port to catch up from.
+QUORUM_CONFIGS = ("native-quorum", *(c for c in SIDECAR_CONFIGS if c != FLOOR))
 CONTENDED_SCALE = 10  # ten branch rows: sixteen clients queue behind their row locks
 SIDECAR_APP = "walsidecar"
 MB, GB = 1_000_000, 1_000_000_000
@@ -99,6 +111,7 @@ STANDBY_NAMES = {
     "walsidecar": SIDECAR_APP,
     "walsidecar-auth": SIDECAR_APP,
     "walsidecar-insecure": SIDECAR_APP,
+    "walsidecar-floor": SIDECAR_APP,
 }
 
 
@@ -114,7 +127,7 @@ class Settings:
     contended_scale: int = CONTENDED_SCALE
     bulk_bytes: int = 1 * GB
     catchup_bytes: int = 1 * GB
-    configs: tuple[str, ...] = CONFIGS
+    configs: tuple[str, ...] = DEFAULT_CONFIGS
     workloads: tuple[str, ...] = WORKLOADS
     out: Path = Path("bench-results")
     workdir: Path | None = None
@@ -316,6 +329,28 @@ class ReceiveWal(ProcessMember):
                 "--slot", self.name, "-d", dsn]
 
 
+def floor_binary(work: Path) -> Path:
+    """scripts/floor_safekeeper.c compiled into the scratch directory `work`, once per run."""
+    exe = work / "floor_safekeeper"
+    if not exe.exists():
+        cc = shutil.which("gcc") or shutil.which("cc")
+        if cc is None:
+            raise BenchError(f"{FLOOR} compiles {FLOOR_SOURCE}: install gcc (apt-get install gcc)")
+        proc = subprocess.run([cc, "-O2", "-pthread", "-o", str(exe), str(FLOOR_SOURCE)],
+                              capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise BenchError(f"compiling {FLOOR_SOURCE} failed:\n{proc.stderr[-2000:]}")
+    return exe
+
+
+class FloorSafekeeper(Safekeeper):
+    """scripts/floor_safekeeper.c in a safekeeper's place: the floor of walsidecar-floor, for measuring only."""
+
+    def argv(self) -> list[str]:
+        exe = floor_binary(self.d.base.parent)  # Setup's base is in the run's scratch directory
+        return [str(exe), "--id", str(self.node_id), "--listen", self.address, "--data-dir", str(self.data_dir)]
+
+
 class Setup:
     """A primary copied from the template plus the configuration's receivers, as a LocalDeployment."""
 
@@ -325,9 +360,11 @@ class Setup:
         self.bin_dir = bin_dir
         self.pin = pin
         self.port = free_port()
+        # The floor's stand-ins speak plain TCP and serve no readers.
+        floor: dict[str, Any] = {"readers": False, "safekeeper_kind": FloorSafekeeper} if config == FLOOR else {}
         self.d = LocalDeployment(base, safekeepers=3 if config in SIDECAR_CONFIGS else 0, pg_port=self.port,
-                                 application_name=SIDECAR_APP, insecure=config == "walsidecar-insecure",
-                                 link_security="auth-only" if config == "walsidecar-auth" else "tls")
+                                 application_name=SIDECAR_APP, insecure=config in ("walsidecar-insecure", FLOOR),
+                                 link_security="auth-only" if config == "walsidecar-auth" else "tls", **floor)
         self.cluster = self.d.pg
         for name in RECEIVEWAL_NAMES.get(config, ()):
             self.d.add(ReceiveWal(self.d, name, bin_dir))
@@ -998,7 +1035,7 @@ def chart(report: dict[str, Any], path: Path, log: Callable[[str], None]) -> Non
     if not shown:
         return
     colors = {"async": "#9e9e9e", "receivewal-1": "#64b5f6", "native-quorum": "#1565c0", "walsidecar": "#e65100",
-              "walsidecar-auth": "#fb8c00", "walsidecar-insecure": "#ffb74d"}
+              "walsidecar-auth": "#fb8c00", "walsidecar-insecure": "#ffb74d", "walsidecar-floor": "#fff176"}
     cols = 3
     rows = (len(shown) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
@@ -1071,7 +1108,7 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     unknown = [x for x in only if x not in CONFIGS + WORKLOADS]
     if unknown:
         p.error(f"--only: unknown {', '.join(unknown)}")
-    s.configs = tuple(c for c in CONFIGS if c in only) or CONFIGS
+    s.configs = tuple(c for c in CONFIGS if c in only) or DEFAULT_CONFIGS
     # --quick checks the harness in under a minute: Spark's start alone would take a good part of it.
     default = tuple(w for w in WORKLOADS if not (a.quick and w == "wal-analytics"))
     if ONE_DOWN in only:

@@ -62,3 +62,20 @@ def test_quick_benchmark_produces_every_output(test_dir: Path) -> None:
     assert "one safekeeper down: TPS ÷ all up (16 clients) ≥ 0.95" in table
     pytest.importorskip("matplotlib")
     assert (out / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_floor_safekeepers_carry_the_sidecar(test_dir: Path) -> None:
+    """walsidecar-floor: the sidecar elects and commits against three scripts/floor_safekeeper.c."""
+    try:
+        find_bin_dir()
+    except ClusterError as e:
+        pytest.skip(str(e))
+    out = test_dir / "bench"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--out", str(out),
+                           "--workdir", str(test_dir), "--only", "walsidecar-floor,pgbench-1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    row, = json.loads((out / "results.json").read_text())["rounds"]
+    assert (row["config"], row["workload"]) == ("walsidecar-floor", "pgbench-1")
+    assert row["transactions"] > 0 and set(row["processes"]) == {"safekeeper1", "safekeeper2", "safekeeper3",
+                                                                  "proposer"}
