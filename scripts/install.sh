@@ -70,6 +70,13 @@ if ! command -v ip >/dev/null 2>&1; then
     apt_install iproute2
 fi
 
+# A C compiler and Python's headers build the compiled hot path (sidecar/_hotpath.c; without them pip
+# installs the pure-Python path) and scripts/bench.py's walsidecar-floor stand-in.
+if ! command -v gcc >/dev/null 2>&1 || [ ! -e "/usr/include/python3.$("$SYSTEM_PYTHON" -c 'import sys; print(sys.version_info[1])')/Python.h" ]; then
+    echo "install.sh: no C compiler or Python headers; installing gcc and python3-dev" >&2
+    apt_install gcc libc6-dev python3-dev
+fi
+
 if ! id -u postgres >/dev/null 2>&1; then
     as_root useradd --system --home-dir /var/lib/postgresql --create-home --shell /bin/bash postgres
 fi
