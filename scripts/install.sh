@@ -106,7 +106,8 @@ installed_ok() {
     local have_sha have_extras
     [ -f "$stamp" ] && read -r have_sha have_extras < "$stamp" || return 1
     [ "$have_sha" = "$want" ] && [[ ",$have_extras," == *",$EXTRAS,"* || -z "$EXTRAS" ]] || return 1
-    "$PY" - "$REPO" "$EXTRAS" <<'PY' 2>/dev/null
+    # -P: the checkout in the working directory must not stand in for the installed package.
+    "$PY" -P - "$REPO" "$EXTRAS" <<'PY' 2>/dev/null
 # Every requirement of walsidecar and of the extras asked for is installed, in a version it allows.
 import importlib.metadata as md, os, sys
 from pip._vendor.packaging.requirements import Requirement
