@@ -143,6 +143,14 @@ class FrameReader(asyncio.BufferedProtocol):
         """True if a decoded message waits for read_message()."""
         return bool(self._messages)
 
+    def unread(self, messages: list[Message], error: BaseException | None = None) -> None:
+        """Queue messages decoded elsewhere (the safekeeper's stream thread), then the error that followed them."""
+        for msg in messages:
+            self._push(msg)
+        if error is not None and self._error is None:
+            self._error = error
+        self._wake()
+
     async def read_message(self) -> Message:
         """The next message; ProtocolError, ConnectionError or IncompleteReadError when there is none."""
         while not self._messages:
