@@ -101,9 +101,9 @@ class Safekeeper:
         self._flush_wanted = asyncio.Event()
         self._sessions: set[AcceptorSession] = set()
         # The elected proposer's stream may run in a thread (streamthread.py): the acceptor changes
-        # under this lock, and while `streaming` the thread alone syncs and acknowledges.
+        # under this lock, and while the term's owner is `threaded` its thread alone syncs and acknowledges.
         self.acceptor_lock = threading.Lock()
-        self.streaming = False
+        self.threaded: set[AcceptorSession] = set()
         self.publish_pending = False
         self.fatal: BaseException | None = None  # the error that stops the process
         self.stopped: str | None = None  # why nothing is accepted any more (a full disk, or fatal)
@@ -371,7 +371,7 @@ class Safekeeper:
                 if writer.transport.get_write_buffer_size() > 1 << 20:
                     await writer.drain()  # a proposer that stops reading stops being read
                 elif streamthread.ENABLED and self.ssl_context is None and session.holds_term \
-                        and not reader.has_messages() and not self.streaming \
+                        and not reader.has_messages() \
                         and writer.transport.get_write_buffer_size() == 0 \
                         and not self._flush_lock.locked() and not self._flush_wanted.is_set():
                     back = await streamthread.stream(self, session, reader, writer)
@@ -495,7 +495,7 @@ class Safekeeper:
     def _sync_when_drained(self, reader: framing.FrameReader, writer: framing.Writer) -> None:
         """Group commit: sync once the socket is drained, so one fdatasync covers all WAL received."""
         st, acc = self.storage, self.acceptor
-        if st.flush_lsn >= acc.write_lsn or self.streaming:
+        if st.flush_lsn >= acc.write_lsn or acc.owner in self.threaded:
             return
         unsynced = acc.write_lsn - st.flush_lsn
         if unsynced > INLINE_FLUSH_MAX or self._flush_lock.locked():
@@ -511,7 +511,7 @@ class Safekeeper:
         """Record the sync's duration and acknowledge what it made durable."""
         self.stats.fsync.observe(time.perf_counter() - began)
         stream = self._stream
-        if stream is not None and not self.streaming:
+        if stream is not None and self.acceptor.owner not in self.threaded:
             for a in self.acceptor.on_flushed(flushed):
                 if isinstance(a, Reply):
                     framing.write(stream, codec.encode(a.message))

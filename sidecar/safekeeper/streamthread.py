@@ -16,18 +16,37 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from sidecar import framing
 from sidecar.consensus import codec
 from sidecar.consensus.acceptor import AcceptorAction, AdoptTimeline, Persist, Reply, Truncate, Write
 from sidecar.consensus.messages import Append, Message
+from sidecar.consensus.acceptor import Acceptor
 from sidecar.consensus.session import AcceptorSession
-
-if TYPE_CHECKING:
-    from sidecar.safekeeper.server import Safekeeper
+from sidecar.safekeeper.positions import Positions, PositionWatch
+from sidecar.safekeeper.storage import NoWal, WalStorage
 
 _STATEFUL = (Persist, Truncate, AdoptTimeline)
+
+
+class Safekeeper(Protocol):
+    """What the stream thread uses of the safekeeper (server.py)."""
+
+    node_id: int
+    acceptor: Acceptor
+    acceptor_lock: threading.Lock
+    threaded: set[AcceptorSession]
+    storage: WalStorage | NoWal
+    stats: Any
+    guard: Any
+    stopped: str | None
+    positions: PositionWatch
+    publish_pending: bool
+
+    def _storage_for_write(self) -> WalStorage: ...
+    def _positions(self) -> Positions: ...
+    def wake_positions(self) -> None: ...
 
 
 @dataclass
@@ -51,7 +70,7 @@ async def stream(sk: Safekeeper, session: AcceptorSession, reader: framing.Frame
     done: concurrent.futures.Future[HandBack] = concurrent.futures.Future()
     thread = threading.Thread(target=_run, args=(sk, session, reader, sock, loop, done),
                               name=f"stream-{sk.node_id}", daemon=True)
-    sk.streaming = True
+    sk.threaded.add(session)
     thread.start()
     try:
         back = await asyncio.wrap_future(done)
@@ -71,11 +90,11 @@ def _run(sk: Safekeeper, session: AcceptorSession, reader: framing.FrameReader, 
         back = _serve(sk, session, reader, sock, loop)
     except BaseException as e:  # noqa: BLE001 - every failure goes to the loop, which reports it
         _restore(sock)
-        sk.streaming = False
+        sk.threaded.discard(session)
         done.set_exception(e)
     else:
         _restore(sock)
-        sk.streaming = False  # the socket is the transport's again: the loop may acknowledge on it
+        sk.threaded.discard(session)  # the socket is the transport's again: the loop may acknowledge on it
         done.set_result(back)
 
 
@@ -97,7 +116,7 @@ def _serve(sk: Safekeeper, session: AcceptorSession, reader: framing.FrameReader
         buf = decoder.get_buffer()
         room = len(buf)
         try:
-            if sk.storage.flush_lsn < acc.write_lsn:
+            if acc.flush_lsn < acc.write_lsn:  # acknowledged, not just synced (a vote's scan syncs too)
                 # Unsynced WAL: read on only if more is already here, else sync and acknowledge first.
                 try:
                     n = sock.recv_into(buf, 0, socket.MSG_DONTWAIT)
@@ -134,7 +153,7 @@ def _serve(sk: Safekeeper, session: AcceptorSession, reader: framing.FrameReader
         out.clear()
         if error is not None:
             raise error
-        if sk.storage.flush_lsn >= acc.write_lsn:
+        if acc.flush_lsn >= acc.write_lsn:
             _notify(sk, loop)  # a heartbeat may move commit_lsn
         elif n < room:
             _sync(sk, session, sock, loop)  # the socket had no more: sync now, skip the probe
