@@ -48,6 +48,11 @@ class FrameReader(asyncio.BufferedProtocol):
         self._closed: asyncio.Future[None] = loop.create_future()
 
     @property
+    def decoder(self) -> codec.FrameDecoder:
+        """The decoder; whoever reads the socket instead of the transport (the safekeeper's stream thread) feeds it."""
+        return self._decoder
+
+    @property
     def max_frame(self) -> int:
         return self._decoder.max_frame
 

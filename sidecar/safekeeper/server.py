@@ -370,7 +370,7 @@ class Safekeeper:
                 self._sync_when_drained(reader, writer)
                 if writer.transport.get_write_buffer_size() > 1 << 20:
                     await writer.drain()  # a proposer that stops reading stops being read
-                elif streamthread.ENABLED and self.ssl_context is None and session.holds_term \
+                elif self.ssl_context is None and session.holds_term \
                         and not reader.has_messages() \
                         and writer.transport.get_write_buffer_size() == 0 \
                         and not self._flush_lock.locked() and not self._flush_wanted.is_set():
