@@ -29,6 +29,9 @@ from sidecar.safekeeper.positions import Positions, PositionWatch
 from sidecar.safekeeper.storage import NoWal, WalStorage
 
 _STATEFUL = (Persist, Truncate, AdoptTimeline)
+# Unsynced WAL is synced once the socket is drained, or once this much is waiting for it, so that
+# a proposer that never lets the socket drain still gets acknowledgements.
+SYNC_AT = 1 << 20
 
 
 class Safekeeper(Protocol):
@@ -156,7 +159,7 @@ def _serve(sk: Safekeeper, session: AcceptorSession, reader: framing.FrameReader
             raise error
         if acc.flush_lsn >= acc.write_lsn:
             _notify(sk, loop)  # a heartbeat may move commit_lsn
-        elif n < room:
+        elif n < room or acc.write_lsn - acc.flush_lsn >= SYNC_AT:
             _sync(sk, session, sock, loop)  # the socket had no more: sync now, skip the probe
 
 
