@@ -48,6 +48,11 @@ class FrameReader(asyncio.BufferedProtocol):
         self._closed: asyncio.Future[None] = loop.create_future()
 
     @property
+    def decoder(self) -> codec.FrameDecoder:
+        """The decoder; whoever reads the socket instead of the transport (the safekeeper's stream thread) feeds it."""
+        return self._decoder
+
+    @property
     def max_frame(self) -> int:
         return self._decoder.max_frame
 
@@ -142,6 +147,14 @@ class FrameReader(asyncio.BufferedProtocol):
     def has_messages(self) -> bool:
         """True if a decoded message waits for read_message()."""
         return bool(self._messages)
+
+    def unread(self, messages: list[Message], error: BaseException | None = None) -> None:
+        """Queue messages decoded elsewhere (the safekeeper's stream thread), then the error that followed them."""
+        for msg in messages:
+            self._push(msg)
+        if error is not None and self._error is None:
+            self._error = error
+        self._wake()
 
     async def read_message(self) -> Message:
         """The next message; ProtocolError, ConnectionError or IncompleteReadError when there is none."""

@@ -30,13 +30,16 @@ class Positions(NamedTuple):
 class PositionWatch:
     """The latest `Positions`; `wait(predicate)` and `changed()` wake every waiter on a publish.
 
-    Single event loop, no threads: nothing yields between a waiter's check and its wait, so a
-    publish is never missed.
+    Published on the event loop (`publish`), or stored from another thread (`store`, under the
+    caller's lock), which then asks the loop to `wake` the waiters only if the new value satisfies
+    one of them. A waiter registers its predicate before it checks the value, so neither way is a
+    publish missed.
     """
 
     def __init__(self, initial: Positions = Positions()) -> None:
         self._value = initial
-        self._wake: asyncio.Event | None = None  # made by the first waiter, replaced on each publish
+        self._wake: asyncio.Event | None = None  # made by the first waiter, replaced on each wake
+        self._watching: list[Callable[[Positions], bool]] = []  # what the waiters wait for
 
     @property
     def value(self) -> Positions:
@@ -44,14 +47,24 @@ class PositionWatch:
 
     def publish(self, new: Positions) -> None:
         """Make `new` the latest value and wake all waiters; ValueError if it moves back without a cut."""
+        if new != self._value:
+            self.store(new)
+            self.wake()
+
+    def store(self, new: Positions) -> bool:
+        """Make `new` the latest value (from any thread); True if a waiter waits for it."""
         old = self._value
         if new == old:
-            return
+            return False
         cut = new.generation > old.generation
         if new.term < old.term or new.generation < old.generation or \
                 ((new.flush_lsn < old.flush_lsn or new.commit_lsn < old.commit_lsn) and not cut):
             raise ValueError(f"positions move back from {old} to {new}")
         self._value = new
+        return any(predicate(new) for predicate in list(self._watching))
+
+    def wake(self) -> None:
+        """Wake every waiter to look at the value again (on the loop)."""
         wake, self._wake = self._wake, None
         if wake is not None:
             wake.set()
@@ -59,15 +72,21 @@ class PositionWatch:
     async def wait(self, predicate: Callable[[Positions], bool]) -> Positions:
         """The first published value (the current one included) for which `predicate` holds."""
         while not predicate(self._value):
-            await self._next()
+            await self._next(predicate)
         return self._value
 
     async def changed(self) -> Positions:
         """The value after the next publish that changes it."""
-        await self._next()
-        return self._value
+        seen = self._value
+        return await self.wait(lambda p: p != seen)
 
-    async def _next(self) -> None:
+    async def _next(self, predicate: Callable[[Positions], bool]) -> None:
         if self._wake is None:
             self._wake = asyncio.Event()
-        await self._wake.wait()
+        wake = self._wake
+        self._watching.append(predicate)
+        try:
+            if not predicate(self._value):  # stored by a thread since the caller looked
+                await wake.wait()
+        finally:
+            self._watching.remove(predicate)

@@ -8,6 +8,7 @@ import fcntl
 import ssl
 import struct
 import termios
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +39,7 @@ from sidecar.safekeeper.positions import Positions, PositionWatch
 from sidecar.safekeeper.publish import Publisher
 from sidecar.safekeeper.remove import Remover
 from sidecar.safekeeper.slots import Slots
+from sidecar.safekeeper import streamthread
 from sidecar.safekeeper.startup import open_data_dir
 from sidecar.safekeeper.storage import DiskFull, NoWal, StorageError, WalInDoubt, WalPin, WalStorage, is_disk_full
 from sidecar.safekeeper.view import SafekeeperView, SlotView
@@ -98,6 +100,11 @@ class Safekeeper:
         self._persist_lock = asyncio.Lock()  # see _execute_stateful
         self._flush_wanted = asyncio.Event()
         self._sessions: set[AcceptorSession] = set()
+        # The elected proposer's stream may run in a thread (streamthread.py): the acceptor changes
+        # under this lock, and while the term's owner is `threaded` its thread alone syncs and acknowledges.
+        self.acceptor_lock = threading.Lock()
+        self.threaded: set[AcceptorSession] = set()
+        self.publish_pending = False
         self.fatal: BaseException | None = None  # the error that stops the process
         self.stopped: str | None = None  # why nothing is accepted any more (a full disk, or fatal)
         self.publisher: Publisher | None = None  # with --broker: runs while serving
@@ -228,7 +235,8 @@ class Safekeeper:
 
     async def backed_up(self, lsn: int) -> None:
         """The archive holds every segment below `lsn`: persist it as backup_lsn."""
-        actions = self.acceptor.on_backed_up(lsn)
+        with self.acceptor_lock:
+            actions = self.acceptor.on_backed_up(lsn)
         if actions:
             await self._save_persisted(actions)
             self.remover.wake()  # the horizon may move with backup_lsn
@@ -242,7 +250,13 @@ class Safekeeper:
         acc, p = self.acceptor, self.positions.value
         if acc.flush_lsn != p.flush_lsn or acc.state.commit_lsn != p.commit_lsn or acc.state.term != p.term \
                 or acc.cut_generation != p.generation:
-            self.positions.publish(self._positions())
+            with self.acceptor_lock:  # not older than what the stream thread stored
+                self.positions.publish(self._positions())
+
+    def wake_positions(self) -> None:
+        """The stream thread stored positions that a waiter waits for: wake it."""
+        self.publish_pending = False
+        self.positions.wake()
 
     def _log_context(self, node: object) -> dict[str, object]:
         if node != self.node_id:
@@ -338,7 +352,8 @@ class Safekeeper:
                 if type(msg) is InfoRequest and self.guard.reason is not None:  # `check` and `status` say why
                     raise AcceptorError(self.guard.reason)
                 if type(msg) is Append:  # the hot path: no coroutine hops for a plain append
-                    actions = session.receive(msg)
+                    with self.acceptor_lock:
+                        actions = session.receive(msg)
                 else:
                     actions = await self._dispatch(session, msg, log)
                     reader.max_frame = session.max_frame
@@ -355,6 +370,16 @@ class Safekeeper:
                 self._sync_when_drained(reader, writer)
                 if writer.transport.get_write_buffer_size() > 1 << 20:
                     await writer.drain()  # a proposer that stops reading stops being read
+                elif self.ssl_context is None and session.holds_term \
+                        and not reader.has_messages() \
+                        and writer.transport.get_write_buffer_size() == 0 \
+                        and not self._flush_lock.locked() and not self._flush_wanted.is_set():
+                    back = await streamthread.stream(self, session, reader, writer)
+                    reader.unread(back.messages, back.error)
+                    if back.actions:  # a batch that persists state: in turn with every other state change
+                        await self._execute_stateful(back.actions, writer)
+                        self._publish()
+                        self._sync_when_drained(reader, writer)
         except (asyncio.IncompleteReadError, ConnectionError):
             log.info("connection closed")
         except asyncio.TimeoutError:
@@ -379,7 +404,8 @@ class Safekeeper:
         """Everything but a plain Append: fetch the record end a vote or Elected needs, log, count."""
         acc = session.acceptor
         end = await self._flushed_record_end() if session.needs_record_end(msg) else None
-        actions = session.receive(msg, end)
+        with self.acceptor_lock:
+            actions = session.receive(msg, end)
         match msg:
             case Greeting():
                 log.info("greeting", proposer=msg.proposer_id, term=acc.state.term)
@@ -469,7 +495,7 @@ class Safekeeper:
     def _sync_when_drained(self, reader: framing.FrameReader, writer: framing.Writer) -> None:
         """Group commit: sync once the socket is drained, so one fdatasync covers all WAL received."""
         st, acc = self.storage, self.acceptor
-        if st.flush_lsn >= acc.write_lsn:
+        if st.flush_lsn >= acc.write_lsn or acc.owner in self.threaded:
             return
         unsynced = acc.write_lsn - st.flush_lsn
         if unsynced > INLINE_FLUSH_MAX or self._flush_lock.locked():
@@ -485,7 +511,7 @@ class Safekeeper:
         """Record the sync's duration and acknowledge what it made durable."""
         self.stats.fsync.observe(time.perf_counter() - began)
         stream = self._stream
-        if stream is not None:
+        if stream is not None and self.acceptor.owner not in self.threaded:
             for a in self.acceptor.on_flushed(flushed):
                 if isinstance(a, Reply):
                     framing.write(stream, codec.encode(a.message))

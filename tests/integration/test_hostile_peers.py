@@ -320,3 +320,25 @@ def test_a_peer_without_an_address_is_named_unknown() -> None:
             return None
 
     assert _peer_name(Gone()) == "unknown"  # type: ignore[arg-type]
+
+
+def test_the_new_owner_is_acknowledged_while_the_old_connection_stays_open(target: Target) -> None:
+    # The old owner's stream (served in a thread on this plain TCP link) must neither keep the new
+    # owner from being synced and acknowledged nor get its own Appends accepted in the new term.
+    old = target.legit
+    target.legit = Peer(target.port)  # elected on a new connection; the old one is not closed
+    assert isinstance(target.legit.ask(GREETING), GreetingReply)
+    vote = target.legit.ask(VoteRequest(2))
+    assert isinstance(vote, VoteReply) and vote.granted and vote.flush_lsn == target.end
+    history = (TermEntry(1, START), TermEntry(2, target.end))
+    assert target.legit.ask(Elected(2, target.end, history)) == ElectedReply(2, target.end)
+    target.term = 2
+    target.stream(20)
+    before = data_files(target.data_dir)
+    got = old.ask(Append(1, target.end, target.end, 0, b"\xAA" * 4096))  # the deposed proposer goes on
+    while isinstance(got, AppendReply) and got.term == 1:  # replies of term 1 may still be queued before it
+        got = old.recv()
+    assert isinstance(got, AppendReply) and got.term == 2 and got.flush_lsn == target.end, got
+    assert data_files(target.data_dir) == before
+    old.close()
+    target.stream(20)

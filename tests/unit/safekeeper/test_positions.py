@@ -85,3 +85,21 @@ def test_a_cut_moves_flush_back_and_bumps_the_generation() -> None:
     assert w.value == Positions(3, 40, 40, generation=2)
     with pytest.raises(ValueError):
         w.publish(Positions(3, 40, 30, generation=2))  # commit never moves back without a cut
+
+
+def test_a_value_stored_from_a_thread_wakes_only_a_waiter_it_satisfies() -> None:
+    """The stream thread stores positions without the loop; the loop is woken only when a waiter wants them."""
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        w = PositionWatch(Positions(1, 10, 10))
+        segment = asyncio.create_task(w.wait(lambda p: p.flush_lsn >= 1000))
+        await asyncio.sleep(0)  # parked
+        wanted = await asyncio.to_thread(w.store, Positions(1, 500, 500))
+        assert not wanted and w.value == Positions(1, 500, 500)  # readable at once, nobody woken
+        wanted = await asyncio.to_thread(w.store, Positions(1, 1000, 900))
+        assert wanted
+        await asyncio.to_thread(loop.call_soon_threadsafe, w.wake)
+        assert await segment == Positions(1, 1000, 900)
+
+    run(main())
+

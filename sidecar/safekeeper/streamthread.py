@@ -1,0 +1,189 @@
+"""The elected proposer's Append stream served by a thread of its own, with blocking socket calls.
+
+Once a connection on a plain TCP link (auth-only, --insecure) holds the term and streams Appends,
+receive, write, sync and reply need no event loop: a thread does them with recv_into (into the frame
+decoder's buffer), pwrite, fdatasync and sendall, each releasing the GIL, about half the system calls
+and a fifth less CPU per commit than on the loop (docs/performance.md). It stores the positions
+itself and wakes the loop only for a waiter they satisfy. Anything but an Append, a batch that
+persists state, the disk guard or a stop hands the connection back to the loop, which carries on
+where the thread left off. A TLS link stays on the loop: its transport's TLS state cannot be handed over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from sidecar import framing
+from sidecar.consensus import codec
+from sidecar.consensus.acceptor import Acceptor, AcceptorAction, AdoptTimeline, Persist, Reply, Truncate, Write
+from sidecar.consensus.messages import Append, Message
+from sidecar.consensus.session import AcceptorSession
+from sidecar.safekeeper.positions import Positions, PositionWatch
+from sidecar.safekeeper.storage import NoWal, WalStorage
+
+_STATEFUL = (Persist, Truncate, AdoptTimeline)
+# Unsynced WAL is synced once the socket is drained, or once this much is waiting for it, so that
+# a proposer that never lets the socket drain still gets acknowledgements.
+SYNC_AT = 1 << 20
+
+
+class Safekeeper(Protocol):
+    """What the stream thread uses of the safekeeper (server.py)."""
+
+    node_id: int
+    acceptor: Acceptor
+    acceptor_lock: threading.Lock
+    threaded: set[AcceptorSession]
+    storage: WalStorage | NoWal
+    stats: Any
+    guard: Any
+    stopped: str | None
+    positions: PositionWatch
+    publish_pending: bool
+
+    def _storage_for_write(self) -> WalStorage: ...
+    def _positions(self) -> Positions: ...
+    def wake_positions(self) -> None: ...
+
+
+@dataclass
+class HandBack:
+    """What the thread leaves for the loop: a batch to carry out, messages decoded but not handled, an error after them."""
+
+    actions: list[AcceptorAction] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
+    error: BaseException | None = None
+
+
+async def stream(sk: Safekeeper, session: AcceptorSession, reader: framing.FrameReader,
+                 writer: framing.Writer) -> HandBack:
+    """Serve `session`'s Appends in a thread until something needs the loop; raises what ends the connection."""
+    loop = asyncio.get_running_loop()
+    transport = writer.transport
+    transport.pause_reading()
+    # A duplicate of the transport's socket: closing it leaves the connection to the transport.
+    sock = socket.socket(fileno=os.dup(writer.get_extra_info("socket").fileno()))
+    sock.setblocking(True)  # shared with the transport's descriptor; the thread restores it
+    done: concurrent.futures.Future[HandBack] = concurrent.futures.Future()
+    thread = threading.Thread(target=_run, args=(sk, session, reader, sock, loop, done),
+                              name=f"stream-{sk.node_id}", daemon=True)
+    sk.threaded.add(session)
+    thread.start()
+    try:
+        back = await asyncio.wrap_future(done)
+    except asyncio.CancelledError:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)  # wakes the thread's recv
+        except OSError:
+            pass
+        raise
+    transport.resume_reading()
+    return back
+
+
+def _run(sk: Safekeeper, session: AcceptorSession, reader: framing.FrameReader, sock: socket.socket,
+         loop: asyncio.AbstractEventLoop, done: concurrent.futures.Future[HandBack]) -> None:
+    try:
+        back = _serve(sk, session, reader, sock, loop)
+    except BaseException as e:  # noqa: BLE001 - every failure goes to the loop, which reports it
+        _restore(sock)
+        sk.threaded.discard(session)
+        done.set_exception(e)
+    else:
+        _restore(sock)
+        sk.threaded.discard(session)  # the socket is the transport's again: the loop may acknowledge on it
+        done.set_result(back)
+
+
+def _restore(sock: socket.socket) -> None:
+    try:
+        sock.setblocking(False)
+    except OSError:
+        pass
+    sock.close()
+
+
+def _serve(sk: Safekeeper, session: AcceptorSession, reader: framing.FrameReader, sock: socket.socket,
+           loop: asyncio.AbstractEventLoop) -> HandBack:
+    acc, lock, decoder = sk.acceptor, sk.acceptor_lock, reader.decoder
+    out: list[Message] = []
+    while True:
+        if sk.stopped is not None or sk.guard.active or not session.holds_term:
+            return HandBack()
+        buf = decoder.get_buffer()
+        room = len(buf)
+        try:
+            if acc.flush_lsn < acc.write_lsn:  # acknowledged, not just synced (a vote's scan syncs too)
+                # Unsynced WAL: read on only if more is already here, else sync and acknowledge first.
+                try:
+                    n = sock.recv_into(buf, 0, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    _sync(sk, session, sock, loop)
+                    continue
+            else:
+                n = sock.recv_into(buf)
+        finally:
+            buf.release()
+        if n == 0:
+            raise asyncio.IncompleteReadError(b"", decoder.pending or None)
+        error = None
+        try:
+            decoder.buffer_updated(n, out)
+        except codec.ProtocolError as e:
+            error = e
+        for i, msg in enumerate(out):
+            if type(msg) is not Append:
+                return HandBack(messages=out[i:], error=error)
+            replies = []
+            with lock:
+                actions = session.receive(msg)
+                if any(type(a) in _STATEFUL for a in actions):
+                    return HandBack(actions, out[i + 1:], error)
+                for a in actions:
+                    if type(a) is Write:
+                        sk._storage_for_write().write(a.lsn, a.data)
+                        sk.stats.wal_written.inc(len(a.data))
+                    elif type(a) is Reply:
+                        replies.append(codec.encode(a.message))
+            if replies:
+                sock.sendall(b"".join(replies))
+        out.clear()
+        if error is not None:
+            raise error
+        if acc.flush_lsn >= acc.write_lsn:
+            _notify(sk, loop)  # a heartbeat may move commit_lsn
+        elif n < room or acc.write_lsn - acc.flush_lsn >= SYNC_AT:
+            _sync(sk, session, sock, loop)  # the socket had no more: sync now, skip the probe
+
+
+def _sync(sk: Safekeeper, session: AcceptorSession, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+    """fdatasync what was written, then acknowledge it, if this connection still holds the term."""
+    began = time.perf_counter()
+    flushed = sk.storage.flush()
+    sk.stats.fsync.observe(time.perf_counter() - began)
+    with sk.acceptor_lock:
+        if not session.holds_term:
+            return
+        replies = [codec.encode(a.message) for a in sk.acceptor.on_flushed(flushed) if isinstance(a, Reply)]
+    sock.sendall(b"".join(replies))
+    _notify(sk, loop)
+
+
+def _notify(sk: Safekeeper, loop: asyncio.AbstractEventLoop) -> None:
+    """Store the positions; wake the loop only if a waiter waits for them, once at a time."""
+    acc = sk.acceptor
+    with sk.acceptor_lock:
+        p = sk.positions.value
+        if acc.flush_lsn == p.flush_lsn and acc.state.commit_lsn == p.commit_lsn:
+            return
+        wanted = sk.positions.store(sk._positions())
+    if wanted and not sk.publish_pending:
+        sk.publish_pending = True
+        loop.call_soon_threadsafe(sk.wake_positions)
