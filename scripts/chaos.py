@@ -176,10 +176,12 @@ class Deployment(LocalDeployment):
     listens on its address there; the primary and the proposer stay in the root namespace.
     """
 
-    def __init__(self, base: Path, hosts: netns.Hosts | None = None, standby: bool = False) -> None:
+    def __init__(self, base: Path, hosts: netns.Hosts | None = None, standby: bool = False,
+                 link_security: str = "tls") -> None:
         taken: set[int] = set()
         places = {f"safekeeper{h.index}": h for h in hosts} if hosts is not None else None
-        super().__init__(base, safekeepers=SAFEKEEPERS, places=places, pick_port=lambda: pick_port(taken))
+        super().__init__(base, safekeepers=SAFEKEEPERS, places=places, pick_port=lambda: pick_port(taken),
+                         link_security=link_security)
         self.hosts = hosts
         if standby:  # for failover rounds: a standby streaming from safekeeper1's reader port
             self.add(Standby(self, LocalCluster(base / "standby", pick_port(taken), log_file=base / "standby.log")))
@@ -604,10 +606,13 @@ def _raise_interrupted(signum: int, frame: object) -> None:
               help=f"Comma-separated kinds of round to choose from: {', '.join(KINDS)}. "
                    "`partition` runs each safekeeper in a network namespace of its own (needs root and iproute2).")
 @click.option("--keep", is_flag=True, help="Keep the data directory even when every check passes.")
+@click.option("--link-security", type=click.Choice(["tls", "auth-only"]), default="tls", show_default=True,
+              help="The safekeeper links: TLS, or auth-only (certificates checked, no encryption), whose "
+                   "streams a safekeeper serves in a thread of its own (safekeeper/streamthread.py).")
 @click.option("--json", "json_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the summary as JSON to this file.")
 def main(rounds: int, seed: int | None, base_dir: Path | None, writers: int, round_timeout: float,
-         kinds: str, keep: bool, json_file: Path | None) -> None:
+         kinds: str, keep: bool, link_security: str, json_file: Path | None) -> None:
     """Kill safekeepers, the sidecar and the primary, and cut safekeepers off the network, at random
     while writers commit, then check that no acknowledged write was lost and that every safekeeper's
     WAL equals the primary's.
@@ -642,7 +647,7 @@ def main(rounds: int, seed: int | None, base_dir: Path | None, writers: int, rou
             hosts = netns.Hosts(SAFEKEEPERS)
             print("chaos: safekeepers run in network namespaces at "
                   + ", ".join(f"{h.namespace} ({h.address})" for h in hosts), flush=True)
-        d = Deployment(base, hosts, standby="failover" in chosen)
+        d = Deployment(base, hosts, standby="failover" in chosen, link_security=link_security)
         chaos = Chaos(d, summary, rounds, writers, round_timeout, chosen)
         chaos.run()
         ok = summary.lost == 0 and summary.wal_mismatches == 0 and summary.unsafe_acks == 0
