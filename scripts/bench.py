@@ -731,7 +731,7 @@ def run_workloads(s: Settings, setup: Setup, rnd: int, workloads: tuple[str, ...
         results.append(row)
         log(f"round {rnd} {config:14s} {workload:20s} {summary(row)}")
 
-    prof_dir = s.out / "profile" if s.profile and config == "walsidecar" else None
+    prof_dir = s.out / "profile" / config if s.profile and config in SIDECAR_CONFIGS else None
     gil = s.profile == "gil"
     for workload in workloads:
         prof = prof_dir / f"r{rnd}-{workload.replace('-', '', 1)}" if prof_dir else None  # r1-pgbench16-...
@@ -1083,7 +1083,7 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     p.add_argument("--catchup-mb", type=int, help="MB of WAL written while a receiver is down (default 1000)")
     p.add_argument("--workdir", type=Path, help="parent of the scratch directory (default: the system's temp dir)")
     p.add_argument("--profile", nargs="?", const="wall", default="", choices=["wall", "gil"],
-                   help="py-spy the walsidecar processes during pgbench and bulk ingest (OUT/profile): "
+                   help="py-spy the walsidecar processes during pgbench and bulk ingest (OUT/profile/CONFIG): "
                    "wall-clock samples, or with 'gil' only samples of running Python code")
     p.add_argument("--keep", action="store_true", help="keep the scratch directories (data, logs)")
     p.add_argument("--no-fsync-floor", action="store_true", help="skip the pg_test_fsync measurement")
