@@ -18,16 +18,22 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = {"async", "receivewal-1", "native-quorum", "walsidecar", "walsidecar-auth"}
 
 
-def test_quick_benchmark_produces_every_output(test_dir: Path) -> None:
+def quick_bench(test_dir: Path, *args: str, timeout: float) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """`bench.py --quick ARGS` into test_dir/bench (skipped without PostgreSQL's binaries)."""
     try:
         find_bin_dir()
     except ClusterError as e:
         pytest.skip(str(e))
     out = test_dir / "bench"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--out", str(out),
+                           "--workdir", str(test_dir), *args], capture_output=True, text=True, timeout=timeout)
+    return proc, out
+
+
+def test_quick_benchmark_produces_every_output(test_dir: Path) -> None:
     # --pin where it can: the primary and pgbench on one CPU, the receivers on the others.
     pin = ["--pin"] if len(os.sched_getaffinity(0)) > 1 else []
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--out", str(out),
-                           "--workdir", str(test_dir), *pin], capture_output=True, text=True, timeout=600)
+    proc, out = quick_bench(test_dir, *pin, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
     report = json.loads((out / "results.json").read_text())
@@ -66,14 +72,7 @@ def test_quick_benchmark_produces_every_output(test_dir: Path) -> None:
 
 def test_floor_safekeepers_carry_the_sidecar(test_dir: Path) -> None:
     """walsidecar-floor: the sidecar elects and commits against three scripts/floor_safekeeper.c."""
-    try:
-        find_bin_dir()
-    except ClusterError as e:
-        pytest.skip(str(e))
-    out = test_dir / "bench"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--out", str(out),
-                           "--workdir", str(test_dir), "--only", "walsidecar-floor,pgbench-1"],
-                          capture_output=True, text=True, timeout=300)
+    proc, out = quick_bench(test_dir, "--only", "walsidecar-floor,pgbench-1", timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     row, = json.loads((out / "results.json").read_text())["rounds"]
     assert (row["config"], row["workload"]) == ("walsidecar-floor", "pgbench-1")
