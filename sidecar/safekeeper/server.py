@@ -351,13 +351,14 @@ class Safekeeper:
                     raise AcceptorError(self.stopped)
                 if type(msg) is InfoRequest and self.guard.reason is not None:  # `check` and `status` say why
                     raise AcceptorError(self.guard.reason)
+                began_segment = acc.write_lsn // seg if (seg := acc.state.wal_seg_size) else 0
                 if type(msg) is Append:  # the hot path: no coroutine hops for a plain append
                     with self.acceptor_lock:
                         actions = session.receive(msg)
                 else:
                     actions = await self._dispatch(session, msg, log)
                     reader.max_frame = session.max_frame
-                began_segment = acc.write_lsn // seg if (seg := acc.state.wal_seg_size) else 0
+                    seg = acc.state.wal_seg_size  # a greeting may have just set it
                 if any(type(a) in _STATEFUL for a in actions):
                     await self._execute_stateful(actions, writer)
                 else:
