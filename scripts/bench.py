@@ -957,7 +957,7 @@ def analytics_table(report: dict[str, Any]) -> list[str]:
 
 
 def goals(report: dict[str, Any]) -> list[str]:
-    """The targets of the benchmark (issue 16's table, catch-up and memory), checked on walsidecar's medians."""
+    """The targets of the benchmark (docs/performance.md's goals, catch-up and memory), checked on walsidecar's medians."""
     by_label = {m.label: m for m in METRICS}
 
     def med(label: str, config: str = "walsidecar") -> float | None:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from sidecar.address import Address
 from sidecar.config import ReaderCredentials
 from sidecar.consensus.messages import TimelineHistory
 from sidecar.consensus.proposer import MAX_APPEND
 from sidecar.lsn import format_lsn, segment_file_name
+from sidecar.ops.archivedwal import ArchivedWal, open_archived_wal
 from sidecar.pgrepl import timeline_end, timeline_of
 from sidecar.proposer import replication as repl
 
@@ -173,11 +174,7 @@ class ArchiveReader:
 
     def __init__(self, url: str, s3_endpoint: str | None, cluster: str | None) -> None:
         self.url, self.s3_endpoint, self.cluster = url, s3_endpoint, cluster
-        self._wal: dict[int, Any] = {}  # system id -> its ArchivedWal, opened once
-
-    @property
-    def location(self) -> str:
-        return self.url
+        self._wal: dict[int, ArchivedWal] = {}  # system id -> its wal/ in the archive, opened once
 
     async def copy(self, start: int, end: int, system_id: int, timeline: int, history: TimelineHistory,
                    seg_size: int, sink: Sink, link: Backlog | None = None) -> int:
@@ -186,7 +183,6 @@ class ArchiveReader:
         A segment is named for the timeline of its last byte, as the safekeepers name what they upload.
         Raises ArchiveError when the archive does not answer, WalFormatError when a segment fails the checks.
         """
-        from sidecar.ops.archivedwal import open_archived_wal
         wal = self._wal.get(system_id)
         if wal is None:
             wal = self._wal[system_id] = await asyncio.to_thread(open_archived_wal, self.url, self.s3_endpoint,

@@ -564,8 +564,6 @@ class ProposerService:
             try:
                 await self.reader.copy(a.start, a.end, self._timeline, sink, link, self._history)
             except (repl.ReplicationError, psycopg.Error, OSError) as e:
-                if self._catchup_source(a) is None and self.archive is None:
-                    raise
                 # The primary recycled it (or lost it): a safekeeper of the term has it up to its flush,
                 # the archive what they all removed.
                 await self._copy_elsewhere(a, sink, e)
@@ -592,18 +590,16 @@ class ProposerService:
                     await self._copy_from_peer(source, a, sink)
                     return
                 except (ReaderError, repl.ReplicationError, OSError) as e:
-                    if self.archive is None:
-                        raise
                     why = e
             if self.archive is None:
                 raise why
-            self.log.warning("catching up from the archive", peer=a.peer, archive=self.archive.location,
+            self.log.warning("catching up from the archive", peer=a.peer, archive=self.archive.url,
                              term=core.term, start_lsn=format_lsn(pos), end_lsn=format_lsn(a.end),
                              error=pgerrors.first_line(why))
             got = await self.archive.copy(pos, a.end, core.config.system_id, self._timeline, self._history,
                                           self._seg_size, sink, self.links[a.peer])
             if got == pos:
-                raise ArchiveError(f"the archive {self.archive.location} lacks the segment at {format_lsn(pos)} "
+                raise ArchiveError(f"the archive {self.archive.url} lacks the segment at {format_lsn(pos)} "
                                    f"too; {pgerrors.first_line(why)}")
             self.log.info("caught up from the archive", peer=a.peer, term=core.term, start_lsn=format_lsn(pos),
                           end_lsn=format_lsn(got))

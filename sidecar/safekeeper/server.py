@@ -245,11 +245,15 @@ class Safekeeper:
         acc = self.acceptor
         return Positions(acc.state.term, acc.flush_lsn, acc.state.commit_lsn, acc.cut_generation)
 
+    def positions_moved(self) -> bool:
+        """True if the acceptor's positions differ from the published ones (without building a Positions)."""
+        acc, p = self.acceptor, self.positions.value
+        return acc.flush_lsn != p.flush_lsn or acc.state.commit_lsn != p.commit_lsn or acc.state.term != p.term \
+            or acc.cut_generation != p.generation
+
     def _publish(self) -> None:
         """Publish the acceptor's positions once its actions are carried out, if they moved."""
-        acc, p = self.acceptor, self.positions.value
-        if acc.flush_lsn != p.flush_lsn or acc.state.commit_lsn != p.commit_lsn or acc.state.term != p.term \
-                or acc.cut_generation != p.generation:
+        if self.positions_moved():
             with self.acceptor_lock:  # not older than what the stream thread stored
                 self.positions.publish(self._positions())
 
@@ -468,12 +472,20 @@ class Safekeeper:
         """Carry out Write and Reply actions, which need no lock and never wait."""
         for a in actions:
             if type(a) is Write:
-                self._storage_for_write().write(a.lsn, a.data)
-                self.stats.wal_written.inc(len(a.data))
+                self.write_wal(a)
             elif type(a) is Reply:
                 framing.write(writer, _encode_own(a.message))
             else:
                 raise AssertionError(f"{type(a).__name__} needs the persist lock (see _execute_stateful)")
+
+    def write_wal(self, a: Write) -> None:
+        """Carry out a Write, on the loop or in the stream thread."""
+        self._storage_for_write().write(a.lsn, a.data)
+        self.stats.wal_written.inc(len(a.data))
+
+    def flushed_replies(self, flushed: int) -> bytes:
+        """The acknowledgement of the WAL synced up to `flushed`, encoded."""
+        return b"".join(codec.encode(a.message) for a in self.acceptor.on_flushed(flushed) if isinstance(a, Reply))
 
     def _storage_for_write(self) -> WalStorage:
         st = self.storage
@@ -513,9 +525,7 @@ class Safekeeper:
         self.stats.fsync.observe(time.perf_counter() - began)
         stream = self._stream
         if stream is not None and self.acceptor.owner not in self.threaded:
-            for a in self.acceptor.on_flushed(flushed):
-                if isinstance(a, Reply):
-                    framing.write(stream, codec.encode(a.message))
+            framing.write(stream, self.flushed_replies(flushed))
             self._publish()
 
     async def _flusher(self) -> None:

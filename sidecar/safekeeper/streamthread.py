@@ -48,7 +48,9 @@ class Safekeeper(Protocol):
     positions: PositionWatch
     publish_pending: bool
 
-    def _storage_for_write(self) -> WalStorage: ...
+    def write_wal(self, a: Write) -> None: ...
+    def flushed_replies(self, flushed: int) -> bytes: ...
+    def positions_moved(self) -> bool: ...
     def _positions(self) -> Positions: ...
     def wake_positions(self) -> None: ...
 
@@ -148,8 +150,7 @@ def _serve(sk: Safekeeper, session: AcceptorSession, reader: framing.FrameReader
                     return HandBack(actions, out[i + 1:], error)
                 for a in actions:
                     if type(a) is Write:
-                        sk._storage_for_write().write(a.lsn, a.data)
-                        sk.stats.wal_written.inc(len(a.data))
+                        sk.write_wal(a)
                     elif type(a) is Reply:
                         replies.append(codec.encode(a.message))
             if replies:
@@ -171,17 +172,15 @@ def _sync(sk: Safekeeper, session: AcceptorSession, sock: socket.socket, loop: a
     with sk.acceptor_lock:
         if not session.holds_term:
             return
-        replies = [codec.encode(a.message) for a in sk.acceptor.on_flushed(flushed) if isinstance(a, Reply)]
-    sock.sendall(b"".join(replies))
+        replies = sk.flushed_replies(flushed)
+    sock.sendall(replies)
     _notify(sk, loop)
 
 
 def _notify(sk: Safekeeper, loop: asyncio.AbstractEventLoop) -> None:
     """Store the positions; wake the loop only if a waiter waits for them, once at a time."""
-    acc = sk.acceptor
     with sk.acceptor_lock:
-        p = sk.positions.value
-        if acc.flush_lsn == p.flush_lsn and acc.state.commit_lsn == p.commit_lsn:
+        if not sk.positions_moved():
             return
         wanted = sk.positions.store(sk._positions())
     if wanted and not sk.publish_pending:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from support.deployment import APP, Deployment, Writer, read_wal, start_commit, syncrep_waiters, wal_matches_primary
+from support.deployment import APP, Deployment, Writer, read_wal, start_commit, syncrep_waiters, wait_holds_primary_wal
 from support.helpers import wait_for, walsidecar
 from support.procs import ProcessTracker
 from sidecar.deployment import Safekeeper
@@ -52,10 +52,7 @@ def test_a_wiped_safekeeper_learns_its_term_from_its_peers_before_voting(peered:
     wait_for(lambda: len(writer.acked) >= seen + 100, timeout=60, what="writes after safekeeper 2 came back")
     acked = writer.stop()
     assert writer.error is None
-    end = d.flush_lsn()
-    start = d.history_start(1)
-    wait_for(lambda: wal_matches_primary(d, 2, start, end), timeout=60,
-             what="the wiped safekeeper to hold the primary's WAL again")
+    wait_holds_primary_wal(d, 2, "the wiped safekeeper to hold the primary's WAL again")
     with d.sql() as c:
         assert {r[0] for r in c.execute("SELECT id FROM load")} >= set(acked)
 

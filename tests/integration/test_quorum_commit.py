@@ -14,7 +14,7 @@ import pytest
 
 from support.backends import PgServer
 from support.deployment import (APP, Deployment, Writer, commit_lsn_of, start_commit, syncrep_waiters,
-                                wal_matches_primary)
+                                wait_holds_primary_wal, wal_matches_primary)
 from support.helpers import wait_for
 from support.procs import ProcessTracker
 from sidecar.pgcluster import find_bin_dir
@@ -84,10 +84,7 @@ def test_killed_safekeeper_rejoins_and_catches_up(deployment: Deployment) -> Non
     wait_for(lambda: len(writer.acked) >= seen + 400, timeout=60, what="writes after the restart")
     acked = writer.stop()
     assert writer.error is None
-    end = d.flush_lsn()
-    start = d.history_start(1)
-    wait_for(lambda: wal_matches_primary(d, 2, start, end), timeout=60,
-             what="the restarted safekeeper to match the primary again")
+    wait_holds_primary_wal(d, 2, "the restarted safekeeper to match the primary again")
     with d.sql() as c:
         assert c.execute("SELECT count(*) FROM load").fetchone()[0] == len(acked)
 

@@ -88,6 +88,13 @@ class Deployment(LocalDeployment):
         return data.state.term_history[0].start_lsn
 
 
+def wait_holds_primary_wal(d: Deployment, i: int, what: str, timeout: float = 60) -> None:
+    """Wait until safekeeper i holds the primary's WAL from the first term's start to its flush position now."""
+    end = d.flush_lsn()
+    start = d.history_start(1)
+    wait_for(lambda: wal_matches_primary(d, i, start, end), timeout=timeout, what=what)
+
+
 def read_wal(directory: Path, start: int, end: int, seg_size: int = DEFAULT_SEGMENT_SIZE) -> bytes:
     """Bytes [start, end) from PostgreSQL-named segment files (final or .partial) in `directory`."""
     out = bytearray()
