@@ -72,6 +72,9 @@ def test_removal_keeps_wal_bounded_slots_pin_it_and_the_disk_guard_stops_and_res
 
     with d.sql() as c:
         c.execute("CREATE TABLE load (id int, pad text)")
+    # A slot reserves WAL from what its safekeeper knows is committed, which reaches it with the next Append.
+    for i in (1, 3):
+        wait_for(lambda: parse_lsn(status(i)["commit_lsn"]) > 0, timeout=30, what=f"safekeeper {i} to know a commit")
     with replication(d, 1) as r:
         r.execute("CREATE_REPLICATION_SLOT pin1 PHYSICAL RESERVE_WAL")
     with replication(d, 3) as r:
