@@ -39,7 +39,11 @@ class MemberExited(DeploymentError):
 
     def __init__(self, member: ProcessMember) -> None:
         self.name, self.returncode, self.log_path = member.name, member.returncode, member.log_path
-        super().__init__(f"{self.name} exited with code {self.returncode}; see {self.log_path}")
+        # The log's last lines travel with the error: the directory holding the log may be gone
+        # by the time anyone reads it (a test's, a CI run's).
+        last = tail(read_log(self.log_path), 15)
+        super().__init__(f"{self.name} exited with code {self.returncode}; see {self.log_path}"
+                         + (f"; it ended with:\n{last}" if last else ""))
 
 
 def free_port(host: str = LOOPBACK_HOST) -> int:
