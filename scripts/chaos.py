@@ -22,7 +22,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,7 +45,7 @@ from support import netns  # noqa: E402
 import psycopg  # noqa: E402
 from tenacity import Retrying, retry_if_exception_type, wait_exponential  # noqa: E402
 
-from sidecar.deployment import LocalDeployment, MemberExited, Standby  # noqa: E402
+from sidecar.deployment import DeploymentError, LocalDeployment, MemberExited, Standby, free_port  # noqa: E402
 from sidecar.pgcluster import LocalCluster  # noqa: E402
 from sidecar.processes import sidecar_argv  # noqa: E402
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE, format_lsn, parse_lsn, segment_file_name  # noqa: E402
@@ -114,25 +113,11 @@ class Summary:
 
 
 def pick_port(taken: set[int]) -> int:
-    """A free 127.0.0.1 port below the ephemeral range, so no outgoing connection takes it
-    while the process that listens on it is down."""
+    """A free 127.0.0.1 port, none used twice in one run (deployment.free_port)."""
     try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    rnd = random.SystemRandom()
-    for _ in range(500):
-        port = rnd.randrange(max(1024, low - 12000), low)
-        if port in taken:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        taken.add(port)
-        return port
-    raise ChaosFailure(f"no free port found below {low}")
+        return free_port(taken=taken)
+    except DeploymentError as e:
+        raise ChaosFailure(str(e)) from None
 
 
 def read_wal(directory: Path, start: int, end: int, seg_size: int = DEFAULT_SEGMENT_SIZE) -> Iterator[bytes]:

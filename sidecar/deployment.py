@@ -8,6 +8,7 @@ immediate stop for the primary) and restarted on its own, and has a log file and
 from __future__ import annotations
 
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -46,11 +47,30 @@ class MemberExited(DeploymentError):
                          + (f"; it ended with:\n{last}" if last else ""))
 
 
-def free_port(host: str = LOOPBACK_HOST) -> int:
-    """A TCP port on `host` that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def free_port(host: str = LOOPBACK_HOST, taken: set[int] | None = None) -> int:
+    """A TCP port on `host` that was free a moment ago, not in `taken` (to which it is added).
+
+    Below the kernel's ephemeral range, so that no outgoing connection takes it before (or while,
+    after a restart) the process meant to listen on it binds it.
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rnd = random.SystemRandom()
+    for _ in range(500):
+        port = rnd.randrange(max(1024, low - 12000), low)
+        if taken is not None and port in taken:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        if taken is not None:
+            taken.add(port)
+        return port
+    raise DeploymentError(f"no free TCP port on {host} below {low}")
 
 
 class Place(Protocol):

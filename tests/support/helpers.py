@@ -16,10 +16,9 @@ T = TypeVar("T")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on host that was free a moment ago (bind to port 0 and release)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port on host that was free a moment ago (`deployment.free_port`: below the ephemeral range)."""
+    from sidecar.deployment import free_port as pick
+    return pick(host)
 
 
 def consecutive_free_ports(n: int, host: str = "127.0.0.1") -> int:
