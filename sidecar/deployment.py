@@ -47,28 +47,36 @@ class MemberExited(DeploymentError):
                          + (f"; it ended with:\n{last}" if last else ""))
 
 
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = LOOPBACK_HOST, taken: set[int] | None = None) -> int:
     """A TCP port on `host` that was free a moment ago, not in `taken` (to which it is added).
 
     Below the kernel's ephemeral range, so that no outgoing connection takes it before (or while,
-    after a restart) the process meant to listen on it binds it.
+    after a restart) the process meant to listen on it binds it. Without `taken`, a port this process
+    handed out before is not handed out again (until most of the range has been).
     """
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
+    first = max(1024, low - 12000)
+    if taken is None:
+        taken = _handed_out
+        if len(taken) > (low - first) * 3 // 4:
+            taken.clear()
     rnd = random.SystemRandom()
     for _ in range(500):
-        port = rnd.randrange(max(1024, low - 12000), low)
-        if taken is not None and port in taken:
+        port = rnd.randrange(first, low)
+        if port in taken:
             continue
         with socket.socket() as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
-        if taken is not None:
-            taken.add(port)
+        taken.add(port)
         return port
     raise DeploymentError(f"no free TCP port on {host} below {low}")
 

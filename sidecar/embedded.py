@@ -14,7 +14,7 @@ from typing import IO
 from sidecar.config import InitPostgresSettings
 from sidecar.ctl import ControlSocket, answer
 from sidecar.deployment import (
-    APP, LOOPBACK_HOST, ChildServer, DeploymentError, LocalDeployment, Standby, start_tied_child,
+    APP, LOOPBACK_HOST, ChildServer, DeploymentError, LocalDeployment, Standby, free_port, start_tied_child,
 )
 from sidecar.logs import get_logger
 from sidecar.ops.initpg import run_init
@@ -175,19 +175,10 @@ class Embedded:
 
 
 def metrics_ports(first: int, n: int) -> list[int]:
-    """`n` consecutive ports from `first`, or `n` free ones when `first` is 0."""
+    """`n` consecutive ports from `first`, or `n` free ones (distinct) when `first` is 0."""
     if first:
         return [first + i for i in range(n)]
-    socks = []
-    try:
-        for _ in range(n):  # all open at once, so the ports are distinct
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    return [free_port() for _ in range(n)]
 
 
 def check_free(ports: list[tuple[int, str, str]]) -> None:

@@ -52,6 +52,10 @@ class Storage(Protocol):
         """Every key under `prefix` (a key prefix, not only a directory), with its size."""
         ...
 
+    def delete(self, key: str) -> None:
+        """Remove an object; one already absent is no error."""
+        ...
+
     def list_files(self) -> dict[str, int]:
         """Names directly at the root (not in deeper "directories"), with their sizes."""
         ...
@@ -129,6 +133,11 @@ class LocalStorage:
         if path.stat().st_size != len(data) or sha256(path.read_bytes()) != sha256(data):
             raise ObjectConflict(f"{path} exists with different content; it is left as it is")
         return False
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        path.unlink(missing_ok=True)
+        fsync_dir(path.parent)
 
     def read(self, key: str) -> bytes:
         """The whole file."""
@@ -250,6 +259,9 @@ class S3Storage:
             for obj in page.get("Contents", []):
                 found[obj["Key"][len(base):]] = int(obj["Size"])
         return found
+
+    def delete(self, key: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=self._key(_check_key(key)))
 
     def list_files(self) -> dict[str, int]:
         """Objects directly under the prefix (not in deeper "directories")."""

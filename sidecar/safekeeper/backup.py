@@ -252,7 +252,21 @@ class Uploader:
             self.on_upload(len(data))
         self.log.info("segment archived" if wrote else "segment already archived", segment=name,
                       end_lsn=format_lsn(lsn + seg), seconds=round(time.perf_counter() - began, 3))
+        await self._drop_partials(store, name)
         return True
+
+    async def _drop_partials(self, store: Storage, name: str) -> None:
+        """The partial objects of segment `name`, now archived whole: its committed bytes are all there.
+
+        Only partials under the same name: one of a timeline the cluster left stays, as PostgreSQL
+        keeps its own `.partial` file at a promotion.
+        """
+        partials = [k for k in await asyncio.to_thread(store.list, f"{name}.term-") if k.endswith(".partial")]
+        for key in partials:
+            await asyncio.to_thread(store.delete, key)
+        if partials:
+            self.log.info("partial segments dropped: the segment is archived whole", segment=name,
+                          dropped=len(partials))
 
     async def _upload_histories(self, store: Storage, state: AcceptorState) -> None:
         """The .history file of every timeline this WAL went through, once its switch is committed."""
@@ -276,6 +290,8 @@ class Uploader:
         if part is None or (part.term, part.end_lsn) == self._partial or not state.system_id:
             return
         store = self._store(state)
+        if await asyncio.to_thread(store.head, part.name) == state.wal_seg_size:
+            return  # archived whole already (this safekeeper lags): nothing a partial would add
         name = partial_name(part.name, part.term, part.end_lsn)
         await asyncio.to_thread(store.put, name, part.data)
         self._partial = (part.term, part.end_lsn)

@@ -142,6 +142,14 @@ def test_committed_segments_are_archived_and_another_safekeeper_takes_over(
         assert len(data) == SEG and data[:used] == (d.pg.pg_wal_dir / segment).read_bytes()[:used], name
         assert data[used:] == bytes(SEG - used)
 
+    # Once its segment is archived whole, a segment's partials go: the whole one holds every committed byte.
+    d.start("safekeeper2")
+    switch_segments(d, 1)
+    segments = {name[:24] for name in partials}
+    wait_for(lambda: segments <= set(archived_segments(store))
+             and not [k for k in store.list_files() if k.endswith(".partial") and k[:24] in segments],
+             timeout=60, what=f"the partials of {sorted(segments)} to go once those segments are archived whole")
+
 
 def test_with_a_broker_the_upload_lease_holder_uploads(pg_factory: Callable[..., object], procs: ProcessTracker,
                                                        test_dir: Path, s3: str, etcd: object) -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from support.deployment import Deployment, Writer
+from support.deployment import Deployment, Writer, wait_replayed
 from support.helpers import free_port, run, until, wait_for
 from support.procs import ManagedProcess
 from sidecar import framing
@@ -166,8 +166,7 @@ def test_a_full_disk_stops_one_safekeeper_and_commits_go_on(pg_factory, procs, t
         sk1.interrupt()
         d.start_safekeeper(1, "--metrics", metrics)
         target = emit_wal(d, 2)
-        wait_for(lambda: (r := d.replication_row()) is not None and r[4] is not None and parse_lsn(r[4]) >= target,
-                 timeout=120, what="every safekeeper, the refilled one too, to hold the newest WAL")
+        wait_replayed(d, target, timeout=120, what="every safekeeper, the refilled one too, to hold the newest WAL")
         assert http_get(metrics, "/health")[0] == 200
         all_acked_present(d, acked)
     finally:
@@ -212,8 +211,7 @@ def test_a_damaged_segment_stops_the_restart_and_commits_go_on(deployment: Deplo
     d = deployment
     # Enough WAL for a middle segment between the first and the last completed ones.
     target = emit_wal(d, 56)
-    wait_for(lambda: (r := d.replication_row()) is not None and r[4] is not None and parse_lsn(r[4]) >= target,
-             timeout=120, what="every safekeeper to hold the WAL")
+    wait_replayed(d, target, timeout=120, what="every safekeeper to hold the WAL")
     d.safekeepers[1].interrupt()
     wal = d.sk_dir(1) / "wal"
     finals = sorted(p for p in wal.iterdir() if not p.name.endswith(".partial"))
@@ -246,8 +244,7 @@ def test_a_damaged_segment_stops_the_restart_and_commits_go_on(deployment: Deplo
     assert wal_files(d, 1) == pristine
     d.start_safekeeper(1)
     target = emit_wal(d, 1)
-    wait_for(lambda: (r := d.replication_row()) is not None and r[4] is not None and parse_lsn(r[4]) >= target,
-             timeout=120, what="the repaired safekeeper to catch up")
+    wait_replayed(d, target, timeout=120, what="the repaired safekeeper to catch up")
 
 
 # ---- a failed fdatasync on a real device --------------------------------------------------------
@@ -330,8 +327,7 @@ def test_a_failed_fdatasync_stops_the_safekeeper_and_the_restart_cuts_back(pg_fa
             thin.room(600 << 20)  # the volume is grown; the page cache is still not trusted
             proc = d.start_safekeeper(1)
             target = emit_wal(d, 2)
-            wait_for(lambda: (r := d.replication_row()) is not None and r[4] is not None
-                     and parse_lsn(r[4]) >= target, timeout=120, what="the restarted safekeeper to catch up")
+            wait_replayed(d, target, timeout=120, what="the restarted safekeeper to catch up")
             log = proc.log_text()
             assert "cutting the WAL back to what was durable" in log and format_lsn(marker["durable_lsn"]) in log
             assert not (d.sk_dir(1) / "wal.in-doubt").read_bytes().strip(b"\0")

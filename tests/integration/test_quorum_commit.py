@@ -14,7 +14,7 @@ import pytest
 
 from support.backends import PgServer
 from support.deployment import (APP, Deployment, Writer, commit_lsn_of, start_commit, syncrep_waiters,
-                                wait_holds_primary_wal, wal_matches_primary)
+                                wait_holds_primary_wal, wait_replayed, wal_matches_primary)
 from support.helpers import wait_for
 from support.procs import ProcessTracker
 from sidecar.pgcluster import find_bin_dir
@@ -32,8 +32,7 @@ def test_commit_is_acknowledged_by_quorum(deployment: Deployment) -> None:
     assert (name, state, sync_state) == (APP, "streaming", "sync")
     assert parse_lsn(flush) >= lsn
     # replay is what every safekeeper of the term has flushed: the third may still be joining.
-    wait_for(lambda: (r := d.replication_row()[4]) is not None and parse_lsn(r) >= lsn,
-             timeout=30, what="the sidecar to report the commit as held by all three safekeepers")
+    wait_replayed(d, lsn, "the sidecar to report the commit as held by all three safekeepers")
 
 
 def test_commit_waits_without_quorum_and_completes_when_one_returns(deployment: Deployment) -> None:

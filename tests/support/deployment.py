@@ -95,6 +95,14 @@ def wait_holds_primary_wal(d: Deployment, i: int, what: str, timeout: float = 60
     wait_for(lambda: wal_matches_primary(d, i, start, end), timeout=timeout, what=what)
 
 
+def wait_replayed(d: Deployment, lsn: int, what: str, timeout: float = 60) -> None:
+    """Wait until the sidecar reports `lsn` as replayed: flushed by every safekeeper of the term."""
+    def replayed() -> bool:
+        row = d.replication_row()
+        return row is not None and row[4] is not None and parse_lsn(row[4]) >= lsn
+    wait_for(replayed, timeout=timeout, what=what)
+
+
 def read_wal(directory: Path, start: int, end: int, seg_size: int = DEFAULT_SEGMENT_SIZE) -> bytes:
     """Bytes [start, end) from PostgreSQL-named segment files (final or .partial) in `directory`."""
     out = bytearray()

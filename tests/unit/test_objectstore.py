@@ -57,10 +57,20 @@ def test_a_put_never_replaces_different_bytes(store: Storage) -> None:
     assert store.read("seg") == b"z"
 
 
+def test_delete(store: Storage) -> None:
+    store.put("wal/a", b"one")
+    store.put("wal/a.partial", b"two")
+    store.delete("wal/a.partial")
+    store.delete("wal/a.partial")  # already gone: no error
+    assert store.list() == {"wal/a": 3}
+
+
 def test_keys_cannot_leave_the_store(store: Storage) -> None:
     for key in ("../x", "/abs", "a//b", "a/./b", ""):
         with pytest.raises(ValueError):
             store.put(key, b"1")
+        with pytest.raises(ValueError):
+            store.delete(key)
 
 
 def test_s3_puts_carry_their_sha256(s3: str) -> None:
