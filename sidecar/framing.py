@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from sidecar import hotpath
 from sidecar.consensus import codec, limits
 from sidecar.consensus.messages import Append, Message
+from sidecar.tlslayer import TlsProtocol
 
 _PAUSE_AT = 8 * 1024 * 1024  # decoded WAL waiting for the reader before reading pauses
 
@@ -222,9 +224,14 @@ def write(writer: Writer, *parts: bytes | bytearray | memoryview) -> bool:
 
 
 async def start_server(
-    connected: Callable[[FrameReader, Writer], Awaitable[None]], host: str, port: int, **kwargs: Any,
+    connected: Callable[[FrameReader, Writer], Awaitable[None]], host: str, port: int,
+    tls: ssl.SSLContext | None = None, handshake_timeout: float = 10.0, **kwargs: Any,
 ) -> asyncio.Server:
-    """Like asyncio.start_server, with a FrameReader and a Writer in place of the streams."""
+    """Like asyncio.start_server, with a FrameReader and a Writer in place of the streams.
+
+    With `tls`, connections are served over `tlslayer` rather than the loop's TLS, so that their TLS
+    state can be handed to a thread; the handler sees a connection only once its handshake is done.
+    """
     loop = asyncio.get_running_loop()
     tasks: set[asyncio.Task[None]] = set()
 
@@ -240,7 +247,10 @@ async def start_server(
         if not task.cancelled():
             task.exception()  # the handler logged it; no "exception was never retrieved" on top
 
-    return await loop.create_server(lambda: _ServerFrameReader(loop), host, port, **kwargs)
+    if tls is None:
+        return await loop.create_server(lambda: _ServerFrameReader(loop), host, port, **kwargs)
+    return await loop.create_server(lambda: TlsProtocol(tls, _ServerFrameReader(loop), handshake_timeout),
+                                    host, port, **kwargs)
 
 
 async def open_connection(host: str, port: int, max_frame: int = codec.REPLY_MAX_FRAME,

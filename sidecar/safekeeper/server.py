@@ -271,10 +271,9 @@ class Safekeeper:
 
     async def serve(self) -> None:
         """Listen and serve until cancelled."""
-        tls_args = {} if self.ssl_context is None else \
-            {"ssl": self.ssl_context, "ssl_handshake_timeout": tls.HANDSHAKE_TIMEOUT}
         try:
-            self._server = await framing.start_server(self._connection, self.host, self.port, **tls_args)
+            self._server = await framing.start_server(self._connection, self.host, self.port, tls=self.ssl_context,
+                                                      handshake_timeout=tls.HANDSHAKE_TIMEOUT)
         except OSError as e:
             raise cannot_listen(self.host, self.port, "the safekeeper (--listen)", e) from e
         self.log.info("listening", address=f"{self.host}:{self.port}", tls=self.ssl_context is not None,
@@ -375,7 +374,7 @@ class Safekeeper:
                 self._sync_when_drained(reader, writer)
                 if writer.transport.get_write_buffer_size() > 1 << 20:
                     await writer.drain()  # a proposer that stops reading stops being read
-                elif self.ssl_context is None and session.holds_term \
+                elif session.holds_term \
                         and not reader.has_messages() \
                         and writer.transport.get_write_buffer_size() == 0 \
                         and not self._flush_lock.locked() and not self._flush_wanted.is_set():

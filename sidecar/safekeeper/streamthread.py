@@ -6,7 +6,8 @@ decoder's buffer), pwrite, fdatasync and sendall, each releasing the GIL, about 
 and a fifth less CPU per commit than on the loop (docs/performance.md). It stores the positions
 itself and wakes the loop only for a waiter they satisfy. Anything but an Append, a batch that
 persists state, the disk guard or a stop hands the connection back to the loop, which carries on
-where the thread left off. A TLS link stays on the loop: its transport's TLS state cannot be handed over.
+where the thread left off. Over TLS the thread decrypts and encrypts with the connection's own TLS
+state (`sidecar.tlslayer`), which the loop's side uses again once the thread hands the connection back.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import asyncio
 import concurrent.futures
 import os
 import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,13 +27,16 @@ from sidecar.consensus import codec
 from sidecar.consensus.acceptor import Acceptor, AcceptorAction, AdoptTimeline, Persist, Reply, Truncate, Write
 from sidecar.consensus.messages import Append, Message
 from sidecar.consensus.session import AcceptorSession
+from sidecar.processes import name_thread
 from sidecar.safekeeper.positions import Positions, PositionWatch
 from sidecar.safekeeper.storage import NoWal, WalStorage
+from sidecar.tlslayer import TlsState, TlsTransport
 
 _STATEFUL = (Persist, Truncate, AdoptTimeline)
 # Unsynced WAL is synced once the socket is drained, or once this much is waiting for it, so that
 # a proposer that never lets the socket drain still gets acknowledgements.
 SYNC_AT = 1 << 20
+RECV = 256 * 1024  # TLS ciphertext received at a time
 
 
 class Safekeeper(Protocol):
@@ -64,6 +69,61 @@ class HandBack:
     error: BaseException | None = None
 
 
+class Link:
+    """The connection as the thread uses it: frames decoded from the socket, replies sent, through TLS if any."""
+
+    def __init__(self, sock: socket.socket, decoder: codec.FrameDecoder, tls: TlsState | None) -> None:
+        self.sock, self.decoder, self.tls = sock, decoder, tls
+        self._scratch = bytearray(RECV) if tls is not None else None
+        self._closed = False
+
+    def receive(self, out: list[Message], flags: int = 0) -> bool:
+        """Receive once, decoding into `out`; True if the socket may hold more (it filled what was offered).
+
+        BlockingIOError under MSG_DONTWAIT when nothing is there; IncompleteReadError once the peer closed.
+        """
+        decoder = self.decoder
+        if self._closed:
+            raise asyncio.IncompleteReadError(b"", decoder.pending or None)
+        if self.tls is None:
+            buf = decoder.get_buffer()
+            room = len(buf)
+            try:
+                n = self.sock.recv_into(buf, 0, flags)
+            finally:
+                buf.release()
+            if n == 0:
+                raise asyncio.IncompleteReadError(b"", decoder.pending or None)
+            decoder.buffer_updated(n, out)
+            return n == room
+        scratch = self._scratch
+        assert scratch is not None
+        n = self.sock.recv_into(scratch, 0, flags)
+        if n == 0:
+            raise asyncio.IncompleteReadError(b"", decoder.pending or None)
+        self.tls.incoming.write(memoryview(scratch)[:n])
+        try:
+            # The messages of the records before a close_notify are served; the next receive ends it.
+            self._closed = not self.tls.read_into(decoder.get_buffer, lambda k: decoder.buffer_updated(k, out))
+        except ssl.SSLError as e:  # a record that fails its check: this connection's end, not the safekeeper's
+            raise ConnectionResetError(f"TLS: {e}") from e
+        finally:
+            said = self.tls.outgoing.read()  # what TLS answers on its own (a key update, an alert)
+            if said:
+                self.sock.sendall(said)
+        return n == len(scratch)
+
+    def send(self, data: bytes) -> None:
+        if self.tls is None:
+            self.sock.sendall(data)
+            return
+        try:
+            data = self.tls.encrypt(data)
+        except ssl.SSLError as e:
+            raise ConnectionResetError(f"TLS: {e}") from e
+        self.sock.sendall(data)
+
+
 async def stream(sk: Safekeeper, session: AcceptorSession, reader: framing.FrameReader,
                  writer: framing.Writer) -> HandBack:
     """Serve `session`'s Appends in a thread until something needs the loop; raises what ends the connection."""
@@ -73,10 +133,14 @@ async def stream(sk: Safekeeper, session: AcceptorSession, reader: framing.Frame
     # A duplicate of the transport's socket: closing it leaves the connection to the transport.
     sock = socket.socket(fileno=os.dup(writer.get_extra_info("socket").fileno()))
     sock.setblocking(True)  # shared with the transport's descriptor; the thread restores it
+    # Over TLS the thread takes the connection's TLS state (tlslayer) with it, and gives it back.
+    link = Link(sock, reader.decoder, transport.tls if isinstance(transport, TlsTransport) else None)
     done: concurrent.futures.Future[HandBack] = concurrent.futures.Future()
-    thread = threading.Thread(target=_run, args=(sk, session, reader, sock, loop, done),
+    thread = threading.Thread(target=_run, args=(sk, session, link, loop, done),
                               name=f"stream-{sk.node_id}", daemon=True)
     sk.threaded.add(session)
+    if link.tls is not None:
+        link.tls.lent = True
     thread.start()
     try:
         back = await asyncio.wrap_future(done)
@@ -90,56 +154,50 @@ async def stream(sk: Safekeeper, session: AcceptorSession, reader: framing.Frame
     return back
 
 
-def _run(sk: Safekeeper, session: AcceptorSession, reader: framing.FrameReader, sock: socket.socket,
-         loop: asyncio.AbstractEventLoop, done: concurrent.futures.Future[HandBack]) -> None:
+def _run(sk: Safekeeper, session: AcceptorSession, link: Link, loop: asyncio.AbstractEventLoop,
+         done: concurrent.futures.Future[HandBack]) -> None:
+    name_thread(threading.current_thread().name)
     try:
-        back = _serve(sk, session, reader, sock, loop)
+        back = _serve(sk, session, link, loop)
     except BaseException as e:  # noqa: BLE001 - every failure goes to the loop, which reports it
-        _restore(sock)
+        _restore(link)
         sk.threaded.discard(session)
         done.set_exception(e)
     else:
-        _restore(sock)
+        _restore(link)
         sk.threaded.discard(session)  # the socket is the transport's again: the loop may acknowledge on it
         done.set_result(back)
 
 
-def _restore(sock: socket.socket) -> None:
+def _restore(link: Link) -> None:
     try:
-        sock.setblocking(False)
+        link.sock.setblocking(False)
     except OSError:
         pass
-    sock.close()
+    link.sock.close()
+    if link.tls is not None:
+        link.tls.lent = False
 
 
-def _serve(sk: Safekeeper, session: AcceptorSession, reader: framing.FrameReader, sock: socket.socket,
-           loop: asyncio.AbstractEventLoop) -> HandBack:
-    acc, lock, decoder = sk.acceptor, sk.acceptor_lock, reader.decoder
+def _serve(sk: Safekeeper, session: AcceptorSession, link: Link, loop: asyncio.AbstractEventLoop) -> HandBack:
+    acc, lock = sk.acceptor, sk.acceptor_lock
     out: list[Message] = []
     while True:
         if sk.stopped is not None or sk.guard.active or not session.holds_term:
             return HandBack()
-        buf = decoder.get_buffer()
-        room = len(buf)
+        error = None
         try:
             if acc.flush_lsn < acc.write_lsn:  # acknowledged, not just synced (a vote's scan syncs too)
                 # Unsynced WAL: read on only if more is already here, else sync and acknowledge first.
                 try:
-                    n = sock.recv_into(buf, 0, socket.MSG_DONTWAIT)
+                    more = link.receive(out, socket.MSG_DONTWAIT)
                 except BlockingIOError:
-                    _sync(sk, session, sock, loop)
+                    _sync(sk, session, link, loop)
                     continue
             else:
-                n = sock.recv_into(buf)
-        finally:
-            buf.release()
-        if n == 0:
-            raise asyncio.IncompleteReadError(b"", decoder.pending or None)
-        error = None
-        try:
-            decoder.buffer_updated(n, out)
-        except codec.ProtocolError as e:
-            error = e
+                more = link.receive(out)
+        except codec.ProtocolError as e:  # after the messages decoded before it
+            error, more = e, False
         for i, msg in enumerate(out):
             if type(msg) is not Append:
                 return HandBack(messages=out[i:], error=error)
@@ -154,17 +212,17 @@ def _serve(sk: Safekeeper, session: AcceptorSession, reader: framing.FrameReader
                     elif type(a) is Reply:
                         replies.append(codec.encode(a.message))
             if replies:
-                sock.sendall(b"".join(replies))
+                link.send(b"".join(replies))
         out.clear()
         if error is not None:
             raise error
         if acc.flush_lsn >= acc.write_lsn:
             _notify(sk, loop)  # a heartbeat may move commit_lsn
-        elif n < room or acc.write_lsn - acc.flush_lsn >= SYNC_AT:
-            _sync(sk, session, sock, loop)  # the socket had no more: sync now, skip the probe
+        elif not more or acc.write_lsn - acc.flush_lsn >= SYNC_AT:
+            _sync(sk, session, link, loop)  # the socket had no more: sync now, skip the probe
 
 
-def _sync(sk: Safekeeper, session: AcceptorSession, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+def _sync(sk: Safekeeper, session: AcceptorSession, link: Link, loop: asyncio.AbstractEventLoop) -> None:
     """fdatasync what was written, then acknowledge it, if this connection still holds the term."""
     began = time.perf_counter()
     flushed = sk.storage.flush()
@@ -173,7 +231,7 @@ def _sync(sk: Safekeeper, session: AcceptorSession, sock: socket.socket, loop: a
         if not session.holds_term:
             return
         replies = sk.flushed_replies(flushed)
-    sock.sendall(replies)
+    link.send(replies)
     _notify(sk, loop)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from support.deployment import Deployment
+from support.deployment import Deployment, commit_lsn_of, wait_replayed
 from support.helpers import data_files, free_port, wait_for, walsidecar
 from support.pki import TestPKI
 from support.procs import ManagedProcess, ProcessTracker
@@ -158,6 +158,27 @@ def test_a_client_certificate_reads_but_changes_nothing(streamed: Deployment) ->
     d.wait_sync()
     with d.sql() as c:
         c.execute("INSERT INTO load VALUES (101, 'after the attempts')")
+
+
+def thread_names(pid: int) -> set[str]:
+    names = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(FileNotFoundError):
+            names.add(Path(f"/proc/{pid}/task/{task}/comm").read_text().strip())
+    return names
+
+
+def test_over_tls_the_append_stream_is_served_by_its_own_thread(deployment: Deployment) -> None:
+    d = deployment
+    pid = d.safekeepers[1].pid
+    assert pid is not None
+    with d.sql() as c:
+        commit_lsn_of(c, "INSERT INTO load VALUES (1, 'over TLS')")
+    # The thread decrypts the Appends and encrypts the replies with the connection's own TLS state.
+    wait_for(lambda: "stream-1" in thread_names(pid), timeout=30, what="safekeeper 1's stream thread")
+    with d.sql() as c:
+        lsn = commit_lsn_of(c, "INSERT INTO load SELECT g, repeat('t', 200) FROM generate_series(2, 20000) g")
+    wait_replayed(d, lsn, "every safekeeper to acknowledge the WAL it received in its stream thread")
 
 
 def test_commands_refuse_to_start_without_certificates_or_insecure(tmp_path: Path) -> None:

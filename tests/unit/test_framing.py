@@ -5,11 +5,15 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import ssl
+from collections.abc import Coroutine
+from typing import Any
 
 import pytest
 
 from support.helpers import run
-from sidecar import framing
+from support.pki import TestPKI
+from sidecar import framing, tls
 from sidecar.consensus import codec, limits
 from sidecar.consensus.messages import (
     PROTOCOL_VERSION, Append, AppendReply, Elected, Greeting, Message, TermEntry, VoteRequest,
@@ -26,8 +30,10 @@ class Collector:
         self.done = asyncio.Event()
         self.read_after = read_after
         self.server: asyncio.Server | None = None
+        self.peer: tls.Identity | None = None
 
     async def handle(self, reader: framing.FrameReader, writer: framing.Writer) -> None:
+        self.peer = tls.peer_role(writer)
         if self.max_frame is not None:
             reader.max_frame = self.max_frame
         try:
@@ -45,8 +51,8 @@ class Collector:
             writer.close()
             self.done.set()
 
-    async def start(self) -> int:
-        self.server = await framing.start_server(self.handle, "127.0.0.1", 0)
+    async def start(self, context: ssl.SSLContext | None = None) -> int:
+        self.server = await framing.start_server(self.handle, "127.0.0.1", 0, tls=context)
         return self.server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
@@ -102,6 +108,49 @@ def test_frames_split_anywhere_arrive_whole_and_in_order() -> None:
         await c.close()
 
     run(main())
+
+
+def _run_on(loop: str, main: Coroutine[Any, Any, None]) -> None:
+    """`main` on a fresh asyncio or uvloop event loop (the services run on uvloop when it is installed)."""
+    if loop == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(asyncio.wait_for(main, 60))
+    else:
+        run(main)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_over_tls_frames_arrive_whole_and_only_a_certified_peer_reaches_the_handler(pki: TestPKI, loop: str) -> None:
+    async def main() -> None:
+        c = Collector()
+        port = await c.start(tls.server_context(pki.certs("safekeeper", 1)))
+        reader, writer = await framing.open_connection("127.0.0.1", port, ssl=tls.client_context(pki.certs("proposer")),
+                                                       server_hostname="127.0.0.1")
+        msgs, rng = _messages(), random.Random(3)
+        data, pos = b"".join(codec.encode(m) for m in msgs), 0
+        while pos < len(data):
+            n = rng.choice([1, 7, 4096, 16 * 1024 + 5, 300_000, 2_000_000])
+            writer.write(data[pos:pos + n])
+            await writer.drain()
+            pos += n
+        replies = [await reader.read_message() for m in msgs if isinstance(m, Append)]
+        assert [r.flush_lsn for r in replies] == [m.end_lsn for m in msgs if isinstance(m, Append)]
+        writer.close()  # close_notify: the server's reader ends cleanly
+        await asyncio.wait_for(c.done.wait(), 30)
+        assert [_as_bytes(m) for m in c.messages] == msgs and c.peer == tls.Identity("proposer")
+        assert isinstance(c.error, asyncio.IncompleteReadError)
+        # Trusting the server is not enough: without a certificate of its own a client gets no answer.
+        bare = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        bare.load_verify_locations(pki.ca_dir / "ca.crt")
+        with pytest.raises((ssl.SSLError, ConnectionError, asyncio.IncompleteReadError)):
+            r, w = await framing.open_connection("127.0.0.1", port, ssl=bare, server_hostname="127.0.0.1")
+            w.write(codec.encode(VoteRequest(1)))
+            await asyncio.wait_for(r.read_message(), 30)
+        assert len(c.messages) == len(msgs)
+        await c.close()
+
+    _run_on(loop, main())
 
 
 def test_large_append_data_is_a_view_of_its_own_buffer() -> None:
@@ -230,9 +279,6 @@ def test_a_client_connection_reads_frames_and_drains_its_writes() -> None:
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_writing_to_a_closed_connection_drops_the_frame(loop: str) -> None:
     """uvloop raises on a write after close; a service must not die of a peer that just left."""
-    if loop == "uvloop":
-        uvloop = pytest.importorskip("uvloop")
-
     async def main() -> None:
         c = Collector()
         port = await c.start()
@@ -244,11 +290,7 @@ def test_writing_to_a_closed_connection_drops_the_frame(loop: str) -> None:
         assert c.messages == [VoteRequest(1)]
         await c.close()
 
-    if loop == "uvloop":
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(asyncio.wait_for(main(), 60))
-    else:
-        run(main())
+    _run_on(loop, main())
 
 
 def test_data_received_delivers_the_frames_before_a_bad_one() -> None:
