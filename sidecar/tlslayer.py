@@ -15,6 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 _RECV = 256 * 1024  # ciphertext read from the socket at a time
+# Before the handshake: a connection nobody has authenticated yet holds no more memory than this.
+_HANDSHAKE_RECV = 17 * 1024
 
 
 class TlsState:
@@ -57,7 +59,7 @@ class TlsProtocol(asyncio.BufferedProtocol):
         self.app = app
         self.raw: asyncio.Transport | None = None
         self.transport: TlsTransport | None = None  # once the handshake is done
-        self._buf = bytearray(_RECV)
+        self._buf = bytearray(_HANDSHAKE_RECV)
         self._timeout = handshake_timeout
         self._timer: asyncio.TimerHandle | None = None
 
@@ -120,6 +122,7 @@ class TlsProtocol(asyncio.BufferedProtocol):
             self._timer.cancel()
         self._flush()
         assert self.raw is not None
+        self._buf = bytearray(_RECV)
         self.transport = TlsTransport(self.raw, self.tls)
         self.app.connection_made(self.transport)
         return True
