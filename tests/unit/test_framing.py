@@ -153,6 +153,23 @@ def test_over_tls_frames_arrive_whole_and_only_a_certified_peer_reaches_the_hand
     _run_on(loop, main())
 
 
+def test_over_tls_a_connection_that_does_not_finish_its_handshake_is_dropped(pki: TestPKI) -> None:
+    async def main() -> None:
+        c = Collector()
+        c.server = await framing.start_server(c.handle, "127.0.0.1", 0, tls=tls.server_context(pki.certs("safekeeper", 1)),
+                                              handshake_timeout=0.5)
+        port = c.server.sockets[0].getsockname()[1]
+        for first in (b"", b"\x16\x03\x01\x02\x00"):  # silent; a ClientHello's header and nothing more
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(first)
+            assert await asyncio.wait_for(reader.read(), 30) == b""  # the server closed it
+            writer.close()
+        assert c.peer is None and not c.done.is_set()  # the handler never ran
+        await c.close()
+
+    run(main())
+
+
 def test_large_append_data_is_a_view_of_its_own_buffer() -> None:
     async def main() -> None:
         c = Collector()
