@@ -27,7 +27,7 @@ from sidecar.logs import get_logger
 from sidecar.lsn import format_lsn
 from sidecar.readerauth import MECHANISM, AuthFile, AuthFileError, Verifier, mock_verifier
 from sidecar.safekeeper.positions import PositionWatch
-from sidecar.safekeeper.slots import Slot, SlotError, Slots
+from sidecar.safekeeper.slots import Slot, SlotError, Slots, reserve_from
 from sidecar.safekeeper.walsender import StreamEnded, WalSender
 
 AUTHENTICATION_TIMEOUT = 60.0  # PostgreSQL's authentication_timeout: the whole startup phase
@@ -400,9 +400,8 @@ class Connection:
                                          ("restart_tli", pgwire.INT8_OID)], [row], "READ_REPLICATION_SLOT"))
 
     async def _create_slot(self, cmd: pgrepl.CreateReplicationSlot) -> None:
-        s = self.sk.reader_state()
-        lsn = readable_end(s) if cmd.reserve_wal else 0
-        slot = await self.sk.slots.create(cmd.slot, cmd.temporary, lsn, s.timeline)
+        lsn, timeline = reserve_from(self.sk.reader_state()) if cmd.reserve_wal else (0, 0)
+        slot = await self.sk.slots.create(cmd.slot, cmd.temporary, lsn, timeline)
         if cmd.temporary:
             self.temporary.append(slot)
         self.log.info("slot created", slot=cmd.slot, temporary=cmd.temporary,

@@ -15,8 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from sidecar.consensus.reading import ServerState, readable_end
 from sidecar.lsn import format_lsn, parse_lsn
-from sidecar.pgrepl import ReplicationProtocolError, check_slot_name
+from sidecar.pgrepl import ReplicationProtocolError, check_slot_name, timeline_of
 from sidecar.safekeeper.storage import write_durably
 
 FILE_NAME = "slots.json"
@@ -43,6 +44,16 @@ class Slot:
     timeline: int  # of restart_lsn; 0 with it
     temporary: bool = False
     active: bool = False  # a connection streams with it
+
+
+def reserve_from(s: ServerState) -> tuple[int, int]:
+    """Where `CREATE_REPLICATION_SLOT ... RESERVE_WAL` reserves from, and its timeline: (0, 0) for nothing.
+
+    What a reader may read now; before this safekeeper knows a commit (just after a start) nothing
+    is readable yet, and the slot reserves from the oldest WAL held, more than needed, never less.
+    """
+    lsn = readable_end(s) or s.first_lsn or 0
+    return lsn, timeline_of(s.history, s.timeline, lsn) if lsn else 0
 
 
 class Slots:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from support.helpers import run, until
 from sidecar.safekeeper import slots as slots_module
-from sidecar.safekeeper.slots import SlotError, Slots, SlotsFileError
+from sidecar.consensus.reading import ServerState
+from sidecar.consensus.messages import TimelineEntry
+from sidecar.safekeeper.slots import SlotError, Slots, SlotsFileError, reserve_from
 
 
 def test_slots_are_saved_and_loaded(tmp_path: Path) -> None:
@@ -90,3 +93,16 @@ def test_a_damaged_slots_file_refuses_to_open(tmp_path: Path, content: str) -> N
     (tmp_path / "slots.json").write_text(content)
     with pytest.raises(SlotsFileError, match="cannot read the reader slots"):
         Slots(tmp_path)
+
+
+def test_reserve_wal_reserves_what_is_readable_or_all_that_is_held() -> None:
+    history = ()  # no timeline switch
+    switched = (TimelineEntry(1, 0x3000000),)
+    known = ServerState(2, flush_lsn=0x5000000, commit_lsn=0x4000000, generation=0, timeline=2, history=switched,
+                        first_lsn=0x1000000)
+    assert reserve_from(known) == (0x4000000, 2)
+    # Just after a start no commit is known: the oldest WAL held, on the timeline that holds it.
+    unknown = replace(known, commit_lsn=0)
+    assert reserve_from(unknown) == (0x1000000, 1)
+    assert reserve_from(replace(unknown, first_lsn=None)) == (0, 0)  # nothing held: nothing reserved
+    assert reserve_from(replace(known, history=history, timeline=1)) == (0x4000000, 1)
