@@ -129,9 +129,13 @@ async def stream(sk: Safekeeper, session: AcceptorSession, reader: framing.Frame
     """Serve `session`'s Appends in a thread until something needs the loop; raises what ends the connection."""
     loop = asyncio.get_running_loop()
     transport = writer.transport
+    raw = writer.get_extra_info("socket")
+    if transport.is_closing() or raw is None or raw.fileno() < 0:
+        # The peer has gone (its EOF or TLS close came with the last messages): the loop reads that end.
+        return HandBack()
     transport.pause_reading()
     # A duplicate of the transport's socket: closing it leaves the connection to the transport.
-    sock = socket.socket(fileno=os.dup(writer.get_extra_info("socket").fileno()))
+    sock = socket.socket(fileno=os.dup(raw.fileno()))
     sock.setblocking(True)  # shared with the transport's descriptor; the thread restores it
     # Over TLS the thread takes the connection's TLS state (tlslayer) with it, and gives it back.
     link = Link(sock, reader.decoder, transport.tls if isinstance(transport, TlsTransport) else None)
