@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -24,7 +25,7 @@ import psycopg
 from sidecar.address import Address
 from sidecar.certs import ensure_node
 from sidecar.pgcluster import LocalCluster
-from sidecar.processes import Child, read_log, sidecar_argv, tail, tls_args
+from sidecar.processes import Child, read_log, sidecar_argv, tail, tls_args, walsidecar_argv
 
 APP = "walsidecar"
 LOOPBACK_HOST = "127.0.0.1"
@@ -299,19 +300,33 @@ class Primary(Member):
         return getattr(self.server, "child", None)
 
 
+SLOT_TIMEOUT = 60.0  # seconds for the safekeepers' reader ports to answer when a standby is made
+
+
 class Standby(Primary):
-    """A local PostgreSQL standby streaming from a safekeeper's reader port, not from the primary.
+    """A local PostgreSQL standby fed by the safekeepers, not by the primary.
 
     It replays only what a quorum committed, so `walsidecar failover` can promote it without loss; it is not
     a synchronous standby of the primary (commits never wait for it). Its first start takes a base backup
-    of the primary and writes primary_conninfo with the deployment's reader password file.
+    of the primary and writes the two ways a PostgreSQL standby gets WAL, as from a primary and its archive:
+    streaming from `source`'s reader port with a reader slot there, so that safekeeper removes nothing the
+    standby has not received; and `restore_command = 'walsidecar restore-wal ...'` for what the slot does not
+    hold (`source` down or its disk lost): every safekeeper's reader port, then the archive. A slot moves
+    only on the safekeeper streamed from, so the standby has one slot, where it streams: a slot elsewhere
+    would hold that safekeeper's WAL for ever.
     """
 
     takes_over = True
 
-    def __init__(self, d: LocalDeployment, server: PgServer, name: str = "standby", source: str = "safekeeper1") -> None:
+    def __init__(self, d: LocalDeployment, server: PgServer, name: str = "standby", source: str = "safekeeper1",
+                 archive: str | None = None) -> None:
         super().__init__(server)
-        self.d, self.name, self.source = d, name, source
+        self.d, self.name, self.source, self.archive = d, name, source, archive
+
+    @property
+    def slot(self) -> str:
+        """Its reader slot on `source` (primary_slot_name)."""
+        return self.name
 
     def start(self, *extra: str) -> None:
         if not (self.data_dir / "PG_VERSION").exists():
@@ -319,13 +334,17 @@ class Standby(Primary):
         super().start()
 
     def prepare(self) -> None:
-        """pg_basebackup of the primary, then standby.signal and a primary_conninfo naming the reader port."""
+        """Reader slots, pg_basebackup of the primary, then standby.signal, primary_conninfo and restore_command."""
         from sidecar.config import ReaderCredentials
         from sidecar.walclient import reader_conninfo
         source = self.d.members[self.source]
         if not isinstance(source, Safekeeper) or source.reader_address is None or self.d.reader_passfile is None:
             raise DeploymentError(f"the standby streams from {self.source}'s reader port: make the deployment "
                                   "with readers")
+        readers = self.d.reader_addresses
+        # Before the base backup: a slot reserves from the commit position it is made at, which is below
+        # the backup's start, so the source keeps all the WAL the standby will ask for.
+        self._make_slot(source.reader_address)
         cluster = getattr(self.server, "cluster", self.server)
         cluster._prepare_dirs()
         cluster.run_bin("pg_basebackup", "-D", str(self.data_dir), "-d", self.d.dsn(), "-X", "stream", "-c", "fast",
@@ -345,11 +364,40 @@ class Standby(Primary):
         creds = ReaderCredentials(reader_user=READER_USER, reader_passfile=passfile,
                                   certs_dir=certs if ca is not None else None, insecure=ca is None)
         conninfo = reader_conninfo(source.reader_address, creds, application_name=self.name)
-        cluster.set({"port": str(self.server.port), "hot_standby": "on", "primary_conninfo": conninfo})
+        restore = walsidecar_argv("restore-wal", "%f", "%p", "--safekeeper-readers", ",".join(map(str, readers)),
+                                  "--reader-passfile", str(passfile), "--log-format", "json",
+                                  *tls_args(certs if ca is not None else None),
+                                  *(["--archive", self.archive] if self.archive else []))
+        cluster.set({"port": str(self.server.port), "hot_standby": "on", "primary_conninfo": conninfo,
+                     "primary_slot_name": self.slot, "restore_command": shlex.join(restore)})
         signal_file = self.data_dir / "standby.signal"
         signal_file.touch()
         cluster._chown(signal_file)
-        self.d.note("standby prepared", standby=self.name, source=str(source.reader_address))
+        self.d.note("standby prepared", standby=self.name, source=str(source.reader_address), slot=self.slot)
+
+    def _make_slot(self, address: Address) -> None:
+        """A reader slot holding WAL from now on the source; one left by an earlier standby is made anew."""
+        from sidecar.config import ReaderCredentials
+        from sidecar.walclient import ReaderError, ReaderUnreachable, WalReader
+        ca = self.d.certs_dir(self.name, "client")
+        creds = ReaderCredentials(reader_user=READER_USER, reader_passfile=self.d.reader_passfile,
+                                  certs_dir=ca, insecure=ca is None)
+        deadline = time.monotonic() + SLOT_TIMEOUT
+        while True:
+            try:
+                with WalReader(address, creds, application_name=self.name) as r:
+                    if r.read_slot(self.slot) is not None:
+                        r.drop_slot(self.slot)
+                    r.create_slot(self.slot, reserve_wal=True)
+                return
+            except ReaderUnreachable as e:
+                if time.monotonic() > deadline:  # a safekeeper just started may not listen yet
+                    raise DeploymentError(f"cannot make the standby's reader slot {self.slot!r} on {address} "
+                                          f"within {SLOT_TIMEOUT:g}s: {e.message}") from None
+                time.sleep(0.1)
+            except ReaderError as e:
+                raise DeploymentError(f"cannot make the standby's reader slot {self.slot!r} on {address}: "
+                                      f"{e.message}") from None
 
 
 class ProcessMember(Member):

@@ -62,7 +62,8 @@ class Embedded:
         self.standby: Standby | None = None
         if standby:
             self.standby = Standby(self.d, ChildServer(LocalCluster(self.base / "standby", pg_port + 1,
-                                                                    log_file=self.base / "standby.log")))
+                                                                    log_file=self.base / "standby.log")),
+                                   archive=archive)
             self.d.add(self.standby)
 
     def run(self) -> None:
@@ -140,7 +141,8 @@ class Embedded:
               + ("  INSECURE: --insecure, the safekeeper links run without TLS\n" if self.insecure else
                  f"  {'auth-only (no encryption)' if self.link_security != 'tls' else 'TLS'}: CA in "
                  f"{self.base}/ca, a certificate per process in {self.base}/certs\n")
-              + (f"  standby: psql \"{self.standby.server.dsn()}\" streams from safekeeper1's reader port; when the "
+              + (f"  standby: psql \"{self.standby.server.dsn()}\" streams from safekeeper1's reader port (slot "
+                 f"{self.standby.slot!r}; what it lacks, restore-wal gets from the safekeepers and the archive); when the "
                  f"primary dies: walsidecar failover --config {config}\n" if self.standby is not None else "")
               + "A safekeeper or the proposer that dies is restarted (with backoff); PostgreSQL exiting stops "
                 "everything" + (" unless the standby can take over" if self.standby is not None else "")

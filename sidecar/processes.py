@@ -18,6 +18,15 @@ def sidecar_argv(*args: str, log_format: str = "plain") -> list[str]:
     return [sys.executable, "-m", "sidecar", *args, "--log-format", log_format]
 
 
+def walsidecar_argv(*args: str) -> list[str]:
+    """The command line running the installed `walsidecar ARGS` (beside this interpreter), as another OS user would.
+
+    PostgreSQL runs its restore_command as its own user, who may not read this process's checkout.
+    """
+    installed = Path(sys.executable).with_name("walsidecar")
+    return [str(installed) if installed.exists() else "walsidecar", *args]
+
+
 def tls_args(certs_dir: Path | None) -> list[str]:
     """`--certs-dir DIR`, or `--insecure` when there are no certificates."""
     return ["--certs-dir", str(certs_dir)] if certs_dir is not None else ["--insecure"]

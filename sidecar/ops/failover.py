@@ -16,7 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 
+from sidecar.address import Address
 from sidecar.config import FailoverSettings
 from sidecar.consensus import primary_check
 from sidecar.consensus.messages import TimelineHistory
@@ -27,6 +29,7 @@ from sidecar.ops.probe import redact_dsn
 from sidecar.pgrepl import history_file_name, parse_timeline_history
 from sidecar.proposer.catchup import DonorReader
 from sidecar.proposer.fence import Fence, FenceError, Fenced
+from sidecar.walclient import ReaderError, ReaderUnreachable, WalReader
 
 PROGRESS_INTERVAL = 2.0
 POLL_INTERVAL = 0.2
@@ -36,6 +39,31 @@ Say = Callable[[str], None]
 
 class FailoverError(Exception):
     """A step refused or failed; nothing was promoted and the command can be run again."""
+
+
+@dataclass(frozen=True)
+class StandbyFeeds:
+    """How the standby gets its WAL: the servers its primary_conninfo names, its slot, its restore_command."""
+
+    readers: tuple[Address, ...]
+    slot: str
+    restore_command: str
+
+
+async def standby_feeds(conn: psycopg.AsyncConnection) -> StandbyFeeds:
+    rows = dict(await (await conn.execute(
+        "SELECT name, setting FROM pg_settings "
+        "WHERE name IN ('primary_conninfo', 'primary_slot_name', 'restore_command')")).fetchall())
+    readers: list[Address] = []
+    try:
+        info = conninfo_to_dict(rows.get("primary_conninfo") or "")
+        hosts, ports = str(info.get("host") or "").split(","), str(info.get("port") or "5432").split(",")
+        if len(ports) == 1:
+            ports *= len(hosts)
+        readers = [Address(h, int(p)) for h, p in zip(hosts, ports) if h and p.isdigit()]
+    except (psycopg.ProgrammingError, ValueError):
+        pass  # not a conninfo we can read: the receiver's own state is all there is to say
+    return StandbyFeeds(tuple(readers), rows.get("primary_slot_name") or "", rows.get("restore_command") or "")
 
 
 @dataclass(frozen=True)
@@ -131,7 +159,9 @@ class Failover:
                     fence.check()
                 except FenceError as e:
                     raise FailoverError(f"not promoting: the fence term was lost: {e}") from None
+                feeds = await standby_feeds(conn)
                 await self._promote(conn, fenced)
+                await self._drop_slot(feeds)
             finally:
                 await fence.close()
             await self._resume(conn)
@@ -179,13 +209,61 @@ class Failover:
             await asyncio.sleep(POLL_INTERVAL)
 
     async def _why_stalled(self, conn: psycopg.AsyncConnection, st: StandbyState, end: int) -> str:
-        row = await (await conn.execute(
-            "SELECT status, conninfo FROM pg_stat_wal_receiver")).fetchone()
-        where = (f"its WAL receiver is {row[0]} ({row[1]})" if row else
-                 "it has no WAL receiver: its primary_conninfo fails or is empty")
-        return (f"not promoting: the standby stopped at {format_lsn(st.replay_lsn)}, below E = {format_lsn(end)}, "
-                f"for {self.s.catchup_timeout:g}s; {where}. Point its primary_conninfo at a safekeeper's reader "
-                "port (or its restore_command at `walsidecar restore-wal`), then run failover again")
+        """The cause, read where it is: the standby's WAL receiver and settings, and the reader ports' answers."""
+        row = await (await conn.execute("SELECT status, conninfo FROM pg_stat_wal_receiver")).fetchone()
+        feeds = await standby_feeds(conn)
+        head = (f"not promoting: the standby stopped at {format_lsn(st.replay_lsn)}, below E = {format_lsn(end)}, "
+                f"for {self.s.catchup_timeout:g}s; ")
+        refused, unreachable = [], []
+        for address in feeds.readers:
+            try:
+                await asyncio.to_thread(self._probe, address, st.replay_lsn, st.timeline)
+            except ReaderUnreachable as e:
+                unreachable.append(f"{address} ({e.message})")
+            except ReaderError as e:
+                refused.append(f"{address} refuses to stream from {format_lsn(st.replay_lsn)}: {e.message}")
+        if refused:
+            missing = [what for what, have in (("a reader slot on every safekeeper (primary_slot_name)", feeds.slot),
+                                               ("a restore_command ('walsidecar restore-wal %f %p ...')",
+                                                feeds.restore_command)) if not have]
+            fix = (f"give the standby {' and '.join(missing)}" if missing else
+                   "its slot and its restore_command did not keep that WAL: see restore-wal's errors in the "
+                   "standby's log and `walsidecar check` for the archive")
+            return head + "; ".join(refused) + f". {fix[0].upper()}{fix[1:]}, then run failover again"
+        if row is not None:
+            where = f"its WAL receiver is {row[0]} ({row[1]})"
+        elif not feeds.readers:
+            where = "it has no WAL receiver and its primary_conninfo names no server"
+        elif len(unreachable) == len(feeds.readers):
+            where = f"it has no WAL receiver: its primary_conninfo names {', '.join(unreachable)}, which cannot be reached"
+        else:
+            where = (f"it has no WAL receiver, although {', '.join(map(str, feeds.readers))} would serve it from "
+                     f"{format_lsn(st.replay_lsn)}: its log says why its WAL receiver stops")
+        return (head + where + ". Point its primary_conninfo at the safekeepers' reader ports (and its "
+                "restore_command at `walsidecar restore-wal`), then run failover again")
+
+    def _probe(self, address: Address, lsn: int, timeline: int) -> None:
+        """Start a stream from `lsn` as the standby asks for it: the reader port's refusal raises ReaderError."""
+        with WalReader(address, self.s, application_name="walsidecar failover") as r:
+            for _ in r.stream(lsn, timeline=timeline, stop_at=lsn + 1):
+                break
+
+    async def _drop_slot(self, feeds: StandbyFeeds) -> None:
+        """A promoted standby reads from the safekeepers no more: its slot would hold their WAL for ever."""
+        if not feeds.slot:
+            return
+        for address in feeds.readers:
+            try:
+                await asyncio.to_thread(self._drop_one, address, feeds.slot)
+                self.say(f"  dropped the standby's reader slot {feeds.slot!r} on {address}")
+            except ReaderError as e:
+                self.say(f"  WARNING: the standby's reader slot {feeds.slot!r} on {address} is left: {e.message}; it "
+                         f"holds WAL there: walsidecar readers slot drop {feeds.slot} --safekeeper-readers {address}")
+
+    def _drop_one(self, address: Address, slot: str) -> None:
+        with WalReader(address, self.s, application_name="walsidecar failover") as r:
+            if r.read_slot(slot) is not None:
+                r.drop_slot(slot)
 
     async def _promote(self, conn: psycopg.AsyncConnection, fenced: Fenced) -> None:
         self.say("  promoting: SELECT pg_promote()")

@@ -12,7 +12,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from support.deployment import APP, Deployment, Writer, commit_lsn_of
+from support.deployment import APP, Deployment, Writer, backup_lsn, commit_lsn_of
 from support.helpers import wait_for, walsidecar
 from support.procs import ProcessTracker
 from support.recovery import base_backup, recover
@@ -49,11 +49,6 @@ def archiving(pg_factory: Callable[..., object], procs: ProcessTracker, test_dir
     with d.sql() as c:
         c.execute("CREATE TABLE load (id int, pad text)")
     return d
-
-
-def backup_lsn(d: Deployment, i: int) -> int:
-    data = load_control(d.sk_dir(i))
-    return data.state.backup_lsn if data else 0
 
 
 def lowest_segment(d: Deployment, i: int) -> int:

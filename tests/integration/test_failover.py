@@ -56,9 +56,10 @@ def test_failover_promotes_the_standby_with_every_acknowledged_commit(deployment
         wait_for(lambda: len(writer.acked) >= 200, timeout=60, what="acknowledged writes")
         wait_for(lambda: rows(standby.server.dsn(), writer.acked[:100]) == 100, timeout=60,
                  ignore=(psycopg.OperationalError,), what="the standby to replay from the safekeeper")
-        # Cut the standby off its reader port while commits go on: it falls behind the committed end.
-        conninfo = standby.server.managed_settings()["primary_conninfo"]
-        standby.server.set({"primary_conninfo": f"host=127.0.0.1 port={free_port()} connect_timeout=2"})
+        # Cut the standby off the safekeepers while commits go on: it falls behind the committed end.
+        feeds = {k: standby.server.managed_settings()[k] for k in ("primary_conninfo", "restore_command")}
+        standby.server.set({"primary_conninfo": f"host=127.0.0.1 port={free_port()} connect_timeout=2",
+                            "restore_command": ""})
         standby.server.reload()
         behind = len(writer.acked)
         wait_for(lambda: len(writer.acked) >= behind + 100, timeout=60, what="more acknowledged writes")
@@ -78,13 +79,14 @@ def test_failover_promotes_the_standby_with_every_acknowledged_commit(deployment
         assert code == 1, out
         assert f"recovering {d.addresses[2]} from the donor {d.addresses[0]}" in out
         assert "not promoting" in out and "below E" in out and "run failover again" in out
+        assert "cannot be reached" in out, out  # the cause: the server its primary_conninfo names
         d.start("safekeeper2")
         with psycopg.connect(standby.server.dsn(), autocommit=True) as c:
             assert c.execute("SELECT pg_is_in_recovery()").fetchone()[0] is True
         terms = [d.term(i) for i in (1, 2, 3)]
 
         # Given its reader port back, the same command (run again) promotes it.
-        standby.server.set({"primary_conninfo": conninfo})
+        standby.server.set(feeds)
         standby.server.reload()
         code, out = failover(d, standby)
         assert code == 0, out

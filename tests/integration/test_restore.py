@@ -12,7 +12,7 @@ import psycopg
 import pytest
 from click.testing import CliRunner
 
-from support.deployment import Deployment, Writer, commit_lsn_of, read_wal
+from support.deployment import Deployment, Writer, commit_lsn_of, read_wal, reader_settings
 from support.backends import PgServer
 from support.helpers import wait_for
 from support.recovery import base_backup, recover
@@ -27,13 +27,6 @@ from sidecar.walclient import ReaderError, WalReader, copy_wal
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 SEG = DEFAULT_SEGMENT_SIZE
-
-
-def reader_settings(d: Deployment, **extra: object) -> RestoreWalSettings:
-    certs = d.certs_dir("reader", "client")
-    tls = {"certs_dir": certs} if certs is not None else {"insecure": True}
-    return RestoreWalSettings(safekeeper_readers=tuple(str(a) for a in d.reader_addresses),
-                              reader_passfile=d.reader_passfile, **{**tls, **extra})
 
 
 def commit_position(d: Deployment, i: int) -> int:

@@ -13,10 +13,11 @@ from support.pki import TestPKI, session_pki
 from support.procs import ManagedProcess, ProcessTracker
 from sidecar.deployment import APP, LocalDeployment
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE, parse_lsn, segment_file_name
+from sidecar.config import RestoreWalSettings
 from sidecar.safekeeper.control import load_control
 
-__all__ = ["APP", "Deployment", "Writer", "commit_lsn_of", "read_wal", "start_commit", "syncrep_waiters",
-           "wal_matches_primary"]
+__all__ = ["APP", "Deployment", "Writer", "backup_lsn", "commit_lsn_of", "read_wal", "reader_settings",
+           "start_commit", "syncrep_waiters", "wal_matches_primary"]
 
 
 class SessionCertificates:
@@ -86,6 +87,20 @@ class Deployment(LocalDeployment):
         data = wait_for(lambda: (c := load_control(self.sk_dir(i))) is not None and c.state.term_history and c,
                         timeout=30, what=f"safekeeper {i} to join a term")
         return data.state.term_history[0].start_lsn
+
+
+def backup_lsn(d: LocalDeployment, i: int) -> int:
+    """Safekeeper i's backup_lsn, from its control file: below it, every segment is archived."""
+    data = load_control(d.data_dir(f"safekeeper{i}"))
+    return data.state.backup_lsn if data else 0
+
+
+def reader_settings(d: LocalDeployment, **extra: object) -> RestoreWalSettings:
+    """Settings of a reader of this deployment's reader ports (restore-wal's, which WalReader takes too)."""
+    certs = d.certs_dir("reader", "client")
+    tls = {"certs_dir": certs} if certs is not None else {"insecure": True}
+    return RestoreWalSettings(safekeeper_readers=tuple(str(a) for a in d.reader_addresses),
+                              reader_passfile=d.reader_passfile, **{**tls, **extra})
 
 
 def wait_holds_primary_wal(d: Deployment, i: int, what: str, timeout: float = 60) -> None:
