@@ -223,7 +223,7 @@ class Failover:
             except ReaderError as e:
                 refused.append(f"{address} refuses to stream from {format_lsn(st.replay_lsn)}: {e.message}")
         if refused:
-            missing = [what for what, have in (("a reader slot on every safekeeper (primary_slot_name)", feeds.slot),
+            missing = [what for what, have in (("a reader slot where it streams (primary_slot_name)", feeds.slot),
                                                ("a restore_command ('walsidecar restore-wal %f %p ...')",
                                                 feeds.restore_command)) if not have]
             fix = (f"give the standby {' and '.join(missing)}" if missing else

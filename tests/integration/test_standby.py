@@ -128,3 +128,47 @@ def test_a_standby_fed_by_the_safekeepers_catches_up_after_a_bulk_load_and_is_pr
         assert not set(acked) - have, f"{len(set(acked) - have)} acknowledged rows are missing on the new primary"
     finally:
         standby.close()
+
+
+def test_failover_names_the_reader_port_refusal_when_a_standby_without_slot_or_restore_command_fell_behind(
+        archiving: Deployment, test_dir: Path) -> None:
+    d = archiving
+    standby = Standby(d, LocalCluster(test_dir / "standby" / "data", free_port(),
+                                      log_file=test_dir / "standby" / "server.log"))
+    d.add(standby)
+    standby.start()
+    try:
+        wait_for(lambda: replay_lsn(standby) > 0, timeout=60, ignore=(psycopg.OperationalError,),
+                 what="the standby to replay")
+        # The recipe of old: streaming alone, without a slot or a restore_command.
+        with psycopg.connect(standby.server.dsn(), autocommit=True) as c:
+            at = parse_lsn(c.execute("SELECT greatest(pg_last_wal_receive_lsn(), pg_last_wal_replay_lsn())::text")
+                           .fetchone()[0])
+        standby.stop()
+        standby.server.set({"primary_slot_name": "", "restore_command": ""})
+        with WalReader(d.reader_addresses[0], reader_settings(d)) as r:
+            r.drop_slot(standby.slot)
+        segment = segment_file_name(1, at // SEG)
+
+        def removed() -> bool:
+            with d.sql() as c:
+                c.execute("INSERT INTO load SELECT g, repeat('r', 300) FROM generate_series(1, 5000) g")
+                c.execute("SELECT pg_switch_wal()")
+                c.execute("INSERT INTO load VALUES (0, 'switched')")
+            return not (d.sk_dir(1) / "wal" / segment).exists()
+        wait_for(removed, timeout=120, what=f"safekeeper 1 to archive and remove {segment}")
+        standby.start()
+        os.kill(d.pg.postmaster_pid(), signal.SIGKILL)
+        proc = walsidecar("failover", "--standby-dsn", standby.server.dsn(), "--safekeepers", ",".join(d.addresses),
+                          "--reader-passfile", str(d.reader_passfile), "--timeout", "30", "--catchup-timeout", "3",
+                          *d.tls("proposer"), timeout=300)
+        out = proc.stdout
+        assert proc.returncode == 1, out
+        assert f"{d.reader_addresses[0]} refuses to stream from " in out, out
+        assert "is not stored here (this safekeeper holds WAL from " in out, out
+        assert ("Give the standby a reader slot where it streams (primary_slot_name) and a restore_command "
+                "('walsidecar restore-wal %f %p ...'), then run failover again") in out, out
+        assert "primary_conninfo fails or is empty" not in out
+    finally:
+        standby.close()
+
