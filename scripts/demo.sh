@@ -4,7 +4,9 @@
 # `walsidecar failover` and count that every acknowledged transaction is on the new primary.
 # Usage: scripts/demo.sh [DIR]
 # Env: WALSIDECAR (the executable), SCALE (pgbench -s, default 10), DURATION (seconds, default 30), READY_TIMEOUT (default 120).
-# On exit, also on failure or Ctrl-C, it stops what it started and removes DIR and its log (KEEP=1 keeps them).
+# On exit, also on failure or Ctrl-C, it stops what it started. It removes DIR and its log after a run that
+# ended well (KEEP=1 keeps them); after a failure it keeps them, says where, and prints the lines of the logs
+# that carry the cause (refusals and errors of the standby, the safekeepers, the sidecar and failover).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -51,6 +53,18 @@ stop_up() {
     wait "$UP_PID" 2>/dev/null || true
     UP_PID=""
 }
+# The lines that say why a run failed: refusals and errors, not the last lines of a log.
+CAUSE='FATAL|ERROR|\[error|\[warning|refus|not stored here|not restored|cannot|failed|stopped:|Traceback'
+NOISE='the database system is (starting up|not yet accepting connections|shutting down)|terminating walreceiver process due to administrator command'
+show_causes() {
+    echo "demo: FAILED; the lines of its logs that carry the cause:" >&2
+    local f
+    for f in "$DIR/failover.out" "$DIR/standby.log" "$DIR"/safekeeper*.log "$DIR/proposer.log" "$DIR/postgres.log" \
+             "$DIR/resumed-sidecar.log" "$UP_LOG"; do
+        [ -s "$f" ] || continue
+        grep -E "$CAUSE" "$f" | grep -vE "$NOISE" | tail -n 12 | sed "s|^|  ${f##*/}: |" >&2 || true
+    done
+}
 cleanup() {
     local status=$?
     for pid in "${WRITER_PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
@@ -59,12 +73,14 @@ cleanup() {
         kill -TERM "$RESUMED_PID" 2>/dev/null || true
         wait "$RESUMED_PID" 2>/dev/null || true
     fi
-    if [ "${KEEP:-0}" = 1 ]; then
+    if [ "$status" -ne 0 ]; then
+        show_causes
+        echo "demo: kept $DIR (every process's log is there) and $UP_LOG for a look; remove them when done" >&2
+    elif [ "${KEEP:-0}" = 1 ]; then
         echo "demo: kept $DIR and $UP_LOG (KEEP=1)"
     else
-        [ "$status" -eq 0 ] || [ ! -s "$UP_LOG" ] || { echo "demo: the end of $UP_LOG:" >&2; tail -n 20 "$UP_LOG" >&2; }
         rm -rf "$DIR" "$UP_LOG"
-        echo "demo: removed $DIR and $UP_LOG"
+        echo "demo: removed $DIR and $UP_LOG (KEEP=1 keeps them)"
     fi
 }
 trap cleanup EXIT
@@ -78,13 +94,11 @@ UP_PID=$!
 deadline=$((SECONDS + READY_TIMEOUT))
 until [ -s "$DIR/ready" ]; do
     if ! kill -0 "$UP_PID" 2>/dev/null; then
-        echo "demo: walsidecar up exited before it was ready; its log:" >&2
-        tail -n 50 "$UP_LOG" >&2
+        echo "demo: walsidecar up exited before it was ready" >&2
         exit 1
     fi
     if [ "$SECONDS" -ge "$deadline" ]; then
-        echo "demo: timed out after ${READY_TIMEOUT}s waiting for $DIR/ready; log tail:" >&2
-        tail -n 50 "$UP_LOG" >&2
+        echo "demo: timed out after ${READY_TIMEOUT}s waiting for $DIR/ready" >&2
         exit 1
     fi
     sleep 0.2
@@ -149,7 +163,10 @@ RESUME="$(sed -n 's/^    walsidecar start /start /p' "$DIR/failover.out")"
 echo "demo: resuming: walsidecar $RESUME"
 eval "exec env --default-signal=INT \"\$WALSIDECAR\" $RESUME" >>"$DIR/resumed-sidecar.log" 2>&1 </dev/null &
 RESUMED_PID=$!
+deadline=$((SECONDS + READY_TIMEOUT))
 until pg_tool psql -X -q "$STANDBY_DSN" -c "INSERT INTO demo_ledger VALUES (0)" >/dev/null 2>&1; do
+    kill -0 "$RESUMED_PID" 2>/dev/null || { echo "demo: the sidecar on the new primary exited" >&2; exit 1; }
+    [ "$SECONDS" -lt "$deadline" ] || { echo "demo: no commit acknowledged on the new primary within ${READY_TIMEOUT}s" >&2; exit 1; }
     sleep 0.05
 done
 RESUMED_AT=$(date +%s.%N)

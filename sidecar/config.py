@@ -350,6 +350,9 @@ class StatusSettings(BrokerSettings, SafekeepersMixin, PrimarySettings, TlsSetti
     proposer_metrics: Endpoint = Field(None, description="The proposer's --metrics address: the full picture.")
     pg_dsn: PgDsn | None = Field(None, description="libpq connection string of the primary: adds its flush LSN, "
                                                    "waiting commits and the sidecar's sync state.")
+    standby_dsn: PgDsn | None = Field(None, description="libpq connection string of a standby fed by the "
+                                                        "safekeepers: adds whether it streams and how far it "
+                                                        "replayed.")
     format: Literal["table", "json"] = Field("table", description="A table like `patronictl list`, or JSON.")
     watch: float | None = Field(None, gt=0, description="Refresh every this many seconds until Ctrl-C.")
     count: int | None = Field(None, ge=1, description="With --watch: stop after this many refreshes.")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import secrets
 import shlex
 import shutil
@@ -244,6 +245,10 @@ class Member:
         self.stop()
         return self.start()
 
+    def streaming_problem(self) -> str | None:
+        """Why this running member does not get the WAL it should (None: it does, or it gets none)."""
+        return None
+
     @property
     def running(self) -> bool:
         raise NotImplementedError
@@ -300,6 +305,28 @@ class Primary(Member):
         return getattr(self.server, "child", None)
 
 
+# A PostgreSQL log line saying why WAL does not come, and the ones that say nothing about it.
+_CAUSE = re.compile(r"FATAL|ERROR")
+_NOISE = re.compile(r"the database system is (starting up|not yet accepting connections|shutting down)"
+                    r"|terminating walreceiver process due to administrator command")
+
+
+def last_cause(log: Path | None, tail_bytes: int = 65536) -> str | None:
+    """The last error line of a PostgreSQL log (its end only), without its timestamp and pid."""
+    if log is None:
+        return None
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if _CAUSE.search(line) and not _NOISE.search(line):
+            return re.sub(r"^\S+ \S+ \S+ \[\d+\]\s*", "", line).strip()
+    return None
+
+
 SLOT_TIMEOUT = 60.0  # seconds for the safekeepers' reader ports to answer when a standby is made
 
 
@@ -333,8 +360,23 @@ class Standby(Primary):
             self.prepare()
         super().start()
 
+    def streaming_problem(self) -> str | None:
+        """None while it streams from a reader port (or is a primary now); else the cause, from its log."""
+        try:
+            with psycopg.connect(self.server.dsn(), autocommit=True, connect_timeout=2) as c:
+                row = c.execute("SELECT pg_is_in_recovery(), (SELECT status FROM pg_stat_wal_receiver), "
+                                "coalesce(pg_last_wal_replay_lsn(), '0/0')::text").fetchone()
+        except psycopg.Error as e:
+            return f"cannot be asked: {' '.join(str(e).split())}"
+        in_recovery, receiver, replayed = row
+        if not in_recovery or receiver == "streaming":
+            return None
+        cause = last_cause(self.log_path)
+        return (f"not streaming (WAL receiver {receiver or 'not running'}), replayed up to {replayed}"
+                + (f"; its log: {cause}" if cause else ""))
+
     def prepare(self) -> None:
-        """Reader slots, pg_basebackup of the primary, then standby.signal, primary_conninfo and restore_command."""
+        """A reader slot, pg_basebackup of the primary, then standby.signal, primary_conninfo and restore_command."""
         from sidecar.config import ReaderCredentials
         from sidecar.walclient import reader_conninfo
         source = self.d.members[self.source]

@@ -167,12 +167,12 @@ class Embedded:
 
 
     def _failover_config(self) -> str:
-        """`walsidecar failover --config` promotes the standby: it talks to the safekeepers as a proposer."""
+        """The standby (status shows it, failover promotes it); failover talks to the safekeepers as a proposer."""
         assert self.standby is not None and self.d.reader_passfile is not None
         certs = "" if self.insecure else \
             f"certs_dir = {_toml_str(str(self.d.certs_dir('failover', 'proposer')))}\n"
-        return ("\n[failover]\n"
-                f"standby_dsn = {_toml_str(self.standby.server.dsn())}\n"
+        return (f"standby_dsn = {_toml_str(self.standby.server.dsn())}\n"
+                "\n[failover]\n"
                 f"reader_passfile = {_toml_str(str(self.d.reader_passfile))}\n" + certs)
 
 

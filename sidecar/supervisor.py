@@ -43,17 +43,29 @@ class Watched:
     restarts: int = 0
     due: float | None = None  # when it is restarted, once seen dead
     backoff: Backoff = field(default_factory=Backoff)
+    problem: str | None = None  # why it does not get its WAL, as last seen
+    problem_since: float | None = None
+    failing: bool = False  # the problem lasted FAILING_AFTER: logged, shown by `ctl members`
+
+
+CHECK_INTERVAL = 5.0  # seconds between looks at whether a running member gets its WAL
+FAILING_AFTER = 15.0  # a problem that lasts this long is logged: a WAL receiver retries every 5 s
 
 
 class Supervisor:
-    """Call tick() often: it notices members that exited and restarts them when their backoff is over."""
+    """Call tick() often: it notices members that exited and restarts them when their backoff is over,
+    and members that run but keep failing to get their WAL (a standby whose reader port refuses it)."""
 
     def __init__(self, d: LocalDeployment, log: Any, clock: Callable[[], float] = time.monotonic) -> None:
         self.d, self.log, self.clock = d, log, clock
         self.watched = {name: Watched(m, clock()) for name, m in d.members.items()}
+        self.checked = clock()
 
     def tick(self) -> None:
         now = self.clock()
+        if now - self.checked >= CHECK_INTERVAL:
+            self.checked = now
+            self.check_streaming(now)
         for name, w in self.watched.items():
             if w.held or w.member.running:
                 continue
@@ -76,6 +88,23 @@ class Supervisor:
                 self._start(w)
                 w.restarts += 1
                 self.log.info("member restarted", member=name, pid=self._pid(w), restarts=w.restarts)
+
+    def check_streaming(self, now: float) -> None:
+        """Ask each running member whether it gets its WAL; log a problem that lasts, and its end."""
+        for name, w in self.watched.items():
+            problem = w.member.streaming_problem() if w.member.running else None
+            if problem is None:
+                if w.failing:
+                    self.log.info("member streams again", member=name)
+                w.problem, w.problem_since, w.failing = None, None, False
+                continue
+            if w.problem_since is None:
+                w.problem_since = now
+            w.problem = problem
+            if not w.failing and now - w.problem_since >= FAILING_AFTER:
+                w.failing = True
+                self.log.error("member keeps failing to get its WAL", member=name, problem=problem,
+                               seconds=round(now - w.problem_since), log=str(w.member.log_path))
 
     def _start(self, w: Watched) -> None:
         w.member.start()
@@ -132,6 +161,8 @@ class Supervisor:
                 state = f"restarting in {max(w.due - now, 0):.1f}s"
             else:
                 state = "exited"
+            if w.failing and w.member.running and w.problem_since is not None:
+                state = f"running, failing for {now - w.problem_since:.0f}s: {w.problem}"
             rows.append({"name": name, "pid": self._pid(w) if w.member.running else None, "state": state,
                          "restarts": w.restarts})
         return rows

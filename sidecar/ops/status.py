@@ -45,6 +45,8 @@ async def gather(s: StatusSettings) -> dict[str, Any]:
         tasks[f"sk:{addr}"] = probe_safekeeper(addr, s.timeout, link)
     if s.pg_dsn:
         tasks["primary"] = _primary(s)
+    if s.standby_dsn:
+        tasks["standby"] = _standby(s.standby_dsn, s.timeout)
     if s.broker:
         tasks["broker"] = _broker(s)
     results = await asyncio.gather(*tasks.values(), return_exceptions=True)
@@ -84,6 +86,9 @@ async def gather(s: StatusSettings) -> dict[str, Any]:
     primary = got.get("primary")
     if s.pg_dsn:
         doc["primary"] = {"error": str(primary)} if isinstance(primary, BaseException) else primary
+    if s.standby_dsn:
+        standby = got["standby"]
+        doc["standby"] = {"error": str(standby)} if isinstance(standby, BaseException) else standby
     if s.broker:
         got_broker = got["broker"]
         doc["broker"] = {"endpoints": list(s.broker), "error": str(got_broker)} \
@@ -107,6 +112,24 @@ async def _primary(s: StatusSettings) -> dict[str, Any]:
             "oldest_wait_seconds": round(st.oldest_wait_seconds, 3) if st.oldest_wait_seconds is not None else None,
             "replication_state": st.replication_state, "sync_state": st.sync_state,
             "sidecar_flush_lsn": format_lsn(st.sidecar_flush_lsn) if st.sidecar_flush_lsn is not None else None}
+
+
+async def _standby(dsn: str, timeout: float) -> dict[str, Any]:
+    """Whether the standby streams from a reader port, and how far it replayed."""
+    try:
+        conn = await connect(dsn, timeout, "status")
+    except (psycopg.Error, OSError, asyncio.TimeoutError) as e:
+        raise ProbeError((str(e).strip() or "timed out").splitlines()[0]) from None
+    try:
+        row = await (await conn.execute(
+            "SELECT pg_is_in_recovery(), (SELECT status FROM pg_stat_wal_receiver), "
+            "(SELECT sender_host || ':' || sender_port FROM pg_stat_wal_receiver), "
+            "coalesce(pg_last_wal_replay_lsn(), '0/0')::text")).fetchone()
+    finally:
+        await conn.close()
+    in_recovery, receiver, sender, replayed = row
+    return {"dsn": redact_dsn(dsn), "in_recovery": in_recovery, "receiver": receiver, "sender": sender,
+            "replay_lsn": replayed}
 
 
 async def _broker(s: StatusSettings) -> dict[str, Any]:
@@ -219,9 +242,23 @@ def _summary(doc: dict[str, Any]) -> list[str]:
             wait_txt = f"commits waiting {waiting}" + (f" (the oldest for {oldest:.1f}s)" if waiting and oldest else "")
             sync = prim.get("sync_state") or "not connected"
             lines.append(f" Primary:  flush_lsn {prim.get('flush_lsn')}, {wait_txt}, sidecar sync_state {sync}")
+    lines += _standby_lines(doc.get("standby"))
     lines += _reader_lines(doc["safekeepers"])
     lines += _broker_lines(doc.get("broker"))
     return lines
+
+
+def _standby_lines(st: dict[str, Any] | None) -> list[str]:
+    if st is None:
+        return []
+    if st.get("error"):
+        return [f" Standby:  unreachable: {st['error']}"]
+    if not st["in_recovery"]:
+        return [" Standby:  a primary now (promoted)"]
+    if st["receiver"] == "streaming":
+        return [f" Standby:  streaming from {st['sender']}, replayed up to {st['replay_lsn']}"]
+    return [f" Standby:  NOT streaming (WAL receiver {st['receiver'] or 'not running'}), replayed up to "
+            f"{st['replay_lsn']}: failover cannot promote it until it catches up; its log says why"]
 
 
 def _reader_lines(rows: list[dict[str, Any]]) -> list[str]:

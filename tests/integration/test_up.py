@@ -278,6 +278,9 @@ def test_up_standby_takes_over_with_failover_after_kill_9_of_the_primary(procs: 
             return c.execute("SELECT count(*) FROM t").fetchone()[0]
     wait_for(lambda: standby_rows() == 50, timeout=60, ignore=(psycopg.Error,),
              what="the standby to replay from safekeeper1's reader port")
+    status = walsidecar("status", "--config", str(up.config))
+    assert " Standby:  streaming from 127.0.0.1:" in status.stdout, status.stdout
+    assert "failing" not in up.members()["standby"]["state"]
     postmaster = int((up.dir / "pg" / "postmaster.pid").read_text().split()[0])
     os.kill(postmaster, signal.SIGKILL)
     # `up` keeps the safekeepers and the standby running: the standby can take over.

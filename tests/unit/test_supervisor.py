@@ -18,6 +18,10 @@ class FakeMember:
     def __init__(self, name: str) -> None:
         self.name, self.running, self.starts = name, True, 0
         self.log_path = Path(f"/logs/{name}.log")
+        self.problem: str | None = None
+
+    def streaming_problem(self) -> str | None:
+        return self.problem
 
     def start(self) -> None:
         self.running, self.starts = True, self.starts + 1
@@ -120,3 +124,29 @@ def test_answers_to_bad_requests(sup: Supervisor) -> None:
     assert "no member 'sk9'" in answer(sup, {"action": "start", "member": "sk9"})["message"]
     assert [m["name"] for m in answer(sup, {"action": "members"})["members"]] == ["primary", "safekeeper1",
                                                                                   "proposer"]
+
+
+def test_a_member_that_keeps_failing_to_get_its_wal_is_logged_once_and_shown_until_it_streams(
+        sup: Supervisor) -> None:
+    clock, log = sup.clock, sup.log
+    sup.d.members["standby"] = standby = FakeMember("standby")  # type: ignore[attr-defined]
+    sup.watched["standby"] = type(sup.watched["primary"])(standby, clock())  # type: ignore[arg-type]
+    cause = "not streaming (WAL receiver not running), replayed up to 0/3000000; its log: FATAL:  requested WAL"
+    standby.problem = cause
+    for _ in range(3):  # 10 s: a WAL receiver between two tries is not failing yet
+        clock.now += 5
+        sup.tick()
+    assert not [e for e, _ in log.lines if e == "member keeps failing to get its WAL"]
+    assert answer(sup, {"action": "members"})["members"][-1]["state"] == "running"
+    clock.now += 5
+    sup.tick()
+    clock.now += 5
+    sup.tick()
+    failing = [f for e, f in log.lines if e == "member keeps failing to get its WAL"]
+    assert failing == [{"member": "standby", "problem": cause, "seconds": 15, "log": "/logs/standby.log"}]
+    assert answer(sup, {"action": "members"})["members"][-1]["state"] == f"running, failing for 20s: {cause}"
+    standby.problem = None
+    clock.now += 5
+    sup.tick()
+    assert log.lines[-1] == ("member streams again", {"member": "standby"})
+    assert answer(sup, {"action": "members"})["members"][-1]["state"] == "running"
