@@ -469,6 +469,10 @@ class ReaderSlotSettings(ReaderCredentials):
     command: ClassVar[str] = "readers-slot"
     cli_words: ClassVar[str] = "readers slot create"
     safekeeper_readers: ReaderAddresses
+    reserve_wal: bool = Field(False, description="create: hold WAL from each safekeeper's commit position now "
+                                                 "(RESERVE_WAL), as a standby whose base backup is taken next "
+                                                 "needs. Only where the reader streams from: such a slot holds "
+                                                 "that safekeeper's WAL until the reader moves it.")
 
 
 class FailoverSettings(SafekeepersMixin, ReaderCredentials):

@@ -33,7 +33,7 @@ def _each(s: ReaderSlotSettings, act: Callable[[WalReader], str]) -> int:
 
 def create(s: ReaderSlotSettings, name: str) -> int:
     def act(r: WalReader) -> str:
-        lsn = r.create_slot(name)
+        lsn = r.create_slot(name, reserve_wal=s.reserve_wal)
         return f"created slot {name}" + (f" at {format_lsn(lsn)}" if lsn else "")
     return _each(s, act)
 

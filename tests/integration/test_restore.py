@@ -99,6 +99,12 @@ def test_readers_slot_create_list_drop_on_every_safekeeper(deployment: Deploymen
         assert r.read_slot("archiver") == (commit, 1)
     code, lines = slot("drop", "archiver")
     assert code == 0 and len(lines) == 3, lines
+    # --reserve-wal: the slot holds WAL from the commit position at once, as a standby made next needs.
+    code, lines = slot("create", "standby", "--reserve-wal")
+    assert code == 0 and all("created slot standby at 0/" in line for line in lines), lines
+    code, lines = slot("list", "standby")
+    assert all("standby at 0/" in line and "(timeline 1)" in line for line in lines), lines
+    assert slot("drop", "standby")[0] == 0
     code, lines = slot("list", "archiver")
     assert all("archiver does not exist" in line for line in lines), lines
     assert CliRunner().invoke(main, ["readers", "slot", "create", "Bad-Name", *common]).exit_code == 2
