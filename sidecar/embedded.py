@@ -5,13 +5,14 @@ from __future__ import annotations
 import fcntl
 import io
 import os
+import shutil
 import signal
 import socket
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import IO
 
-from sidecar.config import InitPostgresSettings
+from sidecar.config import UP_CONFIG, UP_LOCK, InitPostgresSettings
 from sidecar.ctl import ControlSocket, answer
 from sidecar.deployment import (
     APP, LOOPBACK_HOST, ChildServer, DeploymentError, LocalDeployment, Standby, free_port, start_tied_child,
@@ -22,7 +23,6 @@ from sidecar.pgcluster import ClusterError, LocalCluster
 from sidecar.supervisor import Supervisor
 
 SAFEKEEPERS = 3
-LOCK_NAME = "up.pid"
 
 
 class Embedded:
@@ -36,6 +36,7 @@ class Embedded:
                  metrics_port: int = 7610, insecure: bool = False, link_security: str = "tls",
                  standby: bool = False) -> None:
         self.base = base_dir.absolute()
+        self.made = _first_missing(self.base)  # before LocalDeployment writes its reader credentials there
         self.insecure = insecure
         self.link_security = link_security
         self.ports = [(pg_port, "PostgreSQL", "--pg-port")]
@@ -69,8 +70,15 @@ class Embedded:
         """Run until SIGINT/SIGTERM; DeploymentError when it cannot start or PostgreSQL exits."""
         self.base.mkdir(parents=True, exist_ok=True)
         os.chmod(self.base, 0o755)
-        lock = self._lock()
-        check_free(self.ports)
+        lock = self._lock()  # refused: the --dir is another `up`'s, never ours to remove
+        try:
+            check_free(self.ports)
+        except DeploymentError:
+            lock.close()
+            # Refused before anything started: a --dir this run made would be litter holding only the lock file.
+            if self.made is not None:
+                shutil.rmtree(self.made, ignore_errors=True)
+            raise
         (self.base / "ready").unlink(missing_ok=True)
         stop = _stop_on_signals()
         control = None
@@ -96,7 +104,7 @@ class Embedded:
 
     def _lock(self) -> IO[str]:
         """Hold DIR/up.pid locked while running: a second `up` on the same --dir stops here."""
-        f = open(self.base / LOCK_NAME, "a+")
+        f = open(self.base / UP_LOCK, "a+")
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -150,7 +158,7 @@ class Embedded:
 
     def _write_config(self, dsn: str) -> Path:
         """A --config file for `walsidecar status` and `walsidecar check` against this cluster."""
-        path = self.base / "walsidecar.toml"
+        path = self.base / UP_CONFIG
         path.write_text(
             "# Written by `walsidecar up`: walsidecar status --config THIS_FILE\n"
             f"pg_dsn = {_toml_str(dsn)}\n"
@@ -172,6 +180,16 @@ class Embedded:
         return ("\n[failover]\n"
                 f"standby_dsn = {_toml_str(self.standby.server.dsn())}\n"
                 f"reader_passfile = {_toml_str(str(self.d.reader_passfile))}\n" + certs)
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost directory of `path` that does not exist yet (what mkdir(parents=True) makes); None if it does."""
+    missing = None
+    for p in (path, *path.parents):
+        if p.exists():
+            break
+        missing = p
+    return missing
 
 
 def metrics_ports(first: int, n: int) -> list[int]:

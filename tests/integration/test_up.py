@@ -240,7 +240,20 @@ def test_ports_in_use_are_named_before_initdb(test_dir: Path, taken: str) -> Non
     assert out.returncode == 1, out.stdout + out.stderr
     assert f"port {port}" in out.stderr and option in out.stderr and "in use" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr + out.stdout
-    assert not (test_dir / "up" / "pg").exists()  # nothing was initialised
+    assert not (test_dir / "up").exists()  # the --dir it made is gone: no lock file, nothing initialised
+
+
+def test_a_refused_up_leaves_a_dir_it_did_not_make_as_it_was(test_dir: Path) -> None:
+    base = test_dir / "up"
+    (base / "pg").mkdir(parents=True)
+    (base / "mine").write_text("kept\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        out = walsidecar("up", "--dir", str(base), "--pg-port", str(s.getsockname()[1]),
+                         "--safekeeper-port", str(consecutive_free_ports(3)), "--metrics-port", "0")
+    assert out.returncode == 1 and "in use" in out.stderr, out.stdout + out.stderr
+    assert (base / "mine").read_text() == "kept\n" and (base / "pg").is_dir()
 
 
 def test_killed_up_leaves_no_process_behind(procs: ProcessTracker, test_dir: Path) -> None:
