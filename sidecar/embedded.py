@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import fcntl
 import io
+import json
 import os
 import shutil
 import signal
 import socket
+import urllib.request
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import IO
@@ -15,7 +17,8 @@ from typing import IO
 from sidecar.config import UP_CONFIG, UP_LOCK, InitPostgresSettings
 from sidecar.ctl import ControlSocket, answer
 from sidecar.deployment import (
-    APP, LOOPBACK_HOST, ChildServer, DeploymentError, LocalDeployment, Standby, free_port, start_tied_child,
+    APP, LOOPBACK_HOST, ChildServer, DeploymentError, LocalDeployment, Safekeeper, Standby, free_port,
+    start_tied_child,
 )
 from sidecar.logs import get_logger
 from sidecar.ops.initpg import run_init
@@ -23,6 +26,8 @@ from sidecar.pgcluster import ClusterError, LocalCluster
 from sidecar.supervisor import Supervisor
 
 SAFEKEEPERS = 3
+# The proposer's states of a safekeeper that is elected in its term and connected (monitor._state).
+BACK = ("catching up", "streaming")
 
 
 class Embedded:
@@ -87,7 +92,7 @@ class Embedded:
             dsn = self.d.dsn()
             self._install_views(dsn)
             config = self._write_config(dsn)
-            supervisor = Supervisor(self.d, self.log)
+            supervisor = Supervisor(self.d, self.log, back=self._back)
             control = ControlSocket(self.base)
             (self.base / "ready").write_text(dsn + "\n")
             self._announce(dsn, config)
@@ -101,6 +106,20 @@ class Embedded:
                 control.close()
             self.d.stop_all()
             lock.close()
+
+    def _back(self, name: str) -> str | None:
+        """A safekeeper is back once the proposer streams to it (None until then); nothing to wait for otherwise."""
+        member = self.d.members[name]
+        if not isinstance(member, Safekeeper) or not self.d.members["proposer"].running:
+            return ""
+        try:
+            # The proposer's metrics are on loopback: plain HTTP (cli._endpoint).
+            with urllib.request.urlopen(f"http://{self.metrics[0]}/status", timeout=1) as r:
+                doc = json.load(r)
+        except (OSError, ValueError):
+            return None  # the proposer is starting: ask again
+        row = next((r for r in doc.get("safekeepers", []) if r.get("address") == member.address), {})
+        return f"the proposer streams to it ({row['state']})" if row.get("state") in BACK else None
 
     def _lock(self) -> IO[str]:
         """Hold DIR/up.pid locked while running: a second `up` on the same --dir stops here."""
