@@ -12,8 +12,10 @@ description: `configured` makes the click options from the fields, `options_tabl
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import os
+import re
 import tomllib
 import types
 import typing
@@ -56,7 +58,13 @@ def _endpoint(value: str | None) -> str | None:
 
 def _split(value: Any) -> Any:
     if isinstance(value, str):
-        return tuple(s.strip() for s in value.split(",") if s.strip())
+        if not value.strip():
+            return ()  # an empty variable or TOML string: none given
+        items = tuple(s.strip() for s in value.split(","))
+        if "" in items:
+            # Dropping it would hide a typo: `a:1,,b:2` may have meant three addresses.
+            raise ValueError("an empty item between commas (or at an end): separate the items with single commas")
+        return items
     return value
 
 
@@ -119,6 +127,7 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
     command: ClassVar[str] = ""
     cli_words: ClassVar[str] = ""  # the words that run it when they are not `command` (a subcommand)
+    up_has_config: ClassVar[bool] = False  # given nothing, point at a running `walsidecar up`'s --config file
 
     log_format: Literal["plain", "json"] = Field("plain", description="Log line format.")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
@@ -149,7 +158,7 @@ class LinkSettings(Settings):
     def _auth_only(self) -> LinkSettings:
         if self.link_security != "tls" and self.insecure:
             raise ValueError(f"link_security: {self.link_security} authenticates with {self.certificates}; "
-                             "it cannot be combined with --insecure")
+                             "it cannot be combined with {insecure}")
         return self
 
 
@@ -165,7 +174,8 @@ class TlsSettings(LinkSettings):
     def _tls(self) -> TlsSettings:
         from sidecar.certs import make_commands
         if self.certs_dir is not None and self.insecure:
-            raise ValueError("give either --certs-dir or --insecure, not both")
+            raise ValueError("certs_dir: cannot be used with {insecure}: give either --certs-dir or --insecure, "
+                             "not both")
         if self.certs_dir is None and not self.insecure:
             role = "safekeeper --id N" if self.cert_role == "safekeeper" else self.cert_role
             raise ValueError(
@@ -336,6 +346,7 @@ class CheckSettings(BrokerSettings, SafekeepersMixin, PrimarySettings, TlsSettin
     """walsidecar check: one line per check of the primary, the safekeepers and the sidecar."""
 
     command: ClassVar[str] = "check"
+    up_has_config: ClassVar[bool] = True
     pg_dsn: PgDsn = Field(min_length=1, description="libpq connection string of the primary.")
     safekeepers: Safekeepers = Field(min_length=1)
     proposer_metrics: Endpoint = Field(None, description="Also check the proposer's --metrics endpoint.")
@@ -347,6 +358,7 @@ class StatusSettings(BrokerSettings, SafekeepersMixin, PrimarySettings, TlsSetti
     """walsidecar status: each safekeeper's and the proposer's state."""
 
     command: ClassVar[str] = "status"
+    up_has_config: ClassVar[bool] = True
     proposer_metrics: Endpoint = Field(None, description="The proposer's --metrics address: the full picture.")
     pg_dsn: PgDsn | None = Field(None, description="libpq connection string of the primary: adds its flush LSN, "
                                                    "waiting commits and the sidecar's sync state.")
@@ -383,6 +395,23 @@ class InitPostgresSettings(PrimarySettings):
 
 
 UP_DIR = Path("/tmp/walsidecar-up")
+UP_LOCK = "up.pid"  # held locked by a running `up` in its --dir
+UP_CONFIG = "walsidecar.toml"  # the --config file `up` writes for status, check and failover
+
+
+def running_up_config(base: Path | None = None) -> Path | None:
+    """The --config file of a `walsidecar up` running in `base` (default: up's, WALSIDECAR_DIR or /tmp/walsidecar-up)."""
+    base = base or Path(os.environ.get(env_name("dir")) or UP_DIR)
+    try:
+        with open(base / UP_LOCK) as f:
+            # Taken and let go at once: only an `up` starting in this instant could see it held.
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        config = base / UP_CONFIG
+        return config if config.exists() else None
+    except OSError:
+        pass  # no lock file: no `up` ever ran there
+    return None
 
 
 class UpSettings(LinkSettings):
@@ -571,16 +600,39 @@ def load(cls: type[Settings], flags: dict[str, Any], config_file: Path | None) -
     try:
         return cls(**merged)
     except ValidationError as e:
+        up_config = running_up_config() if cls.up_has_config and config_file is None and not flags else None
+        if up_config is not None:
+            # Bare `walsidecar status` next to a running `up`: its file is what was meant, not a CA.
+            raise ConfigError(f"no --config given: a running `walsidecar up` has one: "
+                              f"walsidecar {cls.cli_words or cls.command} --config {up_config}") from None
         raise ConfigError(_explain(e, cls, flags, from_file, config_file)) from None
 
 
 def _explain(e: ValidationError, cls: type[Settings], flags: dict[str, Any], from_file: dict[str, Any],
              path: Path | None) -> str:
     merged = {**from_file, **flags}
+
+    def source(field: str) -> str:
+        if field in flags and flags[field] is not None:
+            return flag(field)
+        if field in from_file:
+            return f"{field} in {path}"
+        if env_name(field) in os.environ:
+            return env_name(field)
+        return f"{field} (default)"
+
+    errors = e.errors()
     lines = []
-    for err in e.errors():
+    for err in errors:
         field = str(err["loc"][0]) if err["loc"] else ""
         msg = err["msg"].removeprefix("Value error, ")
+        # Another option a check names ({insecure}) is said as it was given: the flag, the file, the variable.
+        msg = re.sub(r"\{(\w+)\}", lambda m: source(m[1]) if m[1] in cls.model_fields else m[0], msg)
+        if err["type"] in ("too_short", "string_too_short") and len(err["loc"]) == 1:
+            if any(o is not err and o["loc"][:1] == err["loc"] for o in errors):
+                continue  # its items' own errors say why none was left
+            if not err.get("input"):
+                msg = f"empty: give {flag(field)} {_value(cls.model_fields[field])}".rstrip()
         if err["type"] == "missing":
             lines.append(f"{field} is required: give {flag(field)}, set {field} in the --config file, "
                          f"or set {env_name(field)}")
@@ -593,17 +645,12 @@ def _explain(e: ValidationError, cls: type[Settings], flags: dict[str, Any], fro
             else:
                 lines.append(msg)
                 continue
-        if field in flags and flags[field] is not None:
-            source = flag(field)
-        elif field in from_file:
-            source = f"{field} in {path}"
-        elif env_name(field) in os.environ:
-            source = env_name(field)
-        else:
-            source = f"{field} (default)"
-        shown = err.get("input") if err["loc"] else merged.get(field)
+        # The value as given (`''`, not the empty tuple it became); an item's error shows the item.
+        shown = err.get("input") if len(err["loc"]) > 1 else merged.get(field, os.environ.get(env_name(field),
+                                                                                            err.get("input")))
+        shown = str(shown) if isinstance(shown, Path) else shown
         value = f" = {shown!r}" if shown is not None and not isinstance(shown, dict) else ""
-        lines.append(f"{source}{value}: {msg}")
+        lines.append(f"{source(field)}{value}: {msg}")
     return "invalid configuration for `walsidecar " + cls.command + "`:\n  " + "\n  ".join(lines)
 
 

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import fcntl
 import io
+import json
 import os
+import shutil
 import signal
 import socket
+import urllib.request
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import IO
 
-from sidecar.config import InitPostgresSettings
+from sidecar.config import UP_CONFIG, UP_LOCK, InitPostgresSettings
 from sidecar.ctl import ControlSocket, answer
 from sidecar.deployment import (
-    APP, LOOPBACK_HOST, ChildServer, DeploymentError, LocalDeployment, Standby, free_port, start_tied_child,
+    APP, LOOPBACK_HOST, ChildServer, DeploymentError, LocalDeployment, Safekeeper, Standby, free_port,
+    start_tied_child,
 )
 from sidecar.logs import get_logger
 from sidecar.ops.initpg import run_init
@@ -22,7 +26,8 @@ from sidecar.pgcluster import ClusterError, LocalCluster
 from sidecar.supervisor import Supervisor
 
 SAFEKEEPERS = 3
-LOCK_NAME = "up.pid"
+# The proposer's states of a safekeeper that is elected in its term and connected (monitor._state).
+BACK = ("catching up", "streaming")
 
 
 class Embedded:
@@ -36,6 +41,7 @@ class Embedded:
                  metrics_port: int = 7610, insecure: bool = False, link_security: str = "tls",
                  standby: bool = False) -> None:
         self.base = base_dir.absolute()
+        self.made = _first_missing(self.base)  # before LocalDeployment writes its reader credentials there
         self.insecure = insecure
         self.link_security = link_security
         self.ports = [(pg_port, "PostgreSQL", "--pg-port")]
@@ -70,8 +76,15 @@ class Embedded:
         """Run until SIGINT/SIGTERM; DeploymentError when it cannot start or PostgreSQL exits."""
         self.base.mkdir(parents=True, exist_ok=True)
         os.chmod(self.base, 0o755)
-        lock = self._lock()
-        check_free(self.ports)
+        lock = self._lock()  # refused: the --dir is another `up`'s, never ours to remove
+        try:
+            check_free(self.ports)
+        except DeploymentError:
+            lock.close()
+            # Refused before anything started: a --dir this run made would be litter holding only the lock file.
+            if self.made is not None:
+                shutil.rmtree(self.made, ignore_errors=True)
+            raise
         (self.base / "ready").unlink(missing_ok=True)
         stop = _stop_on_signals()
         control = None
@@ -80,7 +93,7 @@ class Embedded:
             dsn = self.d.dsn()
             self._install_views(dsn)
             config = self._write_config(dsn)
-            supervisor = Supervisor(self.d, self.log)
+            supervisor = Supervisor(self.d, self.log, back=self._back)
             control = ControlSocket(self.base)
             (self.base / "ready").write_text(dsn + "\n")
             self._announce(dsn, config)
@@ -95,9 +108,23 @@ class Embedded:
             self.d.stop_all()
             lock.close()
 
+    def _back(self, name: str) -> str | None:
+        """A safekeeper is back once the proposer streams to it (None until then); nothing to wait for otherwise."""
+        member = self.d.members[name]
+        if not isinstance(member, Safekeeper) or not self.d.members["proposer"].running:
+            return ""
+        try:
+            # The proposer's metrics are on loopback: plain HTTP (cli._endpoint).
+            with urllib.request.urlopen(f"http://{self.metrics[0]}/status", timeout=1) as r:
+                doc = json.load(r)
+        except (OSError, ValueError):
+            return None  # the proposer is starting: ask again
+        row = next((r for r in doc.get("safekeepers", []) if r.get("address") == member.address), {})
+        return f"the proposer streams to it ({row['state']})" if row.get("state") in BACK else None
+
     def _lock(self) -> IO[str]:
         """Hold DIR/up.pid locked while running: a second `up` on the same --dir stops here."""
-        f = open(self.base / LOCK_NAME, "a+")
+        f = open(self.base / UP_LOCK, "a+")
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -152,7 +179,7 @@ class Embedded:
 
     def _write_config(self, dsn: str) -> Path:
         """A --config file for `walsidecar status` and `walsidecar check` against this cluster."""
-        path = self.base / "walsidecar.toml"
+        path = self.base / UP_CONFIG
         path.write_text(
             "# Written by `walsidecar up`: walsidecar status --config THIS_FILE\n"
             f"pg_dsn = {_toml_str(dsn)}\n"
@@ -174,6 +201,16 @@ class Embedded:
         return (f"standby_dsn = {_toml_str(self.standby.server.dsn())}\n"
                 "\n[failover]\n"
                 f"reader_passfile = {_toml_str(str(self.d.reader_passfile))}\n" + certs)
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost directory of `path` that does not exist yet (what mkdir(parents=True) makes); None if it does."""
+    missing = None
+    for p in (path, *path.parents):
+        if p.exists():
+            break
+        missing = p
+    return missing
 
 
 def metrics_ports(first: int, n: int) -> list[int]:

@@ -13,6 +13,11 @@ from typing import Any
 from sidecar.deployment import DeploymentError, LocalDeployment, Member
 
 
+# `ctl start` waits this long, at most, for a member to be back in the cluster (`up` supervises nothing meanwhile).
+SETTLE_TIMEOUT = 10.0
+SETTLE_POLL = 0.05
+
+
 class PrimaryExited(DeploymentError):
     """PostgreSQL stopped without being asked to: there is nothing left to protect."""
 
@@ -56,8 +61,13 @@ class Supervisor:
     """Call tick() often: it notices members that exited and restarts them when their backoff is over,
     and members that run but keep failing to get their WAL (a standby whose reader port refuses it)."""
 
-    def __init__(self, d: LocalDeployment, log: Any, clock: Callable[[], float] = time.monotonic) -> None:
-        self.d, self.log, self.clock = d, log, clock
+    def __init__(self, d: LocalDeployment, log: Any, clock: Callable[[], float] = time.monotonic,
+                 back: Callable[[str], str | None] | None = None,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.d, self.log, self.clock, self.sleep = d, log, clock, sleep
+        # What says a member started on request is back in the cluster: None while it is not, else how it is
+        # ("" when there is nothing to wait for). Without it a start returns once the process is spawned.
+        self.back = back
         self.watched = {name: Watched(m, clock()) for name, m in d.members.items()}
         self.checked = clock()
 
@@ -137,7 +147,7 @@ class Supervisor:
             return f"{name} is already running (pid {self._pid(w)})"
         self._start(w)
         self.log.info("member started on request", member=name, pid=self._pid(w))
-        return f"started {name} (pid {self._pid(w)})"
+        return f"started {name} (pid {self._pid(w)})" + self._settle(name, w)
 
     def restart(self, name: str) -> str:
         """Stop member `name` and start it again."""
@@ -146,7 +156,24 @@ class Supervisor:
             w.member.stop()
         self._start(w)
         self.log.info("member restarted on request", member=name, pid=self._pid(w))
-        return f"restarted {name} (pid {self._pid(w)})"
+        return f"restarted {name} (pid {self._pid(w)})" + self._settle(name, w)
+
+    def _settle(self, name: str, w: Watched) -> str:
+        """Wait, for SETTLE_TIMEOUT at most, until `back` says member `name` is back; what to add to the answer.
+
+        So that what the operator runs next (`walsidecar status`) already sees it, not a link still waiting
+        out its reconnect pause.
+        """
+        if self.back is None:
+            return ""
+        deadline = self.clock() + SETTLE_TIMEOUT
+        while (how := self.back(name)) is None:
+            if not w.member.running:
+                return f"; it exited at once: see {w.member.log_path}"
+            if self.clock() >= deadline:
+                return f"; not back in the cluster after {SETTLE_TIMEOUT:g}s: see {w.member.log_path}"
+            self.sleep(SETTLE_POLL)
+        return f"; {how}" if how else ""
 
     def members(self) -> list[dict[str, Any]]:
         """name, pid, state and restarts of each member."""

@@ -27,6 +27,8 @@ PLACEHOLDERS = {"N", "DIR", "CERTS_DIR"}  # in hints: what the user fills in
 # Whole segments a safekeeper's backup_lsn may trail its commit_lsn by: one or two while a segment
 # uploads; more means the archive stalls, and with it WAL removal.
 ARCHIVE_LAG_WARNING, ARCHIVE_LAG_FAILED = 4, 64
+# In segments: WAL starts in segment 1, the first term somewhere in it or later (backup.first_archived_lsn).
+FIRST_ARCHIVABLE_END = 3
 
 
 @dataclass
@@ -400,6 +402,15 @@ class Checker:
                 "full bucket) and their /status (archive_failing); WAL removal waits for the archive, so their "
                 "disks fill meanwhile")
         if not any(r.backup_lsn for r in replies):
+            # A cluster's WAL begins in segment 1, so the first segment a safekeeper holds whole (the uploader's
+            # first) starts at segment 2 or later: below the end of segment 2 nothing can be archived yet.
+            seg = min(r.wal_seg_size for r in replies)
+            commit = max(r.commit_lsn for r in replies)
+            if commit < FIRST_ARCHIVABLE_END * seg:
+                self.add(_ok("archive", f"nothing to archive yet: commit_lsn {format_lsn(commit)} is below "
+                                        f"{format_lsn(FIRST_ARCHIVABLE_END * seg)}, the earliest end of the first "
+                                        "segment the safekeepers hold whole"))
+                return
             self.add(_warn("archive", "no safekeeper reports archived WAL (backup_lsn 0 on every one): either they "
                                       "run without --archive, and WAL is then only as safe as its copies on the "
                                       "safekeepers (fewer still with --keep-wal), or nothing was uploaded yet",

@@ -159,9 +159,14 @@ def test_kill_one_commits_go_on_stop_two_they_wait_bring_one_back(procs: Process
 
     # Bring one back: the waiting commit completes and the quorum is available again.
     out = up.ctl("start", "safekeeper2")
-    assert out.returncode == 0 and "started safekeeper2" in out.stdout, out.stdout + out.stderr
+    assert out.returncode == 0 and "started safekeeper2 (pid" in out.stdout, out.stdout + out.stderr
+    assert "; the proposer streams to it (" in out.stdout, out.stdout
+    # As the README types it: `status` right after `ctl start` shows it back and the quorum available, exit 0.
+    out = walsidecar("status", "--config", str(up.config), "--format", "json")
+    doc = json.loads(out.stdout)
+    assert out.returncode == 0 and quorum(doc), out.stdout + out.stderr
+    assert rows(doc)[2]["state"] in ("catching up", "streaming"), out.stdout
     wait_for(commit.finished, timeout=60, what="the waiting commit to complete")
-    wait_for(lambda: quorum(up.status()), timeout=60, what="status to show the quorum available")
     assert up.members()["safekeeper3"]["state"] == "stopped"
     up.stop()
 
@@ -180,6 +185,11 @@ def test_banner_on_stdout_views_installed_and_ctl_errors(procs: ProcessTracker, 
     assert out.returncode == 0 and out.stdout.count("| streaming") == 3, out.stdout + out.stderr
     out = walsidecar("check", "--config", str(config))
     assert out.returncode == 0 and "TLS: OK" in out.stdout, out.stdout
+    assert "archive: OK (nothing to archive yet: commit_lsn" in out.stdout, out.stdout  # nothing to warn of yet
+    # Given nothing, status points at this `up`'s file (WALSIDECAR_DIR: up's --dir, as for ctl).
+    out = walsidecar("status", env={"WALSIDECAR_DIR": str(up.dir)})
+    assert out.returncode == 2 and f"no --config given: a running `walsidecar up` has one: walsidecar status " \
+                                   f"--config {config}" in out.stderr, out.stderr
     for name in ("safekeeper1", "safekeeper2", "safekeeper3", "proposer", "client"):
         assert (up.dir / "certs" / name / "node.key").stat().st_mode & 0o777 == 0o600
 
@@ -240,7 +250,20 @@ def test_ports_in_use_are_named_before_initdb(test_dir: Path, taken: str) -> Non
     assert out.returncode == 1, out.stdout + out.stderr
     assert f"port {port}" in out.stderr and option in out.stderr and "in use" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr + out.stdout
-    assert not (test_dir / "up" / "pg").exists()  # nothing was initialised
+    assert not (test_dir / "up").exists()  # the --dir it made is gone: no lock file, nothing initialised
+
+
+def test_a_refused_up_leaves_a_dir_it_did_not_make_as_it_was(test_dir: Path) -> None:
+    base = test_dir / "up"
+    (base / "pg").mkdir(parents=True)
+    (base / "mine").write_text("kept\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        out = walsidecar("up", "--dir", str(base), "--pg-port", str(s.getsockname()[1]),
+                         "--safekeeper-port", str(consecutive_free_ports(3)), "--metrics-port", "0")
+    assert out.returncode == 1 and "in use" in out.stderr, out.stdout + out.stderr
+    assert (base / "mine").read_text() == "kept\n" and (base / "pg").is_dir()
 
 
 def test_killed_up_leaves_no_process_behind(procs: ProcessTracker, test_dir: Path) -> None:

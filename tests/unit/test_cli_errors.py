@@ -59,8 +59,11 @@ CASES = [
     (("start", "--pg-dsn", "hots=x", "--safekeepers", SKS, "--insecure"), "--pg-dsn is not a libpq connection string"),
     (("start", "--pg-dsn", DSN, "--safekeepers", "127.0.0.1:1,127.0.0.1:1,127.0.0.1:2", "--insecure"),
      "listed twice"),
-    ((*START, "--certs-dir", "{d}"), "give either --certs-dir or --insecure"),
-    (("check",), "safekeepers is required"),
+    ((*START, "--certs-dir", "{d}"), "--certs-dir = '{d}': cannot be used with --insecure: give either --certs-dir "
+                                      "or --insecure, not both"),
+    (("check", "--pg-dsn", DSN, "--safekeepers", "127.0.0.1:1,,127.0.0.1:2", "--insecure"),
+     "--safekeepers = '127.0.0.1:1,,127.0.0.1:2': an empty item between commas"),
+    (("check", "--timeout", "5"), "safekeepers is required"),  # bare `check` may point at a running `up`
     (("check", "--pg-dsn", DSN, "--safekeepers", SKS, "--format", "xml"), "'xml' is not one of"),
     (("status", "--insecure"), "nothing to ask"),
     (("status", "--safekeepers", SKS, "--insecure", "--watch", "-1"), "greater than 0"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 from pathlib import Path
 
 import pytest
@@ -97,7 +98,7 @@ def test_command_line_uses_config_file_and_environment(tmp_path: Path) -> None:
     out = walsidecar("safekeeper", env={"WALSIDECAR_ID": "1", "WALSIDECAR_DATA_DIR": str(tmp_path / "sk"),
                                         "WALSIDECAR_LISTEN": "nowhere", "WALSIDECAR_INSECURE": "1"})
     assert out.returncode == 2 and "WALSIDECAR_LISTEN = 'nowhere'" in out.stderr
-    out = walsidecar("status", env={"WALSIDECAR_INSECURE": "1"})
+    out = walsidecar("status", env={"WALSIDECAR_INSECURE": "1", "WALSIDECAR_DIR": str(tmp_path / "no-up")})
     assert out.returncode == 2 and "nothing to ask" in out.stderr
 
 
@@ -135,3 +136,59 @@ def test_certificates_or_insecure_must_be_chosen(tmp_path: Path, monkeypatch: py
     assert load(CheckSettings, {}, cfg).certs_dir == tmp_path  # type: ignore[attr-defined]
     monkeypatch.setenv("WALSIDECAR_INSECURE", "1")
     assert load(StatusSettings, base, None).insecure is True  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("given, line", [
+    ("", "--safekeepers = '': empty: give --safekeepers HOST:PORT,..."),
+    ("x", "--safekeepers = 'x': 'x' is not an address: no port (expected HOST:PORT, e.g. 127.0.0.1:7601 or "
+          "[::1]:7601)"),
+    ("127.0.0.1:1,,127.0.0.1:2", "--safekeepers = '127.0.0.1:1,,127.0.0.1:2': an empty item between commas (or at "
+                                 "an end): separate the items with single commas"),
+    ("127.0.0.1:1,", "--safekeepers = '127.0.0.1:1,': an empty item between commas (or at an end): separate the "
+                     "items with single commas"),
+])
+def test_a_malformed_safekeepers_list_gets_one_line(given: str, line: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load(CheckSettings, {"pg_dsn": "host=x", "safekeepers": given}, None)
+    assert str(e.value).splitlines() == ["invalid configuration for `walsidecar check`:", "  " + line]
+
+
+def test_an_empty_required_value_says_what_to_give(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WALSIDECAR_SAFEKEEPERS", "")
+    with pytest.raises(ConfigError) as e:
+        load(StartSettings, {"pg_dsn": ""}, None)
+    assert sorted(str(e.value).splitlines()[1:]) == ["  --pg-dsn = '': empty: give --pg-dsn DSN",
+                                                     "  WALSIDECAR_SAFEKEEPERS = '': empty: give --safekeepers "
+                                                     "HOST:PORT,..."]
+
+
+def test_certs_dir_with_insecure_names_where_each_came_from(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WALSIDECAR_INSECURE")
+    cfg = write(tmp_path / "w.toml", f'proposer_metrics = "127.0.0.1:7610"\ncerts_dir = "{tmp_path}/certs"\n')
+    with pytest.raises(ConfigError) as e:
+        load(StatusSettings, {"insecure": True}, cfg)
+    assert str(e.value).splitlines()[1] == (f"  certs_dir in {cfg} = '{tmp_path}/certs': cannot be used with --insecure: "
+                                            "give either --certs-dir or --insecure, not both")
+    monkeypatch.setenv("WALSIDECAR_INSECURE", "1")
+    with pytest.raises(ConfigError, match=f"certs_dir in {cfg} = .*: cannot be used with WALSIDECAR_INSECURE:"):
+        load(StatusSettings, {}, cfg)
+
+
+def test_bare_status_and_check_point_at_a_running_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    up = tmp_path / "up"
+    up.mkdir()
+    (up / "walsidecar.toml").write_text("")
+    monkeypatch.setenv("WALSIDECAR_DIR", str(up))
+    with open(up / "up.pid", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running `up` holds it
+        for cls, command in ((StatusSettings, "status"), (CheckSettings, "check")):
+            with pytest.raises(ConfigError) as e:
+                load(cls, {}, None)
+            assert str(e.value) == (f"no --config given: a running `walsidecar up` has one: "
+                                    f"walsidecar {command} --config {up}/walsidecar.toml")
+        # Options given: they are what is wrong, not the missing --config.
+        with pytest.raises(ConfigError, match="nothing to ask"):
+            load(StatusSettings, {"insecure": True}, None)
+    # The `up` has stopped: its file is no pointer any more.
+    with pytest.raises(ConfigError, match="nothing to ask"):
+        load(StatusSettings, {}, None)

@@ -150,3 +150,56 @@ def test_a_member_that_keeps_failing_to_get_its_wal_is_logged_once_and_shown_unt
     sup.tick()
     assert log.lines[-1] == ("member streams again", {"member": "standby"})
     assert answer(sup, {"action": "members"})["members"][-1]["state"] == "running"
+
+
+class Settling:
+    """`back` for `up`'s members: None (not back) `pending` times, then `how`; the fake clock moves on each sleep."""
+
+    def __init__(self, sup: Supervisor, pending: int, how: str = "the proposer streams to it (catching up)") -> None:
+        self.sup, self.pending, self.how, self.asked = sup, pending, how, 0
+
+    def __call__(self, name: str) -> str | None:
+        self.asked += 1
+        return None if self.asked <= self.pending else self.how
+
+    def sleep(self, seconds: float) -> None:
+        self.sup.clock.now += seconds  # type: ignore[attr-defined]
+
+
+def settling(sup: Supervisor, pending: int) -> Settling:
+    s = Settling(sup, pending)
+    sup.back, sup.sleep = s, s.sleep
+    return s
+
+
+def test_start_on_request_answers_once_the_member_is_back(sup: Supervisor) -> None:
+    answer(sup, {"action": "stop", "member": "safekeeper1"})
+    back = settling(sup, pending=3)
+    reply = answer(sup, {"action": "start", "member": "safekeeper1"})
+    assert reply["message"] == "started safekeeper1 (pid None); the proposer streams to it (catching up)"
+    assert back.asked == 4
+    reply = answer(sup, {"action": "restart", "member": "safekeeper1"})
+    assert reply["message"] == "restarted safekeeper1 (pid None); the proposer streams to it (catching up)"
+
+
+def test_start_on_request_waits_for_the_member_a_bounded_time(sup: Supervisor) -> None:
+    answer(sup, {"action": "stop", "member": "safekeeper1"})
+    settling(sup, pending=10**6)
+    started = sup.clock()
+    reply = answer(sup, {"action": "start", "member": "safekeeper1"})
+    assert reply["ok"] and reply["message"] == ("started safekeeper1 (pid None); not back in the cluster after 10s: "
+                                                "see /logs/safekeeper1.log")
+    assert sup.clock() - started == pytest.approx(10, abs=0.1)
+    answer(sup, {"action": "stop", "member": "safekeeper1"})
+    back = settling(sup, pending=10**6)
+    sup.d.members["safekeeper1"].start = lambda: None  # spawned, and already gone
+    reply = answer(sup, {"action": "start", "member": "safekeeper1"})
+    assert reply["message"] == "started safekeeper1 (pid None); it exited at once: see /logs/safekeeper1.log"
+    assert back.asked == 1
+
+
+def test_nothing_to_wait_for_adds_nothing(sup: Supervisor) -> None:
+    answer(sup, {"action": "stop", "member": "proposer"})
+    back = Settling(sup, pending=0, how="")
+    sup.back = back
+    assert answer(sup, {"action": "start", "member": "proposer"})["message"] == "started proposer (pid None)"

@@ -32,3 +32,12 @@ def test_no_archived_wal_anywhere_is_a_warning_that_names_both_causes() -> None:
     (status, detail), = archive_lines(reply(1, 5 * SEG, 0), reply(2, 5 * SEG, 0))
     assert status == "WARNING" and "without --archive" in detail and "nothing was uploaded yet" in detail
     assert archive_lines() == []
+
+
+def test_before_a_segment_can_be_complete_there_is_nothing_to_archive_yet() -> None:
+    # A fresh cluster (`walsidecar up`): WAL begins in segment 1, the first whole segment is 2 or later.
+    (status, detail), = archive_lines(reply(1, SEG + 0x52F510, 0), reply(2, 3 * SEG - 1, 0))
+    assert (status, detail) == ("OK", "nothing to archive yet: commit_lsn 0/2FFFFFF is below 0/3000000, the earliest "
+                                      "end of the first segment the safekeepers hold whole")
+    (status, _), = archive_lines(reply(1, 3 * SEG, 0))
+    assert status == "WARNING"  # segment 2 may be complete: it should have been uploaded

@@ -4,10 +4,12 @@ the link), and how the service carries out the core's verdicts on a link or on t
 from __future__ import annotations
 
 import asyncio
+import errno
 import socket
 import struct
 
 import structlog
+from tenacity import AsyncRetrying, RetryCallState
 
 from support.helpers import run, until
 from sidecar import framing
@@ -16,7 +18,7 @@ from sidecar.consensus.limits import MAX_TERM
 from sidecar.consensus.messages import Greeting, GreetingReply, Message, VoteRequest
 from sidecar.consensus.proposer import DropPeer, Send, TermsExhausted
 from sidecar.proposer.options import StartOptions
-from sidecar.proposer.peers import PeerLink
+from sidecar.proposer.peers import CONNECT_PAUSE_MAX, CONNECTION_REFUSED_PAUSE_MAX, PeerLink, connect_pause
 from sidecar.proposer.service import ProposerService, ProposerStopped
 
 GREETING = Greeting(1, "p", 42, 1, 16 << 20, 150000)
@@ -215,3 +217,19 @@ def test_drop_peer_is_logged_with_the_term_and_positions() -> None:
         assert svc._refusal is None
 
     run(main())
+
+
+def _pause_after(error: BaseException, attempts: int) -> float:
+    state = RetryCallState(AsyncRetrying(), None, (), {})
+    state.attempt_number = attempts
+    state.set_exception((type(error), error, None))
+    return connect_pause(state)
+
+
+def test_a_refused_connection_is_retried_soon_however_long_the_safekeeper_was_down() -> None:
+    refused = ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused")
+    assert _pause_after(refused, 1) == 0.05  # the usual growth first
+    assert _pause_after(refused, 30) == CONNECTION_REFUSED_PAUSE_MAX < CONNECT_PAUSE_MAX
+    # A timeout or an unreachable network: the pause grows to CONNECT_PAUSE_MAX.
+    assert _pause_after(asyncio.TimeoutError(), 30) == CONNECT_PAUSE_MAX
+    assert _pause_after(OSError(errno.ENETUNREACH, "Network is unreachable"), 30) == CONNECT_PAUSE_MAX
