@@ -61,7 +61,7 @@ class Embedded:
         self.d = LocalDeployment(
             self.base, safekeepers=SAFEKEEPERS, primary=server, sk_ports=[sk_port + i for i in range(SAFEKEEPERS)],
             insecure=insecure, link_security=link_security, log_format=log_format, log=self.log,
-            spawn=start_tied_child,
+            spawn=start_tied_child, peers=True,  # a wiped safekeeper learns its term before it votes again
             extra={"proposer": ["--metrics", self.metrics[0], "--archive", archive],
                    **{f"safekeeper{i}": ["--metrics", self.metrics[i], "--archive", archive]
                       for i in range(1, SAFEKEEPERS + 1)}})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -315,4 +316,24 @@ def test_up_standby_takes_over_with_failover_after_kill_9_of_the_primary(procs: 
     with psycopg.connect(standby_dsn, autocommit=True) as c:
         assert c.execute("SELECT pg_is_in_recovery()").fetchone()[0] is False
         assert c.execute("SELECT count(*) FROM t").fetchone()[0] == 50
+    up.stop()
+
+
+def test_a_wiped_safekeeper_under_up_learns_its_term_from_its_peers_before_it_votes(procs: ProcessTracker,
+                                                                                   test_dir: Path) -> None:
+    up = Up(procs, test_dir / "up")
+    with psycopg.connect(up.dsn, autocommit=True) as c:
+        c.execute("CREATE TABLE t (v int)")
+        c.execute("INSERT INTO t VALUES (1)")
+    term = rows(up.status())[2]["term"]
+    assert term >= 1
+    assert up.ctl("stop", "safekeeper2").returncode == 0
+    shutil.rmtree(up.dir / "safekeeper2")  # its disk is lost
+    assert up.ctl("start", "safekeeper2").returncode == 0
+    # `up` gives each safekeeper its peers: the empty one asks them its term before it may vote again.
+    wait_for(lambda: "learned the term from the peers" in (up.dir / "safekeeper2.log").read_text(), timeout=60,
+             what="the wiped safekeeper to learn its term from its peers")
+    wait_for(lambda: rows(up.status())[2]["term"] >= term, timeout=60, what="safekeeper 2 to rejoin the term")
+    with psycopg.connect(up.dsn, autocommit=True) as c:
+        c.execute("INSERT INTO t VALUES (2)")
     up.stop()
