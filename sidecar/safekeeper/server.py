@@ -405,11 +405,13 @@ class Safekeeper:
             writer.close()
 
     async def _dispatch(self, session: AcceptorSession, msg: Message, log: Any) -> list[AcceptorAction]:
-        """Everything but a plain Append: fetch the record end a vote or Elected needs, log, count."""
+        """Everything but a plain Append: a vote or Elected as one step with its scan, log, count."""
         acc = session.acceptor
-        end = await self._flushed_record_end() if session.needs_record_end(msg) else None
-        with self.acceptor_lock:
-            actions = session.receive(msg, end)
+        if type(msg) in (VoteRequest, Elected):
+            actions = await self._one_step(session, msg)
+        else:
+            with self.acceptor_lock:
+                actions = session.receive(msg)
         match msg:
             case Greeting():
                 log.info("greeting", proposer=msg.proposer_id, term=acc.state.term)
@@ -494,15 +496,33 @@ class Safekeeper:
                                            _disk_full_reporter(self.stats, self.log), s.timeline_history)
         return st
 
-    async def _flushed_record_end(self) -> RecordEnd:
+    async def _one_step(self, session: AcceptorSession, msg: VoteRequest | Elected) -> list[AcceptorAction]:
+        """A vote or Elected: flush, scan and apply in one step under the acceptor lock (docs/protocol.md,
+        invariant 3).
+
+        The stream thread writes and acknowledges under the same lock, so nothing is acknowledged in
+        the old term between the scan and the promise (or the Elected's cut): a safekeeper never
+        reports less than it acknowledged, which quorum intersection needs. The flush lock keeps the
+        loop's own syncs and cuts out as well. The step runs in a worker thread so that the loop goes
+        on; the stream thread, and the loop only where it takes the lock, wait for one scan.
+        """
         async with self._flush_lock:
-            st = self.storage
-            if isinstance(st, NoWal):
-                return RecordEnd(0)
-            await asyncio.to_thread(st.flush)
-            # The scan may step back over segments the remover would otherwise take from under it.
-            with st.pin(st.first_lsn() or 0, "the end-of-WAL scan of a vote"):
-                return await asyncio.to_thread(record_end, st, self.acceptor.state)
+            return await asyncio.to_thread(self._step, session, msg)
+
+    def _step(self, session: AcceptorSession, msg: VoteRequest | Elected) -> list[AcceptorAction]:
+        with self.acceptor_lock:
+            end = self._flushed_record_end() if session.needs_record_end(msg) else None
+            return session.receive(msg, end)
+
+    def _flushed_record_end(self) -> RecordEnd:
+        """Sync the WAL and find the end of its last complete record (in a worker, under both locks)."""
+        st = self.storage
+        if isinstance(st, NoWal):
+            return RecordEnd(0)
+        st.flush()
+        # The scan may step back over segments the remover would otherwise take from under it.
+        with st.pin(st.first_lsn() or 0, "the end-of-WAL scan of a vote"):
+            return record_end(st, self.acceptor.state)
 
     def _sync_when_drained(self, reader: framing.FrameReader, writer: framing.Writer) -> None:
         """Group commit: sync once the socket is drained, so one fdatasync covers all WAL received."""

@@ -232,6 +232,9 @@ def _sync(sk: Safekeeper, session: AcceptorSession, link: Link, loop: asyncio.Ab
     flushed = sk.storage.flush()
     sk.stats.fsync.observe(time.perf_counter() - began)
     with sk.acceptor_lock:
+        # Decided under the lock that a vote or Elected holds through its scan (server._one_step): once
+        # another connection took the term nothing is sent, and once a higher term was promised the
+        # reply carries it, which the old proposer does not count (the vote may have reported less).
         if not session.holds_term:
             return
         replies = sk.flushed_replies(flushed)
