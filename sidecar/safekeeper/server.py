@@ -100,6 +100,7 @@ class Safekeeper:
         self._persist_lock = asyncio.Lock()  # see _execute_stateful
         self._flush_wanted = asyncio.Event()
         self._sessions: set[AcceptorSession] = set()
+        self._handlers: set[asyncio.Task[None]] = set()  # every connection's task, ended before storage closes
         # The elected proposer's stream may run in a thread (streamthread.py): the acceptor changes
         # under this lock, and while the term's owner is `threaded` its thread alone syncs and acknowledges.
         self.acceptor_lock = threading.Lock()
@@ -299,6 +300,12 @@ class Safekeeper:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            # The connections end before the storage closes: a stream thread or a vote's step may be
+            # writing or syncing it (each waits for its thread when cancelled).
+            handlers = list(self._handlers)
+            for task in handlers:
+                task.cancel()
+            await asyncio.gather(*handlers, return_exceptions=True)
             if self.uploader is not None and self.fatal is None:
                 await self.uploader.close()
             self.storage.close()
@@ -310,6 +317,10 @@ class Safekeeper:
         return Role(ident.role) if ident is not None else Role.CLIENT
 
     async def _connection(self, reader: framing.FrameReader, writer: framing.Writer) -> None:
+        handler = asyncio.current_task()
+        if handler is not None:
+            self._handlers.add(handler)
+            handler.add_done_callback(self._handlers.discard)
         # A TLS handshake without a certificate from the deployment's CA never gets here.
         ident = tls.peer_role(writer) if self.ssl_context is not None else None
         log = self.log.bind(peer=_peer_name(writer), **({"peer_cert": str(ident)} if ident else {}))
@@ -507,7 +518,13 @@ class Safekeeper:
         on; the stream thread, and the loop only where it takes the lock, wait for one scan.
         """
         async with self._flush_lock:
-            return await asyncio.to_thread(self._step, session, msg)
+            step = asyncio.ensure_future(asyncio.to_thread(self._step, session, msg))
+            try:
+                return await asyncio.shield(step)
+            except asyncio.CancelledError:
+                # A stop: the step may be syncing or scanning the storage, which closes after it.
+                await asyncio.wait([step])
+                raise
 
     def _step(self, session: AcceptorSession, msg: VoteRequest | Elected) -> list[AcceptorAction]:
         with self.acceptor_lock:
