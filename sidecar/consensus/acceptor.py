@@ -270,7 +270,11 @@ class Acceptor:
         return actions
 
     def on_flushed(self, flush_lsn: int) -> list[AcceptorAction]:
-        """Storage has fsynced up to `flush_lsn`: acknowledge it."""
+        """Storage has fsynced up to `flush_lsn`: acknowledge it, in the term promised now.
+
+        After a higher promise the reply is no acknowledgement in the elected term (the vote may have
+        reported less than this): it tells that term's proposer that it lost.
+        """
         self.flush_lsn = max(self.flush_lsn, min(flush_lsn, self.write_lsn))
         return [Reply(AppendReply(self.state.term, self.flush_lsn, self.state.commit_lsn))]
 

@@ -4,7 +4,8 @@ The server and the simulator both drive every connection through an `AcceptorSes
 rules about *who* may say *what* live here once: a Greeting comes first, only a proposer may
 change state, only the connection that sent the term's Elected may append in it, and how large
 a frame the connection may send next. For each message the caller asks `needs_record_end(msg)`;
-if so it flushes and scans its WAL, then calls `receive(msg, end)` and executes the actions in
+if so it flushes and scans its WAL, then calls `receive(msg, end)` (all three one step: nothing is
+acknowledged between the scan and the message taking effect) and executes the actions in
 order (the acceptor's rules for Persist before Reply hold), and calls `closed()` when the
 connection ends.
 """

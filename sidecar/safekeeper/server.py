@@ -100,6 +100,7 @@ class Safekeeper:
         self._persist_lock = asyncio.Lock()  # see _execute_stateful
         self._flush_wanted = asyncio.Event()
         self._sessions: set[AcceptorSession] = set()
+        self._handlers: set[asyncio.Task[None]] = set()  # every connection's task, ended before storage closes
         # The elected proposer's stream may run in a thread (streamthread.py): the acceptor changes
         # under this lock, and while the term's owner is `threaded` its thread alone syncs and acknowledges.
         self.acceptor_lock = threading.Lock()
@@ -299,6 +300,12 @@ class Safekeeper:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            # The connections end before the storage closes: a stream thread or a vote's step may be
+            # writing or syncing it (each waits for its thread when cancelled).
+            handlers = list(self._handlers)
+            for task in handlers:
+                task.cancel()
+            await asyncio.gather(*handlers, return_exceptions=True)
             if self.uploader is not None and self.fatal is None:
                 await self.uploader.close()
             self.storage.close()
@@ -310,6 +317,10 @@ class Safekeeper:
         return Role(ident.role) if ident is not None else Role.CLIENT
 
     async def _connection(self, reader: framing.FrameReader, writer: framing.Writer) -> None:
+        handler = asyncio.current_task()
+        if handler is not None:
+            self._handlers.add(handler)
+            handler.add_done_callback(self._handlers.discard)
         # A TLS handshake without a certificate from the deployment's CA never gets here.
         ident = tls.peer_role(writer) if self.ssl_context is not None else None
         log = self.log.bind(peer=_peer_name(writer), **({"peer_cert": str(ident)} if ident else {}))
@@ -405,11 +416,13 @@ class Safekeeper:
             writer.close()
 
     async def _dispatch(self, session: AcceptorSession, msg: Message, log: Any) -> list[AcceptorAction]:
-        """Everything but a plain Append: fetch the record end a vote or Elected needs, log, count."""
+        """Everything but a plain Append: a vote or Elected as one step with its scan, log, count."""
         acc = session.acceptor
-        end = await self._flushed_record_end() if session.needs_record_end(msg) else None
-        with self.acceptor_lock:
-            actions = session.receive(msg, end)
+        if type(msg) in (VoteRequest, Elected):
+            actions = await self._one_step(session, msg)
+        else:
+            with self.acceptor_lock:
+                actions = session.receive(msg)
         match msg:
             case Greeting():
                 log.info("greeting", proposer=msg.proposer_id, term=acc.state.term)
@@ -494,15 +507,39 @@ class Safekeeper:
                                            _disk_full_reporter(self.stats, self.log), s.timeline_history)
         return st
 
-    async def _flushed_record_end(self) -> RecordEnd:
+    async def _one_step(self, session: AcceptorSession, msg: VoteRequest | Elected) -> list[AcceptorAction]:
+        """A vote or Elected: flush, scan and apply in one step under the acceptor lock (docs/protocol.md,
+        invariant 3).
+
+        The stream thread writes and acknowledges under the same lock, so nothing is acknowledged in
+        the old term between the scan and the promise (or the Elected's cut): a safekeeper never
+        reports less than it acknowledged, which quorum intersection needs. The flush lock keeps the
+        loop's own syncs and cuts out as well. The step runs in a worker thread so that the loop goes
+        on; the stream thread, and the loop only where it takes the lock, wait for one scan.
+        """
         async with self._flush_lock:
-            st = self.storage
-            if isinstance(st, NoWal):
-                return RecordEnd(0)
-            await asyncio.to_thread(st.flush)
-            # The scan may step back over segments the remover would otherwise take from under it.
-            with st.pin(st.first_lsn() or 0, "the end-of-WAL scan of a vote"):
-                return await asyncio.to_thread(record_end, st, self.acceptor.state)
+            step = asyncio.ensure_future(asyncio.to_thread(self._step, session, msg))
+            try:
+                return await asyncio.shield(step)
+            except asyncio.CancelledError:
+                # A stop: the step may be syncing or scanning the storage, which closes after it.
+                await asyncio.wait([step])
+                raise
+
+    def _step(self, session: AcceptorSession, msg: VoteRequest | Elected) -> list[AcceptorAction]:
+        with self.acceptor_lock:
+            end = self._flushed_record_end() if session.needs_record_end(msg) else None
+            return session.receive(msg, end)
+
+    def _flushed_record_end(self) -> RecordEnd:
+        """Sync the WAL and find the end of its last complete record (in a worker, under both locks)."""
+        st = self.storage
+        if isinstance(st, NoWal):
+            return RecordEnd(0)
+        st.flush()
+        # The scan may step back over segments the remover would otherwise take from under it.
+        with st.pin(st.first_lsn() or 0, "the end-of-WAL scan of a vote"):
+            return record_end(st, self.acceptor.state)
 
     def _sync_when_drained(self, reader: framing.FrameReader, writer: framing.Writer) -> None:
         """Group commit: sync once the socket is drained, so one fdatasync covers all WAL received."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import socket
 import ssl
@@ -149,10 +150,14 @@ async def stream(sk: Safekeeper, session: AcceptorSession, reader: framing.Frame
     try:
         back = await asyncio.wrap_future(done)
     except asyncio.CancelledError:
+        # A stop: the thread ends at the shut-down socket, and is waited for, because the storage it
+        # writes and syncs closes once every connection has ended. Its failure there is the stop's.
         try:
-            sock.shutdown(socket.SHUT_RDWR)  # wakes the thread's recv
+            sock.shutdown(socket.SHUT_RDWR)  # wakes the thread's recv and send
         except OSError:
             pass
+        with contextlib.suppress(BaseException):
+            await asyncio.wrap_future(done)
         raise
     transport.resume_reading()
     return back
@@ -161,6 +166,11 @@ async def stream(sk: Safekeeper, session: AcceptorSession, reader: framing.Frame
 def _run(sk: Safekeeper, session: AcceptorSession, link: Link, loop: asyncio.AbstractEventLoop,
          done: concurrent.futures.Future[HandBack]) -> None:
     name_thread(threading.current_thread().name)
+    # Running, `done` can no longer be cancelled: a stop waits for the outcome instead (see stream()).
+    if not done.set_running_or_notify_cancel():
+        _restore(link)
+        sk.threaded.discard(session)
+        return
     try:
         back = _serve(sk, session, link, loop)
     except BaseException as e:  # noqa: BLE001 - every failure goes to the loop, which reports it
@@ -232,6 +242,9 @@ def _sync(sk: Safekeeper, session: AcceptorSession, link: Link, loop: asyncio.Ab
     flushed = sk.storage.flush()
     sk.stats.fsync.observe(time.perf_counter() - began)
     with sk.acceptor_lock:
+        # Decided under the lock that a vote or Elected holds through its scan (server._one_step): once
+        # another connection took the term nothing is sent, and once a higher term was promised the
+        # reply carries it, which the old proposer does not count (the vote may have reported less).
         if not session.holds_term:
             return
         replies = sk.flushed_replies(flushed)

@@ -343,6 +343,17 @@ def test_flush_is_capped_at_what_was_written_and_never_decreases() -> None:
     assert isinstance(reply, AppendReply) and reply.flush_lsn == 1005
 
 
+def test_after_a_higher_promise_a_flush_is_no_acknowledgement_in_the_old_term() -> None:
+    """WAL written in term 3 and synced after term 4 was promised: the reply carries term 4, which the
+    old proposer takes as its end, not as an acknowledgement (the vote may have reported less)."""
+    a = elected_acceptor(term=3, start=1000)
+    a.on_append(Append(3, 1000, 0, 0, b"abcdef"))
+    a.on_vote(VoteRequest(4), RecordEnd(1000))
+    assert only_reply(a.on_flushed(1006)) == AppendReply(4, 1006, 0)
+    assert only_reply(a.on_append(Append(3, 1006, 0, 0, b"more"))) == AppendReply(4, 1006, 0)
+    assert a.write_lsn == 1006  # and nothing more is written in term 3
+
+
 def test_heartbeat_is_answered_at_once_and_carries_commit() -> None:
     a = elected_acceptor(term=3, start=1000)
     a.on_append(Append(3, 1000, 0, 0, b"abcdef"))

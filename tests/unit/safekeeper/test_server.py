@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -170,3 +171,30 @@ def test_a_promoted_primary_s_timeline_is_persisted_and_laid_out_as_its_pg_wal(t
         assert again.reader_state().flush_lsn == end
     finally:
         again.storage.close()
+
+
+def test_a_stop_while_the_stream_thread_serves_waits_for_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cancelling serve() (SIGTERM) ends the thread before the storage closes: nothing fails in it, nothing is fatal."""
+    failures: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: failures.append(args.exc_value))
+    b = WalBuilder(SEG, seg_size=SEG, sysid=SYSID)
+    b.fill_to(SEG + 20_000, 200)
+
+    async def main() -> None:
+        sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
+        server = asyncio.ensure_future(sk.serve())
+        await until(lambda: sk._server is not None and sk._server.sockets, "the safekeeper to listen")
+        port = sk._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        reader, writer = await framing.open_connection("127.0.0.1", port)
+        for msg in (Greeting(PROTOCOL_VERSION, "p", SYSID, 1, SEG, 15), VoteRequest(1),
+                    Elected(1, SEG, (TermEntry(1, SEG),)), Append(1, SEG, 0, 0, b.bytes())):
+            framing.write(writer, codec.encode(msg))
+            await asyncio.wait_for(reader.read_message(), 10)
+        await until(lambda: sk.threaded, "the stream to be served by the thread")
+        server.cancel()
+        await asyncio.gather(server, return_exceptions=True)
+        assert not sk.threaded and sk.fatal is None and sk.stopped is None
+        writer.close()
+
+    run(main())
+    assert failures == []
