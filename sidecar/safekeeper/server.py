@@ -98,6 +98,7 @@ class Safekeeper:
         self._serving: asyncio.Task[None] | None = None
         self._flush_lock = asyncio.Lock()
         self._persist_lock = asyncio.Lock()  # see _execute_stateful
+        self._saved_term = self.acceptor.state.term  # the term on disk: see _save
         self._flush_wanted = asyncio.Event()
         self._sessions: set[AcceptorSession] = set()
         self._handlers: set[asyncio.Task[None]] = set()  # every connection's task, ended before storage closes
@@ -462,7 +463,19 @@ class Safekeeper:
                         self._apply((a,), writer)
 
     async def _save(self, state: AcceptorState) -> None:
+        """Save `state` (under the persist lock), unless a higher term is on disk already.
+
+        A batch the stream thread built before a vote reaches the loop after the vote's own save
+        can: saved then, it would put the disk's term below a promise made, and a restart could
+        promise that term again. The acceptor's states are ordered and each holds all of the ones
+        before it, so the newer state on disk already has whatever the older one carried.
+        """
+        if state.term < self._saved_term:
+            self.log.info("not saving a state older than a promise on disk", term=state.term,
+                          saved_term=self._saved_term)
+            return
         await asyncio.to_thread(save_control, self.data_dir, ControlData(self.node_id, state))
+        self._saved_term = state.term
 
     async def _save_persisted(self, actions: list[AcceptorAction]) -> None:
         """Save the Persist actions of a batch outside a session, in turn with every other state change."""

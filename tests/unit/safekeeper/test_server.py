@@ -41,6 +41,19 @@ def test_a_fresh_data_dir_opens_ready_to_serve_without_a_wal_store(tmp_path: Pat
         (3, "127.0.0.1:0", None, False, False)
 
 
+def test_a_state_built_before_a_newer_promise_is_never_saved_over_it(tmp_path: Path) -> None:
+    """The stream thread's batch (a commit hint in term 3) reaches the loop after a vote saved term 4."""
+    from sidecar.safekeeper.control import load_control
+    sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
+    old = AcceptorState(SYSID, SEG, 15, 1, 3, commit_lsn=5 * SEG)
+    new = AcceptorState(SYSID, SEG, 15, 1, 4, commit_lsn=5 * SEG)
+    run(sk._save(new))
+    run(sk._save(old))
+    assert load_control(tmp_path).state.term == 4
+    reopened = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
+    assert reopened.acceptor.state.term == 4
+
+
 def test_another_nodes_data_dir_is_a_startup_error_not_an_exit(tmp_path: Path) -> None:
     save_control(tmp_path, ControlData(2, AcceptorState()))
     with pytest.raises(StartupError, match="belongs to safekeeper 2, not 1"):
