@@ -70,11 +70,10 @@ if ! command -v ip >/dev/null 2>&1; then
     apt_install iproute2
 fi
 
-# A C compiler and Python's headers build the compiled hot path (sidecar/_hotpath.c; without them pip
-# installs the pure-Python path) and scripts/bench.py's walsidecar-floor stand-in.
-if ! command -v gcc >/dev/null 2>&1 || [ ! -e "/usr/include/python3.$("$SYSTEM_PYTHON" -c 'import sys; print(sys.version_info[1])')/Python.h" ]; then
-    echo "install.sh: no C compiler or Python headers; installing gcc and python3-dev" >&2
-    apt_install gcc libc6-dev python3-dev
+# A C compiler builds scripts/bench.py's walsidecar-floor stand-in (scripts/floor_safekeeper.c).
+if ! command -v gcc >/dev/null 2>&1; then
+    echo "install.sh: no C compiler; installing gcc" >&2
+    apt_install gcc libc6-dev
 fi
 
 if ! id -u postgres >/dev/null 2>&1; then
@@ -98,10 +97,10 @@ if ! "$PY" -c 'import pip' 2>/dev/null; then
 fi
 
 # Reinstall only when this checkout is not the installed one, its build files changed or extras are missing.
-# The stamp holds the hash of pyproject.toml and of the compiled hot path's build (setup.py and its C source,
-# compiled in place by the editable install) and the extras installed from this checkout.
+# The stamp holds the hash of pyproject.toml (the editable install's build file) and the extras installed
+# from this checkout.
 stamp="$VENV/walsidecar-install-$(printf '%s' "$REPO" | sha256sum | cut -c1-16)"
-want="$(cat pyproject.toml setup.py sidecar/_hotpath.c | sha256sum | cut -d' ' -f1)"
+want="$(sha256sum < pyproject.toml | cut -d' ' -f1)"
 installed_ok() {
     local have_sha have_extras
     [ -f "$stamp" ] && read -r have_sha have_extras < "$stamp" || return 1

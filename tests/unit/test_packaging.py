@@ -10,7 +10,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -59,7 +58,6 @@ def core_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for part in ("sidecar", "sql"):
         shutil.copytree(ROOT / part, src / part, ignore=skip)
     shutil.copy(ROOT / "pyproject.toml", src)
-    shutil.copy(ROOT / "setup.py", src)  # the compiled hot path, built where a compiler exists
     pip = ["-m", "pip", "-q", "--disable-pip-version-check"]
     checked(sys.executable, *pip, "wheel", "--no-deps", "-w", str(tmp / "dist"), str(src), cwd=tmp)
     (wheel,) = (tmp / "dist").glob("walsidecar-*.whl")
@@ -119,13 +117,6 @@ def test_every_module_but_the_analytics_imports_without_the_extra(core_venv: Pat
             if not (m.startswith("sidecar.analytics.") or m in ANALYTICS_MODULES)}
     assert core == {}
     assert {missing.split(".")[0] for missing in failed.values()} <= ANALYTICS_IMPORTS
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(shutil.which(sysconfig.get_config_var("CC").split()[0]) is None, reason="no C compiler")
-def test_the_wheel_carries_the_compiled_hot_path(core_venv: Path, tmp_path: Path) -> None:
-    code = "from sidecar import hotpath; print(hotpath.implementation())"
-    assert checked(str(core_venv / "bin" / "python"), "-c", code, cwd=tmp_path).strip() == "compiled"
 
 
 @pytest.mark.slow
