@@ -2,7 +2,6 @@
 links use) and FrameDecoder.feed, on streams of Appends and AppendReplies.
 
     PYTHONPATH=$PWD python3 scripts/bench_framing.py
-    WALSIDECAR_PURE_PYTHON=1 PYTHONPATH=$PWD python3 scripts/bench_framing.py   # the pure-Python reference
 
 Fed from memory 256 KiB at a time, as a socket would; CPU time of this process, best of N,
 so other load on the machine skews it less.
@@ -13,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from sidecar import framing, hotpath
+from sidecar import framing
 from sidecar.consensus import codec
 from sidecar.consensus.messages import Append, AppendReply, Message
 
@@ -51,7 +50,7 @@ def _reader(data: bytes, reps: int) -> tuple[float, int]:
 def _feed(data: bytes, reps: int) -> tuple[float, int]:
     best, count = float("inf"), 0
     for _ in range(reps):
-        d = hotpath.FrameDecoder()
+        d = codec.FrameDecoder()
         began = time.process_time()
         count = sum(len(d.feed(data[pos:pos + CHUNK])) for pos in range(0, len(data), CHUNK))
         best = min(best, time.process_time() - began)
@@ -65,7 +64,6 @@ def main() -> None:
         "Append 1 MiB": _stream([Append(5, BOOT + i * (1 << 20), BOOT, BOOT, b"x" * (1 << 20)) for i in range(16)]),
         "AppendReply": _stream([AppendReply(5, BOOT + i, BOOT) for i in range(100_000)]),
     }
-    print(f"hot path: {hotpath.implementation()}")
     for name, data in cases.items():
         for how, bench in (("FrameReader", _reader), ("FrameDecoder.feed", _feed)):
             took, count = bench(data, 9)

@@ -2,13 +2,16 @@
 # Install what walsidecar needs on Debian 12: PostgreSQL 15 server/client, iproute2 (network namespaces
 # for chaos partitions) and the package itself in its own virtual environment, /opt/walsidecar/venv,
 # made from the system Python (/usr/bin/python3, which refuses `pip install` into the system: PEP 668);
-# /usr/local/bin/walsidecar links to the venv's command.
+# /usr/local/bin/walsidecar links to the default venv's command. Rerun it after changing the code
+# (scripts/test.sh does): it reinstalls when any file of the package changed.
 #
-#   bash scripts/install.sh            the package with its test and analytics extras (editable: the
-#                                      checkout's code) and a Java 17 runtime for the analytics (PySpark)
+#   bash scripts/install.sh            the package with its test and analytics extras (installed, not
+#                                      editable: a copy of the checkout's code) and a Java 17 runtime for
+#                                      the analytics (PySpark)
 #   WALSIDECAR_EXTRAS= bash scripts/install.sh    the core only: services and operator commands
 #
-# Env: WALSIDECAR_VENV (default /opt/walsidecar/venv), WALSIDECAR_EXTRAS (default test,analytics).
+# Env: WALSIDECAR_VENV (default /opt/walsidecar/venv; another one leaves /usr/local/bin/walsidecar alone),
+# WALSIDECAR_EXTRAS (default test,analytics).
 # Idempotent; when everything is already present it only runs a few quick checks.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -70,11 +73,10 @@ if ! command -v ip >/dev/null 2>&1; then
     apt_install iproute2
 fi
 
-# A C compiler and Python's headers build the compiled hot path (sidecar/_hotpath.c; without them pip
-# installs the pure-Python path) and scripts/bench.py's walsidecar-floor stand-in.
-if ! command -v gcc >/dev/null 2>&1 || [ ! -e "/usr/include/python3.$("$SYSTEM_PYTHON" -c 'import sys; print(sys.version_info[1])')/Python.h" ]; then
-    echo "install.sh: no C compiler or Python headers; installing gcc and python3-dev" >&2
-    apt_install gcc libc6-dev python3-dev
+# A C compiler builds scripts/bench.py's walsidecar-floor stand-in (scripts/floor_safekeeper.c).
+if ! command -v gcc >/dev/null 2>&1; then
+    echo "install.sh: no C compiler; installing gcc" >&2
+    apt_install gcc libc6-dev
 fi
 
 if ! id -u postgres >/dev/null 2>&1; then
@@ -91,40 +93,107 @@ if ! "$SYSTEM_PYTHON" -c 'import sys, ensurepip, venv; sys.exit(sys.version_info
         { echo "install.sh: walsidecar needs Python 3.11+; $SYSTEM_PYTHON is $("$SYSTEM_PYTHON" -V 2>&1)" >&2; exit 1; }
 fi
 PY="$VENV/bin/python"
+# Everything installed must be readable by the postgres OS user: PostgreSQL runs
+# `restore_command = 'walsidecar restore-wal ...'` as postgres.
+umask 022
 if ! "$PY" -c 'import pip' 2>/dev/null; then
     echo "install.sh: making the virtual environment $VENV" >&2
     as_root rm -rf "$VENV"
     as_root "$SYSTEM_PYTHON" -m venv "$VENV"
 fi
 
-# Reinstall only when this checkout is not the installed one, its build files changed or extras are missing.
-# The stamp holds the hash of pyproject.toml and of the compiled hot path's build (setup.py and its C source,
-# compiled in place by the editable install) and the extras installed from this checkout.
-stamp="$VENV/walsidecar-install-$(printf '%s' "$REPO" | sha256sum | cut -c1-16)"
-want="$(cat pyproject.toml setup.py sidecar/_hotpath.c | sha256sum | cut -d' ' -f1)"
+# The package is installed, not linked (no editable install): nothing is read from the checkout at run
+# time, so a checkout the postgres user cannot read (e.g. under /root) still serves its restore_command.
+# What goes into it: every file of sidecar/ (modules and package data), sql/ and pyproject.toml. Their hash
+# is the stamp; the installed copy must also equal the checkout's, file for file.
+package_files() {   # NUL-separated, sorted: the files the package is built from
+    find sidecar sql pyproject.toml -type f ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 | LC_ALL=C sort -z
+}
+content_hash() {   # DIR FIND-ARGS...: the hash of the files under DIR, by relative path and content
+    (cd "$1" && shift && find "$@" -type f ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 | LC_ALL=C sort -z |
+        xargs -0r sha256sum) | sha256sum | cut -d' ' -f1
+}
+stamp="$VENV/walsidecar-install.stamp"
+want="$(content_hash . sidecar sql pyproject.toml)"
+SQL_DIR="$VENV/share/walsidecar/sql"
+
+deps_ok() {   # every requirement in pyproject.toml, with the extras asked for, is installed in a version it allows
+    "$PY" -P - pyproject.toml "$EXTRAS" <<'PY' 2>/dev/null
+import importlib.metadata as md, sys, tomllib
+from pip._vendor.packaging.requirements import Requirement
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+specs = list(project["dependencies"])
+for extra in filter(None, sys.argv[2].split(",")):
+    specs += project["optional-dependencies"][extra]
+for spec in specs:
+    req = Requirement(spec)
+    if req.marker is None or req.marker.evaluate({"extra": ""}):
+        try:
+            if not req.specifier.contains(md.version(req.name), prereleases=True):
+                sys.exit(1)
+        except md.PackageNotFoundError:
+            sys.exit(1)
+PY
+}
+installed_dir() {   # the installed package's directory, as the venv imports it outside the checkout
+    (cd / && env -u PYTHONPATH "$PY" -P -c 'import os, sidecar; print(os.path.dirname(os.path.realpath(sidecar.__file__)))') 2>/dev/null
+}
+content_ok() {   # the installed package is not the checkout's and holds exactly its files
+    local dir f
+    dir="$(installed_dir)" && [ -n "$dir" ] && [[ "$dir/" != "$REPO/"* ]] || return 1
+    [ "$(content_hash "$(dirname "$dir")" "$(basename "$dir")")" = "$(content_hash . sidecar)" ] || return 1
+    for f in sql/*.sql; do cmp -s "$f" "$SQL_DIR/$(basename "$f")" || return 1; done
+}
+builds_here() {   # the venv's own setuptools builds the package: 61+ reads pyproject.toml, before 70.1 it needs wheel
+    "$PY" - <<'PY' 2>/dev/null
+import importlib.util, sys, setuptools
+v = tuple(int(x) for x in setuptools.__version__.split(".")[:2])
+sys.exit(not (v >= (70, 1) or v >= (61, 0) and importlib.util.find_spec("wheel")))
+PY
+}
 installed_ok() {
     local have_sha have_extras
     [ -f "$stamp" ] && read -r have_sha have_extras < "$stamp" || return 1
-    [ "$have_sha" = "$want" ] && [[ ",$have_extras," == *",$EXTRAS,"* || -z "$EXTRAS" ]] || return 1
-    # -P: the checkout in the working directory must not stand in for the installed package.
-    "$PY" -P - "$REPO" "$EXTRAS" <<'PY' 2>/dev/null
-# Every requirement of walsidecar and of the extras asked for is installed, in a version it allows.
-import importlib.metadata as md, os, sys
-from pip._vendor.packaging.requirements import Requirement
-extras = [""] + [e for e in sys.argv[2].split(",") if e]
-for spec in md.requires("walsidecar") or []:
-    req = Requirement(spec)
-    if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in extras):
-        if not req.specifier.contains(md.version(req.name), prereleases=True):
-            sys.exit(1)
-import sidecar
-sys.exit(0 if os.path.realpath(sidecar.__file__).startswith(sys.argv[1] + os.sep) else 1)
-PY
+    [ "$have_sha" = "$want" ] && [[ ",$have_extras," == *",$EXTRAS,"* || -z "$EXTRAS" ]] && deps_ok && content_ok
 }
 if ! installed_ok; then
-    as_root env PIP_DISABLE_PIP_VERSION_CHECK=1 "$PY" -m pip install -q -e ".${EXTRAS:+[$EXTRAS]}"
+    began=$(date +%s.%N)
+    # Built from a copy of exactly the hashed files: the checkout gets no build/ or egg-info, and no stale
+    # build output can reach the wheel. Built with the venv's setuptools when it can (no download of a
+    # build environment each time).
+    stage="$(mktemp -d)"
+    trap 'rm -rf "$stage"' EXIT
+    package_files | tar --null -T - -cf - | tar -xf - --no-same-owner --no-same-permissions -C "$stage"
+    chmod 755 "$stage"
+    pip=(env PIP_DISABLE_PIP_VERSION_CHECK=1 "$PY" -m pip install -q)
+    if ! builds_here; then   # once per venv: the wheel package, which the venv's setuptools may need
+        as_root "${pip[@]}" wheel || true
+    fi
+    if builds_here; then
+        pip+=(--no-build-isolation)
+    fi
+    if deps_ok; then
+        # Only walsidecar's own files changed: replace the package alone.
+        as_root "${pip[@]}" --no-deps --force-reinstall "$stage"
+    else
+        as_root env PIP_DISABLE_PIP_VERSION_CHECK=1 "$PY" -m pip uninstall -q -y walsidecar 2>/dev/null || true
+        as_root "${pip[@]}" "$stage${EXTRAS:+[$EXTRAS]}"
+    fi
+    if ! content_ok; then
+        echo "install.sh: the package installed in $VENV is not this checkout's sidecar/ and sql/*.sql;" \
+             "a file missing from the wheel needs [tool.setuptools.package-data] or data-files in pyproject.toml" >&2
+        exit 1
+    fi
+    # As production runs it: the postgres OS user, outside any checkout.
+    if ! out="$(cd / && as_root runuser -u postgres -- env -u PYTHONPATH "$VENV/bin/walsidecar" --help 2>&1)"; then
+        echo "install.sh: the postgres OS user cannot run $VENV/bin/walsidecar (its restore_command would fail):" >&2
+        echo "$out" | tail -5 >&2
+        exit 1
+    fi
     printf '%s %s\n' "$want" "$EXTRAS" | as_root tee "$stamp" >/dev/null
+    echo "install.sh: installed walsidecar into $VENV in $(awk -v a="$began" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }') s" >&2
 fi
-if [ "$(readlink /usr/local/bin/walsidecar 2>/dev/null)" != "$VENV/bin/walsidecar" ]; then
+# The system's command is the default venv's: a venv made for testing (WALSIDECAR_VENV) leaves it alone.
+if [ "$VENV" = /opt/walsidecar/venv ] && [ "$(readlink /usr/local/bin/walsidecar 2>/dev/null)" != "$VENV/bin/walsidecar" ]; then
     as_root ln -sfn "$VENV/bin/walsidecar" /usr/local/bin/walsidecar
 fi

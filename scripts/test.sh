@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Install everything (scripts/install.sh: the venv /opt/walsidecar/venv with the test and analytics
-# extras), then run pytest with the venv's python and any extra arguments (e.g. -k NAME).
+# Install everything (scripts/install.sh: the venv /opt/walsidecar/venv, or WALSIDECAR_VENV, with the
+# test and analytics extras and this checkout's package, reinstalled whenever a file of it changed), then
+# run pytest with the venv's python and any extra arguments (e.g. -k NAME). The tests import this
+# checkout's code, and the commands PostgreSQL runs as the postgres user (restore_command) are the
+# installed package's: the same code right after the install.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/install.sh

@@ -1,4 +1,4 @@
-"""Protocol frames over asyncio: a buffered protocol around the frame decoder (`hotpath.FrameDecoder`), and its writer.
+"""Protocol frames over asyncio: a buffered protocol around the frame decoder (`codec.FrameDecoder`), and its writer.
 
 asyncio's StreamReader copies every byte several times (into its buffer, out again with
 `readexactly`, and shifts the rest down), and a safekeeper receives all WAL through it.
@@ -17,7 +17,6 @@ import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from sidecar import hotpath
 from sidecar.consensus import codec, limits
 from sidecar.consensus.messages import Append, Message
 from sidecar.tlslayer import TlsProtocol
@@ -37,7 +36,7 @@ class FrameReader(asyncio.BufferedProtocol):
     def __init__(self, loop: asyncio.AbstractEventLoop, max_frame: int = limits.PREAUTH_MAX_FRAME) -> None:
         self._loop = loop
         self.transport: asyncio.Transport | None = None
-        self._decoder = hotpath.FrameDecoder(max_frame)
+        self._decoder = codec.FrameDecoder(max_frame)
         self._writing_paused = False
         self._drain_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._lost = False

@@ -25,7 +25,7 @@ class InitError(Exception):
 
 
 def find_sql_dir(given: Path | None) -> Path:
-    """sql/ of the checkout (editable installs) or share/walsidecar/sql of an installed package."""
+    """sql/ next to the package (run from a checkout) or share/walsidecar/sql of an installed package."""
     candidates = [given] if given else []
     candidates += [Path(__file__).resolve().parents[2] / "sql", Path(sys.prefix) / "share" / "walsidecar" / "sql"]
     for c in candidates:

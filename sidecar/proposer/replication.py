@@ -16,7 +16,7 @@ from collections.abc import Callable
 import psycopg
 from psycopg import pq
 
-from sidecar import hotpath, pgrepl
+from sidecar import pgrepl
 from sidecar.consensus.messages import TimelineEntry
 from sidecar.lsn import format_lsn, parse_lsn
 from sidecar.pgrepl import parse_timeline_history
@@ -467,7 +467,7 @@ class ReplicationStream:
                 break
             self.messages_received += 1
             try:
-                msg = hotpath.parse_copy_data(buf)
+                msg = pgrepl.parse_copy_data(buf)
             except pgrepl.ReplicationProtocolError as exc:
                 raise ReplicationError(f"the primary sent a malformed message: {exc}") from None
             if type(msg) is pgrepl.XLogData:

@@ -14,6 +14,7 @@ import pytest
 
 from support.deployment import APP, Deployment, Writer, backup_lsn, commit_lsn_of
 from support.helpers import wait_for, walsidecar
+from support.installed import installed_argv
 from support.procs import ProcessTracker
 from support.recovery import base_backup, recover
 from support.s3 import AWS_ENV, aws_env, make_bucket, moto_server
@@ -22,7 +23,6 @@ from sidecar.config import RestoreWalSettings
 from sidecar.lsn import format_lsn, parse_lsn, parse_segment_file_name, segment_file_name
 from sidecar.objectstore import Storage, open_storage
 from sidecar.ops.restore import Exit, restore_wal
-from sidecar.processes import sidecar_argv
 from sidecar.safekeeper.backup import partial_name
 from sidecar.safekeeper.control import load_control
 
@@ -265,8 +265,9 @@ def test_a_primary_comes_back_from_a_base_backup_and_the_archive_alone(archiving
     d.pg.crash()
     shutil.rmtree(d.pg.data_dir)
 
-    credentials = [f"{k}={v}" for k, v in AWS_ENV.items()]  # restore_command runs as the postgres OS user
-    command = shlex.join(["env", *credentials, *sidecar_argv(
+    # restore_command runs as the postgres OS user, the installed command as in production.
+    credentials = [f"{k}={v}" for k, v in AWS_ENV.items()]
+    command = shlex.join(["env", *credentials, *installed_argv(
         "restore-wal", "%f", "%p", "--archive", f"s3://{BUCKET}/archive", "--s3-endpoint", s3,
         "--system-id", str(sysid))])
     try:

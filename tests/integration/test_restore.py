@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from support.deployment import Deployment, Writer, commit_lsn_of, read_wal, reader_settings
 from support.backends import PgServer
 from support.helpers import wait_for
+from support.installed import installed_argv
 from support.recovery import base_backup, recover
 from sidecar.address import Address
 from sidecar.cli import main
@@ -22,7 +23,6 @@ from sidecar.config import RestoreWalSettings
 from sidecar.consensus.messages import TimelineEntry
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE, parse_lsn, segment_file_name
 from sidecar.ops.restore import Exit, restore_wal
-from sidecar.processes import sidecar_argv
 from sidecar.walclient import ReaderError, WalReader, copy_wal
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -153,9 +153,10 @@ def test_a_wiped_primary_comes_back_from_a_base_backup_and_the_safekeepers(deplo
     d.pg.crash()
     shutil.rmtree(d.pg.data_dir)
 
-    command = shlex.join(sidecar_argv("restore-wal", "%f", "%p", "--safekeeper-readers",
-                                      ",".join(str(a) for a in d.reader_addresses), "--certs-dir", str(certs),
-                                      "--reader-passfile", str(passfile)))
+    # The installed command, run by PostgreSQL as the postgres OS user, as in production.
+    command = shlex.join(installed_argv("restore-wal", "%f", "%p", "--safekeeper-readers",
+                                        ",".join(str(a) for a in d.reader_addresses), "--certs-dir", str(certs),
+                                        "--reader-passfile", str(passfile)))
     try:
         recover(restored, command)
         with psycopg.connect(restored.dsn(), autocommit=True) as c:

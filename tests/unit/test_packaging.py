@@ -6,11 +6,11 @@ import configparser
 import importlib.util
 import json
 import os
+import pwd
 import shlex
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -21,6 +21,7 @@ import pytest
 from sidecar.cli import main
 from sidecar.config import SafekeeperSettings, StartSettings, load
 from support.helpers import walsidecar
+from support.installed import files, installed_package_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 UNITS = ROOT / "scripts" / "systemd"
@@ -59,7 +60,6 @@ def core_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for part in ("sidecar", "sql"):
         shutil.copytree(ROOT / part, src / part, ignore=skip)
     shutil.copy(ROOT / "pyproject.toml", src)
-    shutil.copy(ROOT / "setup.py", src)  # the compiled hot path, built where a compiler exists
     pip = ["-m", "pip", "-q", "--disable-pip-version-check"]
     checked(sys.executable, *pip, "wheel", "--no-deps", "-w", str(tmp / "dist"), str(src), cwd=tmp)
     (wheel,) = (tmp / "dist").glob("walsidecar-*.whl")
@@ -122,13 +122,6 @@ def test_every_module_but_the_analytics_imports_without_the_extra(core_venv: Pat
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which(sysconfig.get_config_var("CC").split()[0]) is None, reason="no C compiler")
-def test_the_wheel_carries_the_compiled_hot_path(core_venv: Path, tmp_path: Path) -> None:
-    code = "from sidecar import hotpath; print(hotpath.implementation())"
-    assert checked(str(core_venv / "bin" / "python"), "-c", code, cwd=tmp_path).strip() == "compiled"
-
-
-@pytest.mark.slow
 def test_every_command_runs_its_help_from_the_wheel(core_venv: Path, tmp_path: Path) -> None:
     for cmd in command_paths():
         out = run(core_venv, *cmd, "--help", cwd=tmp_path)
@@ -157,6 +150,39 @@ def test_analytics_commands_name_the_extra(core_venv: Path, tmp_path: Path, comm
     out = run(core_venv, *args, cwd=tmp_path)
     assert out.returncode == 1
     assert "pip install 'walsidecar[analytics]'" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def as_postgres() -> None:
+    """The installed command is run by the postgres OS user: only root can become it here."""
+    if os.geteuid() != 0:
+        pytest.skip("runs commands as the postgres OS user: needs root")
+    try:
+        pwd.getpwnam("postgres")
+    except KeyError:
+        pytest.skip("no postgres OS user (scripts/install.sh makes it)")
+
+
+def test_the_installed_package_is_read_from_the_venv_not_the_checkout() -> None:
+    """What PostgreSQL's restore_command runs, as the postgres user from /, reads nothing from the checkout
+    (which that user may not be able to read, e.g. under /root): it is installed, not editable."""
+    as_postgres()
+    installed = installed_package_dir(user="postgres")
+    assert not installed.is_relative_to(ROOT), f"{installed} is in the checkout: an editable install"
+    readable = subprocess.run(["runuser", "-u", "postgres", "--", "test", "-r", str(installed / "__init__.py")],
+                              timeout=60)
+    assert readable.returncode == 0
+    venv = Path(sys.executable).parent.parent
+    assert installed.is_relative_to(venv)
+    out = subprocess.run(["runuser", "-u", "postgres", "--", str(venv / "bin" / "walsidecar"), "restore-wal", "--help"],
+                         timeout=60, **outside(Path("/")))
+    assert out.returncode == 0 and "Usage: walsidecar restore-wal" in out.stdout, out.stderr
+    # init-postgres finds its SQL in the venv's share/, not in the checkout.
+    code = "from sidecar.ops.initpg import find_sql_dir; print(find_sql_dir(None))"
+    out = subprocess.run(["runuser", "-u", "postgres", "--", sys.executable, "-P", "-c", code], timeout=60,
+                         **outside(Path("/")))
+    assert out.returncode == 0 and Path(out.stdout.strip()) == venv / "share" / "walsidecar" / "sql", out.stderr
+    # scripts/install.sh reinstalls after any change: the installed copy is this checkout's code.
+    assert files(installed) == files(ROOT / "sidecar")
 
 
 def unit(name: str) -> configparser.ConfigParser:
