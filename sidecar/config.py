@@ -474,6 +474,17 @@ class RestoreWalSettings(ArchiveSettings, ClusterSettings, ReaderCredentials):
                                   AfterValidator(_distinct), Metavar("HOST:PORT,...")] = Field(
         (), description="Comma-separated HOST:PORT list of every safekeeper's reader port (their --pg-listen "
                         "addresses); without it, only --archive is read.")
+    on_error: Literal["auto", "stop", "continue"] = Field(
+        "auto", description="A file it cannot give and cannot say is beyond the committed end (too few "
+                            "safekeepers answer, the archive does not answer, no good copy, a committed segment "
+                            "no one holds): stop exits 128+code, which stops PostgreSQL's archive recovery "
+                            "instead of letting it open without that WAL; continue exits 2-6, after which a "
+                            "standby streams and asks again. auto: stop under recovery.signal, continue under "
+                            "standby.signal (PostgreSQL runs restore_command in the data directory) or "
+                            "neither.")
+    retry_for: float = Field(60.0, ge=0, description="Before it stops recovery (--on-error stop): seconds to keep "
+                                                     "asking again, as safekeepers come back or the archive "
+                                                     "answers.")
     system_id: int | None = Field(None, ge=1, description="With --archive: the system id whose WAL to read "
                                                           "(<cluster>/<system id>/wal/); default: the safekeepers' "
                                                           "(IDENTIFY_SYSTEM), else the only one in the archive.")

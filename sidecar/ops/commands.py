@@ -57,13 +57,18 @@ def restore_wal(s: RestoreWalSettings, name: str, target: Path) -> None:
     restore_command = 'walsidecar restore-wal %f %p --config /etc/walsidecar/restore.toml'
 
     \b
-    Exit codes (all below 126: PostgreSQL takes each failure as "not restored" and moves on):
+    Exit codes (PostgreSQL takes 1-125 as "not there" and moves on, above 125 stops recovery):
       0  restored, checked (size, page headers, record CRCs)
-      1  no safekeeper holds %f, nor the archive
+      1  %f is known not to exist: beyond the committed end (a majority of the
+         safekeepers say so), or, with --archive alone, not in the archive
       2  wrong usage or options (also: an archive of several systems and no --system-id)
       3  too few safekeepers answered to know, and the archive lacks %f or did not answer
       4  the safekeepers (or the archive) that hold %f gave WAL that fails the checks
       5  %p could not be written
+      6  %f is committed, but no safekeeper that answered holds it (nor the archive)
+    Under archive recovery (recovery.signal; --on-error stop) 2-6 become 130-134,
+    after asking again for --retry-for seconds: recovery stops instead of opening
+    without WAL that exists. A standby (standby.signal) gets 2-6 and asks again.
     """
     from sidecar.ops.restore import restore_wal as run
     sys.exit(int(run(s, name, target)))

@@ -16,6 +16,8 @@ import contextlib
 import enum
 import os
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,14 +41,23 @@ _HISTORY = re.compile(r"[0-9A-F]{8}\.history")
 
 
 class Exit(enum.IntEnum):
-    """restore-wal's exit codes; all below 126, so PostgreSQL treats every failure as "not restored"."""
+    """restore-wal's exit codes. PostgreSQL takes 1-125 as "not there" and moves on (under recovery.signal:
+    to the end of recovery), and above 125 stops recovery: so only a file known not to exist is 1, and
+    under archive recovery every other failure is STOP + its code."""
 
     RESTORED = 0
-    NOT_FOUND = 1  # no safekeeper (nor the archive) holds the file: recovery moves on (streaming, or its end)
+    NOT_FOUND = 1  # known not to exist: beyond the committed end (a majority said so), or not in an archive alone
     USAGE = 2  # wrong options (click's own code), or an archive holding several systems and no --system-id
-    UNREACHABLE = 3  # too few safekeepers answered to know
+    UNREACHABLE = 3  # too few safekeepers answered to know, or the archive did not answer
     BAD_DATA = 4  # the safekeepers (or the archive) that hold it gave WAL that fails the checks
     CANNOT_WRITE = 5  # %p could not be written
+    MISSING = 6  # committed (a safekeeper's commit position passes it), yet no one gives it
+
+    STOP = 128  # added to a failure's code when it must stop archive recovery (--on-error stop)
+
+
+RECOVERY_SIGNAL, STANDBY_SIGNAL = "recovery.signal", "standby.signal"
+RETRY_FIRST, RETRY_MAX = 0.5, 5.0  # seconds between tries under archive recovery
 
 
 class Failure(Exception):
@@ -76,22 +87,56 @@ class Answer:
     seg_size: int  # 0: it holds no WAL yet
 
 
-def restore_wal(s: RestoreWalSettings, name: str, target: Path) -> Exit:
-    """Restore `name` into `target`; the exit code. Failures are logged with the reason and returned."""
-    try:
-        data = _restore(s, name)
-    except Failure as e:
-        # PostgreSQL asks for files that do not exist as a matter of course (the next timeline's history).
-        say = log.info if e.code is Exit.NOT_FOUND else log.error
-        say("not restored", file=name, reason=str(e), exit_code=int(e.code))
-        return e.code
+def stops_recovery(s: RestoreWalSettings, data_dir: Path) -> bool:
+    """Whether a failure must stop recovery: --on-error, or auto: archive recovery (recovery.signal alone)."""
+    if s.on_error != "auto":
+        return s.on_error == "stop"
+    return (data_dir / RECOVERY_SIGNAL).exists() and not (data_dir / STANDBY_SIGNAL).exists()
+
+
+def restore_wal(s: RestoreWalSettings, name: str, target: Path, *, stop: bool | None = None,
+                sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> int:
+    """Restore `name` into `target`; the exit code. Failures are logged with the reason and returned.
+
+    Under archive recovery (`stop`; default: from the signal files in the working directory, the data
+    directory) a failure other than "not there" is asked again for --retry-for seconds, then stops
+    recovery: PostgreSQL must not open without WAL that may exist. A standby asks again by itself.
+    """
+    if stop is None:
+        stop = stops_recovery(s, Path.cwd())
+    deadline, pause = clock() + s.retry_for, RETRY_FIRST
+    while True:
+        try:
+            data = _restore(s, name)
+            write = _write(target, data)
+            if write is None:
+                return Exit.RESTORED
+            raise write
+        except Failure as e:
+            # PostgreSQL asks for files that do not exist as a matter of course (the next timeline's history).
+            if e.code is Exit.NOT_FOUND:
+                log.info("not restored", file=name, reason=str(e), exit_code=int(e.code))
+                return e.code
+            if not stop:
+                log.error("not restored", file=name, reason=str(e), exit_code=int(e.code))
+                return e.code
+            if e.code in (Exit.UNREACHABLE, Exit.BAD_DATA, Exit.MISSING) and clock() + pause <= deadline:
+                log.warning("not restored yet; asking again", file=name, reason=str(e), retry_in=pause)
+                sleep(pause)
+                pause = min(pause * 2, RETRY_MAX)
+                continue
+            code = Exit.STOP + e.code
+            log.error("not restored; stopping archive recovery, which must not end without this WAL: "
+                      "fix the cause and start PostgreSQL again", file=name, reason=str(e), exit_code=code)
+            return code
+
+
+def _write(target: Path, data: bytes) -> Failure | None:
     try:
         write_atomically(target, data)
     except OSError as e:
-        log.error("not restored: cannot write it", file=name, path=str(target), reason=e.strerror or str(e),
-                  exit_code=int(Exit.CANNOT_WRITE))
-        return Exit.CANNOT_WRITE
-    return Exit.RESTORED
+        return Failure(Exit.CANNOT_WRITE, f"cannot write {target}: {e.strerror or e}")
+    return None
 
 
 def _restore(s: RestoreWalSettings, name: str) -> bytes:
@@ -183,7 +228,8 @@ def _history(s: RestoreWalSettings, tli: int, seen: Seen) -> bytes:
     raise _nowhere(name, unreachable, bad, len(_addresses(s)))
 
 
-def _nowhere(name: str, unreachable: list[str], bad: list[str], n: int) -> Failure:
+def _nowhere(name: str, unreachable: list[str], bad: list[str], n: int, committed: bool = False) -> Failure:
+    """Why no safekeeper gave `name`; `committed`: a commit position says it exists."""
     if bad:
         return Failure(Exit.BAD_DATA, f"{name}: no safekeeper gave a good copy: " + "; ".join(bad + unreachable))
     if unreachable and len(unreachable) * 2 >= n:
@@ -191,6 +237,9 @@ def _nowhere(name: str, unreachable: list[str], bad: list[str], n: int) -> Failu
             f"not found on the safekeepers that answered, and {len(unreachable)} of {n} did not"
         return Failure(Exit.UNREACHABLE, f"{name}: {head} (check --safekeeper-readers and that their reader "
                                          "ports run): " + "; ".join(unreachable))
+    if committed:
+        return Failure(Exit.MISSING, f"{name} is committed, but no safekeeper that answered holds it any more "
+                                     "(removed once archived: give --archive)")
     return Failure(Exit.NOT_FOUND, f"{name} does not exist on the safekeepers")
 
 
@@ -234,11 +283,14 @@ def _segment(s: RestoreWalSettings, name: str, tli: int, segno: int, seen: Seen)
         seg_size, system_id = holding[0].seg_size, holding[0].system_id
         start, end = segno * seg_size, (segno + 1) * seg_size
         whole = [a for a in holding if a.commit >= end]
+        ended: list[str] = []  # the timeline ends before the segment does: no segment has this name
         if whole:
-            got = _fetch(name, whole, start, end, tli, seg_size, system_id, bad, unreachable)
+            got = _fetch(name, whole, start, end, tli, seg_size, system_id, bad, unreachable, ended)
             if got is not None:
                 return got
-            raise _nowhere(name, unreachable, bad, len(addresses))
+            if ended and not bad:
+                raise Failure(Exit.NOT_FOUND, f"{name} does not exist: {ended[0]}")
+            raise _nowhere(name, unreachable, bad, len(addresses), committed=True)
         # The segment is not complete anywhere: the unfinished last one, or one not written yet.
         if len(answers) < majority:
             raise Failure(Exit.UNREACHABLE, f"{name}: only {len(answers)} of {len(addresses)} safekeepers "
@@ -250,18 +302,21 @@ def _segment(s: RestoreWalSettings, name: str, tli: int, segno: int, seen: Seen)
                                           f"{format_lsn(top)}, before the segment's start {format_lsn(start)}")
         ranked = sorted((a for a in holding if a.commit > start), key=lambda a: -a.commit)
         for a in ranked:
-            got = _fetch(name, [a], start, a.commit, tli, seg_size, system_id, bad, unreachable)
+            got = _fetch(name, [a], start, a.commit, tli, seg_size, system_id, bad, unreachable, ended)
             if got is not None:
                 if a.commit < top:
                     log.warning("served short: the safekeepers with more gave no good copy", file=name,
                                 end=format_lsn(a.commit), highest_commit=format_lsn(top))
                 return got + bytes(seg_size - len(got))
-        raise _nowhere(name, unreachable, bad, len(addresses))
+        if ended and not bad:
+            raise Failure(Exit.NOT_FOUND, f"{name} does not exist: {ended[0]}")
+        raise _nowhere(name, unreachable, bad, len(addresses), committed=True)
 
 
 def _fetch(name: str, candidates: list[Answer], start: int, end: int, tli: int, seg_size: int, system_id: int,
-           bad: list[str], unreachable: list[str]) -> bytes | None:
-    """[start, end) of timeline `tli` from the first candidate that gives a good copy; None if none does."""
+           bad: list[str], unreachable: list[str], ended_at: list[str]) -> bytes | None:
+    """[start, end) of timeline `tli` from the first candidate that gives a good copy; None if none does.
+    Why each did not goes to `bad`, `unreachable`, or `ended_at` (timeline `tli` ends inside the range)."""
     for a in candidates:
         where = str(a.address)
         try:
@@ -276,6 +331,8 @@ def _fetch(name: str, candidates: list[Answer], start: int, end: int, tli: int, 
                 why = (f"timeline {tli} ends at {format_lsn(ended.switch_lsn)}, inside the segment"
                        if ended is not None else e.message)
                 log.info("safekeeper does not hold it", file=name, safekeeper=where, reason=why)
+                if ended is not None or e.sqlstate == INVALID_PARAMETER:  # not in timeline `tli`: no such file
+                    ended_at.append(why)
                 continue
             log.warning("safekeeper failed", file=name, safekeeper=where, reason=e.message, sqlstate=e.sqlstate)
             bad.append(f"{where}: {e.message}")

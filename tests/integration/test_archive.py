@@ -204,9 +204,10 @@ def test_restore_wal_falls_back_to_the_archive_and_never_hands_out_a_partial(
     out = test_dir / "RECOVERYXLOG"
     primary = (d.pg.pg_wal_dir / removed).read_bytes()
 
-    # The safekeepers removed it: alone they do not have it; with --archive it comes from there, checked.
+    # The safekeepers removed it: alone they do not have it, and it is committed (missing, not "not
+    # there", which would end archive recovery before it); with --archive it comes from there, checked.
     only_safekeepers = restore_settings(d, s3).model_copy(update={"archive": None})
-    assert restore_wal(only_safekeepers, removed, out) == Exit.NOT_FOUND and not out.exists()
+    assert restore_wal(only_safekeepers, removed, out) == Exit.MISSING and not out.exists()
     assert restore_wal(restore_settings(d, s3), removed, out) == Exit.RESTORED
     assert out.read_bytes() == primary
     out.unlink()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shlex
 import shutil
+import signal
 from pathlib import Path
 
 import psycopg
@@ -22,6 +24,7 @@ from sidecar.cli import main
 from sidecar.config import RestoreWalSettings
 from sidecar.consensus.messages import TimelineEntry
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE, parse_lsn, segment_file_name
+from sidecar.pgcluster import ClusterError
 from sidecar.ops.restore import Exit, restore_wal
 from sidecar.walclient import ReaderError, WalReader, copy_wal
 
@@ -241,3 +244,52 @@ def test_walclient_and_restore_wal_against_postgresqls_own_walsender_after_a_pro
     assert restore_wal(s, seg, out) == Exit.RESTORED
     data = out.read_bytes()
     assert len(data) == SEG and data[:written] == (pg.pg_wal_dir / seg).read_bytes()[:written]
+
+
+def test_archive_recovery_stops_instead_of_opening_short_when_too_few_safekeepers_answer(
+        deployment: Deployment, test_dir: Path) -> None:
+    d = deployment
+    home = test_dir / "restored"
+    certs, passfile = postgres_owned(home, d)
+    restored = base_backup(home, d.pg.dsn())
+    writer = Writer(d.pg.dsn())
+    writer.start()
+    with d.sql() as c:
+        c.execute("INSERT INTO load SELECT -g, repeat('b', 300) FROM generate_series(1, 20000) g")
+    wait_for(lambda: len(writer.acked) >= 200, timeout=60, what="acknowledged single-row commits")
+    acked = writer.stop()
+    assert writer.error is None
+    wait_committed_everywhere(d, primary_end(d))
+    d.stop("proposer")
+    d.pg.crash()
+    shutil.rmtree(d.pg.data_dir)  # the primary's machine is gone
+
+    # One safekeeper stopped, another that takes connections and never answers: only one answers, too
+    # few to know where the committed WAL ends.
+    d.stop("safekeeper2")
+    silent = d.process("safekeeper3").pid
+    os.kill(silent, signal.SIGSTOP)
+    command = shlex.join(installed_argv("restore-wal", "%f", "%p", "--safekeeper-readers",
+                                        ",".join(str(a) for a in d.reader_addresses), "--certs-dir", str(certs),
+                                        "--reader-passfile", str(passfile), "--reader-timeout", "2",
+                                        "--retry-for", "3"))
+    try:
+        with pytest.raises(ClusterError):
+            recover(restored, command)
+        log = restored.log_text()
+        assert "FATAL:  could not restore file" in log and "child process exited with exit code 131" in log, \
+            log[-3000:]
+        assert "archive recovery complete" not in log and not restored.is_running(), log[-3000:]
+
+        # The safekeepers back, the same server started again: recovery goes on and opens with every commit.
+        os.kill(silent, signal.SIGCONT)
+        d.start("safekeeper2")
+        recover(restored, command)
+        with psycopg.connect(restored.dsn(), autocommit=True) as c:
+            ids = {r[0] for r in c.execute("SELECT id FROM load WHERE id > 0")}
+            assert c.execute("SELECT count(*) FROM load WHERE id < 0").fetchone()[0] == 20000
+        assert not set(acked) - ids, f"{len(set(acked) - ids)} acknowledged rows lost"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(silent, signal.SIGCONT)
+        restored.teardown()
