@@ -133,23 +133,27 @@ def postgres_owned(home: Path, d: Deployment) -> tuple[Path, Path]:
     return certs, passfile
 
 
+def workload_after_the_backup(d: Deployment, bulk_rows: int) -> tuple[list[int], int]:
+    """Single-row commits and a bulk load across segments, committed on every safekeeper: (acked ids, end)."""
+    writer = Writer(d.pg.dsn())
+    writer.start()
+    with d.sql() as c:
+        c.execute("INSERT INTO load SELECT -g, repeat('b', 300) FROM generate_series(1, %s) g", (bulk_rows,))
+    wait_for(lambda: len(writer.acked) >= 200, timeout=60, what="acknowledged single-row commits")
+    acked = writer.stop()
+    assert writer.error is None
+    end = primary_end(d)
+    wait_committed_everywhere(d, end)
+    return acked, end
+
+
 def test_a_wiped_primary_comes_back_from_a_base_backup_and_the_safekeepers(deployment: Deployment,
                                                                           test_dir: Path) -> None:
     d = deployment
     home = test_dir / "restored"
     certs, passfile = postgres_owned(home, d)
     restored = base_backup(home, d.pg.dsn())
-
-    # The workload after the backup: single-row commits and a bulk load across segments.
-    writer = Writer(d.pg.dsn())
-    writer.start()
-    with d.sql() as c:
-        c.execute("INSERT INTO load SELECT -g, repeat('b', 300) FROM generate_series(1, 50000) g")
-    wait_for(lambda: len(writer.acked) >= 200, timeout=60, what="acknowledged single-row commits")
-    acked = writer.stop()
-    assert writer.error is None
-    end = primary_end(d)
-    wait_committed_everywhere(d, end)
+    acked, end = workload_after_the_backup(d, 50000)
 
     # The primary's machine is gone.
     d.stop("proposer")
@@ -252,14 +256,7 @@ def test_archive_recovery_stops_instead_of_opening_short_when_too_few_safekeeper
     home = test_dir / "restored"
     certs, passfile = postgres_owned(home, d)
     restored = base_backup(home, d.pg.dsn())
-    writer = Writer(d.pg.dsn())
-    writer.start()
-    with d.sql() as c:
-        c.execute("INSERT INTO load SELECT -g, repeat('b', 300) FROM generate_series(1, 20000) g")
-    wait_for(lambda: len(writer.acked) >= 200, timeout=60, what="acknowledged single-row commits")
-    acked = writer.stop()
-    assert writer.error is None
-    wait_committed_everywhere(d, primary_end(d))
+    acked, _ = workload_after_the_backup(d, 20000)
     d.stop("proposer")
     d.pg.crash()
     shutil.rmtree(d.pg.data_dir)  # the primary's machine is gone
