@@ -236,7 +236,7 @@ def test_the_mode_comes_from_toml_too(tmp_path: Path) -> None:
     check = load(CheckSettings, {"pg_dsn": "host=x", "safekeepers": "a:1"}, conf)
     assert (start.link_security, check.link_security) == ("auth-only", "tls")  # type: ignore[attr-defined]
     conf.write_text('insecure = true\nlink_security = "auth-only"\n')
-    with pytest.raises(ConfigError, match=f"link_security in {conf}.*cannot be combined with --insecure"):
+    with pytest.raises(ConfigError, match=f"link_security in {conf}.*cannot be combined with insecure in {conf}"):
         load(StartSettings, {"pg_dsn": "host=x", "safekeepers": "a:1"}, conf)
     conf.write_text(f'certs_dir = "{tmp_path}"\nlink_security = "plaintext"\n')
     with pytest.raises(ConfigError, match="link_security"):
