@@ -38,7 +38,8 @@ from sidecar.safekeeper.pgserver import ReaderPort, ReaderServer
 from sidecar.safekeeper.positions import Positions, PositionWatch
 from sidecar.safekeeper.publish import Publisher
 from sidecar.safekeeper.remove import Remover
-from sidecar.safekeeper.slots import Slots
+from sidecar.readerauth import MOCK_SECRET_FILE, mock_secret
+from sidecar.safekeeper.slots import SlotLimits, Slots
 from sidecar.safekeeper import streamthread
 from sidecar.safekeeper.startup import open_data_dir
 from sidecar.safekeeper.storage import DiskFull, NoWal, StorageError, WalInDoubt, WalPin, WalStorage, is_disk_full
@@ -71,7 +72,8 @@ class Safekeeper:
     def __init__(self, node_id: int, data_dir: Path, host: str, port: int, security: linkauth.Security,
                  acceptor: Acceptor, storage: WalStorage | NoWal, stats: SafekeeperMetrics,
                  reader_port: ReaderPort | None = None, keep_wal: int | None = None,
-                 max_disk_usage: DiskLimit | None = None, archive: ArchiveOptions | None = None) -> None:
+                 max_disk_usage: DiskLimit | None = None, archive: ArchiveOptions | None = None,
+                 slot_limits: SlotLimits = SlotLimits()) -> None:
         self.node_id = node_id
         # Neither: --insecure, every connection may act as a proposer.
         self.ssl_context = security if isinstance(security, ssl.SSLContext) else None
@@ -83,14 +85,15 @@ class Safekeeper:
         self.storage = storage  # a NoWal until the first proposer's greeting gives the segment size
         self.stats = stats
         self.positions = PositionWatch(self._positions())
-        self.slots = Slots(data_dir)
+        self.slots = Slots(data_dir, slot_limits)
         # Removal (the archive's backup_lsn, or --keep-wal) and the disk guard (--max-disk-usage).
         self.guard = DiskGuard(max_disk_usage, data_dir)
         self.remover = Remover(self, self.guard, keep_wal, backup_lsn=lambda: self.acceptor.state.backup_lsn
                                if self.uploader is not None else None)
         self.slots.on_change = self.remover.wake
         # The reader port (--pg-listen): proposers learn it from the greeting (0: none).
-        self.readers = ReaderServer(self, reader_port) if reader_port is not None else None
+        self.readers = ReaderServer(self, reader_port, mock_secret=mock_secret(data_dir / MOCK_SECRET_FILE)) \
+            if reader_port is not None else None
         self.acceptor.reader_port = reader_port.port if reader_port is not None else 0
         self.uploader = uploader_for(self, archive.url, archive.s3_endpoint, archive.cluster, archive.takeover,
                                      stats.archived.inc) if archive is not None else None
@@ -118,7 +121,7 @@ class Safekeeper:
     def open(cls, node_id: int, data_dir: Path, host: str, port: int,
              security: linkauth.Security = None, reader_port: ReaderPort | None = None,
              keep_wal: int | None = None, max_disk_usage: DiskLimit | None = None,
-             archive: ArchiveOptions | None = None,
+             archive: ArchiveOptions | None = None, slot_limits: SlotLimits = SlotLimits(),
              peers: tuple[str, ...] = (), peer_security: linkauth.Security = None) -> Safekeeper:
         """Load the control file, check the stored WAL and find its end: a safekeeper ready to serve.
 
@@ -131,7 +134,7 @@ class Safekeeper:
         acceptor, storage = open_data_dir(node_id, data_dir, _disk_full_reporter(stats, log), log,
                                           peers_to_learn_from(len(peers) + 1) if peers else 0)
         sk = cls(node_id, data_dir, host, port, security, acceptor, storage, stats, reader_port,
-                 keep_wal, max_disk_usage, archive)
+                 keep_wal, max_disk_usage, archive, slot_limits)
         if acceptor.amnesic:
             sk.learner = TermLearner(acceptor, peers, peer_security, sk._persist_learned)
         return sk
