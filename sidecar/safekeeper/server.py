@@ -11,6 +11,7 @@ import termios
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -21,7 +22,7 @@ from sidecar.consensus.acceptor import (
     Acceptor, AcceptorAction, AcceptorError, AdoptTimeline, Persist, RecordEnd, Reply, Truncate, Write,
 )
 from sidecar.consensus.messages import (
-    Append, Elected, Greeting, InfoRequest, Message, Refusal, VoteReply, VoteRequest,
+    Append, Elected, Greeting, InfoReply, InfoRequest, Message, Refusal, VoteReply, VoteRequest,
 )
 from sidecar.consensus.quorum import peers_to_learn_from
 from sidecar.consensus.reading import ServerState
@@ -502,7 +503,11 @@ class Safekeeper:
             if type(a) is Write:
                 self.write_wal(a)
             elif type(a) is Reply:
-                framing.write(writer, _encode_own(a.message))
+                message = a.message
+                if type(message) is InfoReply:  # the core knows no slots: `check` reads them here
+                    message = replace(message, slot_wal_limit=self.slots.limits.max_wal_keep or 0,
+                                      slots=self.slots.holding(self.positions.value.flush_lsn))
+                framing.write(writer, _encode_own(message))
             else:
                 raise AssertionError(f"{type(a).__name__} needs the persist lock (see _execute_stateful)")
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sidecar.consensus.messages import SlotHold
 from sidecar.consensus.reading import ServerState, readable_end
 from sidecar.lsn import format_lsn, parse_lsn
 from sidecar.pgrepl import ReplicationProtocolError, check_slot_name, timeline_of
@@ -186,6 +187,11 @@ class Slots:
         if slot.temporary and self._slots.get(slot.name) is slot:
             del self._slots[slot.name]
             self.on_change()
+
+    def holding(self, flush_lsn: int) -> tuple[SlotHold, ...]:
+        """The slots that hold WAL or were invalidated, with what they hold behind `flush_lsn`, for `check`."""
+        return tuple(SlotHold(s.name, max(flush_lsn - s.holds, 0) if s.holds else 0, s.invalidated)
+                     for s in self if s.holds or s.invalidated)
 
     def invalidate_beyond(self, flush_lsn: int) -> list[tuple[Slot, int]]:
         """Invalidate the slots holding more than `limits.max_wal_keep` behind `flush_lsn`; each with what it held.
