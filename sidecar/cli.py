@@ -52,7 +52,7 @@ def safekeeper(s: SafekeeperSettings) -> None:
     from sidecar.safekeeper.control import ControlFileError
     from sidecar.safekeeper.monitor import SafekeeperMonitor
     from sidecar.safekeeper.server import Safekeeper, StartupError
-    from sidecar.safekeeper.slots import SlotsFileError
+    from sidecar.safekeeper.slots import SlotLimits, SlotsFileError
     from sidecar.sizes import DiskLimit, parse_size
     from sidecar.linkauth import client_security, server_security
     from sidecar.tls import TlsError
@@ -64,6 +64,9 @@ def safekeeper(s: SafekeeperSettings) -> None:
                              keep_wal=parse_size(s.keep_wal) if s.keep_wal else None,
                              max_disk_usage=DiskLimit.parse(s.max_disk_usage) if s.max_disk_usage else None,
                              archive=_archive(s),
+                             slot_limits=SlotLimits(s.max_reader_slots, s.max_slots_per_reader,
+                                                    parse_size(s.max_slot_wal_keep_size)
+                                                    if s.max_slot_wal_keep_size else None),
                              peers=s.peers, peer_security=client_security(s.certs_dir, s.link_security))
         sk.publisher = _publisher(s, sk)
         if sk.uploader is not None and sk.publisher is not None:
@@ -108,14 +111,15 @@ def _reader_port(s: SafekeeperSettings) -> Any:
     """The reader port's options from --pg-listen, --pg-auth-file and --certs-dir; None without --pg-listen."""
     from sidecar.readerauth import AuthFile
     from sidecar.safekeeper.pgserver import ReaderPort
-    from sidecar.tls import https_context
+    from sidecar.tls import reader_port_context, server_end_point
     if not s.pg_listen:
         return None
     host, port = parse_listen(s.pg_listen)
     auth = AuthFile(s.pg_auth_file) if s.pg_auth_file is not None else None
-    # Readers are libpq clients: TLS with the node certificate, no client certificate asked.
-    ssl_context = https_context(s.certs_dir) if s.certs_dir is not None else None
-    return ReaderPort(host, port, auth, s.insecure, ssl_context)
+    # Readers are libpq clients: TLS with the node certificate; a client certificate only marks a proposer.
+    if s.certs_dir is None:
+        return ReaderPort(host, port, auth, s.insecure)
+    return ReaderPort(host, port, auth, s.insecure, reader_port_context(s.certs_dir), server_end_point(s.certs_dir))
 
 
 def _archive(s: SafekeeperSettings) -> Any:

@@ -300,6 +300,14 @@ class SafekeeperSettings(ArchiveSettings, SafekeeperBrokerSettings, TlsSettings)
                                              "the flush position (10GB, 512MiB), unless a reader slot still needs "
                                              "them. Default: keep everything. Removed WAL then exists only on the "
                                              "other safekeepers and the primary.")
+    max_slot_wal_keep_size: Size = Field("10GB", description="WAL a reader slot may hold behind the flush "
+                                          "position, as PostgreSQL's max_slot_wal_keep_size: a slot further "
+                                          "behind is invalidated (it holds nothing and cannot be streamed from; "
+                                          "drop it and make it again), so that no reader can fill the disk.")
+    max_reader_slots: int = Field(100, ge=1, le=10_000, description="Reader slots this safekeeper keeps at most, "
+                                                                    "of all readers together.")
+    max_slots_per_reader: int = Field(10, ge=1, le=10_000, description="Reader slots one reader name (of "
+                                                                       "--pg-auth-file) may create.")
     peers: Safekeepers = Field((), description="The other safekeepers' --listen addresses (HOST:PORT,...). When "
                                              "the data directory is empty (new, or a lost disk), it votes only "
                                              "after N-Q+1 of them told their term, so it cannot vote twice in a "

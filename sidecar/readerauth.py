@@ -9,17 +9,23 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
+import hmac
 import os
 import re
 import secrets
 import stat
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from scramp import ScramMechanism
 
 MECHANISM = "SCRAM-SHA-256"
+MECHANISM_PLUS = "SCRAM-SHA-256-PLUS"  # with tls-server-end-point channel binding, over TLS only
 ITERATIONS = 4096  # PostgreSQL's default scram_iterations
+SALT_LENGTH = 32  # scramp's make_auth_info default, so the salts `readers add` writes
+MOCK_SECRET_FILE = "reader_mock_secret"
 _NAME = re.compile(r"[^\s:#]{1,63}")
 _VERIFIER = re.compile(r"SCRAM-SHA-256\$(\d{1,9}):([A-Za-z0-9+/=]+)\$([A-Za-z0-9+/=]+):([A-Za-z0-9+/=]+)")
 
@@ -61,11 +67,33 @@ def parse_verifier(text: str) -> Verifier:
     return Verifier(salt, stored, server, int(m[1]))
 
 
-def mock_verifier(user: str, nonce: bytes) -> Verifier:
-    """A verifier no password matches, stable for `user`: an unknown user is refused as a wrong password is."""
-    import hashlib
-    salt = hashlib.sha256(nonce + user.encode()).digest()[:16]
-    return Verifier(salt, secrets.token_bytes(32), secrets.token_bytes(32), ITERATIONS)
+def mock_verifier(user: str, secret: bytes, salt_length: int = SALT_LENGTH, iterations: int = ITERATIONS) -> Verifier:
+    """A verifier no password matches: an unknown user is refused as a wrong password is.
+
+    As PostgreSQL's scram_mock_salt: its salt is keyed by a secret (so no one can compute it), the
+    same for every probe of `user`, and of the real salts' length and iteration count, so that
+    server-first does not tell which names exist.
+    """
+    salt = b""
+    block = 0
+    while len(salt) < salt_length:
+        salt += hmac.new(secret, block.to_bytes(4, "big") + user.encode(), hashlib.sha256).digest()
+        block += 1
+    return Verifier(salt[:salt_length], secrets.token_bytes(32), secrets.token_bytes(32), iterations)
+
+
+def mock_secret(path: Path) -> bytes:
+    """The secret of the mock salts, made once and kept in `path` so that they survive restarts."""
+    from sidecar.safekeeper.storage import write_durably
+    try:
+        data = path.read_bytes()
+        if len(data) == 32:
+            return data
+    except FileNotFoundError:
+        pass
+    data = secrets.token_bytes(32)
+    write_durably(path, data)  # made 0600
+    return data
 
 
 def check_name(name: str) -> str:
@@ -170,3 +198,10 @@ class AuthFile:
 
     def lookup(self, name: str) -> Verifier | None:
         return self._verifiers.get(name)
+
+    def usual_shape(self) -> tuple[int, int]:
+        """The salt length and iteration count most verifiers have: what an unknown user's mock gets."""
+        if not self._verifiers:
+            return SALT_LENGTH, ITERATIONS
+        shapes = Counter((len(v.salt), v.iterations) for v in self._verifiers.values())
+        return shapes.most_common(1)[0][0]

@@ -45,6 +45,28 @@ def https_context(certs_dir: Path) -> ssl.SSLContext:
     return ctx
 
 
+def reader_port_context(certs_dir: Path) -> ssl.SSLContext:
+    """For the reader port: TLS with the node certificate; a client certificate from the CA is asked for,
+    not required (libpq readers log in with SCRAM), and only a proposer's may read above the commit."""
+    ctx = _context(ssl.PROTOCOL_TLS_SERVER, certs_dir)
+    ctx.verify_mode = ssl.CERT_OPTIONAL
+    return ctx
+
+
+def server_end_point(certs_dir: Path) -> bytes:
+    """RFC 5929 tls-server-end-point of the node certificate: its hash by its signature's hash, SHA-256 for
+    MD5 and SHA-1, as SCRAM-SHA-256-PLUS clients (libpq channel_binding) compute it."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    cert = x509.load_pem_x509_certificate(node_files(certs_dir)[1].read_bytes())
+    algorithm = cert.signature_hash_algorithm
+    if algorithm is None or isinstance(algorithm, (hashes.MD5, hashes.SHA1)):
+        algorithm = hashes.SHA256()
+    digest = hashes.Hash(algorithm)
+    digest.update(cert.public_bytes(serialization.Encoding.DER))
+    return digest.finalize()
+
+
 def node_files(certs_dir: Path) -> tuple[Path, Path, Path]:
     """ca.crt, node.crt and node.key of a certificates directory; TlsError saying how to make missing ones."""
     paths = (certs_dir / CA_CERT, certs_dir / NODE_CERT, certs_dir / NODE_KEY)

@@ -34,6 +34,7 @@ from sidecar.consensus.messages import (
     Greeting,
     GreetingReply,
     InfoReply,
+    SlotHold,
     InfoRequest,
     Message,
     Refusal,
@@ -120,6 +121,11 @@ _REFUSAL = Struct(">H")  # len(reason)
 _INFO_REPLY = Struct(">QQIIIQQQQBHQ")
 # Protocol version 1's InfoReply (no reader port, no backup_lsn): a client is told the safekeeper is older than it.
 _INFO_REPLY_V1_SIZE = _INFO_REPLY.size - 10
+# Then, optional (a safekeeper before reader-slot limits sends none): slot_wal_limit, len(slots); and
+# per slot its WAL held, invalidated, then its name as a u16-length string.
+_INFO_SLOTS = Struct(">QH")
+_INFO_SLOT = Struct(">QB")
+MAX_INFO_SLOTS = 1000
 # AuthResponse: nonce, then certificate, host and signature, each a u16 length and its bytes;
 # AuthConfirm: certificate and signature the same way.
 
@@ -210,6 +216,11 @@ def _check_info_reply(m: InfoReply) -> None:
     limits.check_lsn(m.commit_lsn, "commit LSN")
     limits.check_port(m.reader_port)
     limits.check_lsn(m.backup_lsn, "backup LSN")
+    limits.check_lsn(m.slot_wal_limit, "slot WAL limit")
+    if len(m.slots) > MAX_INFO_SLOTS:
+        raise ProtocolError(f"InfoReply: {len(m.slots)} slots exceed {MAX_INFO_SLOTS}")
+    for slot in m.slots:
+        limits.check_lsn(slot.wal_bytes, "slot WAL held")
 
 
 def _check_auth_challenge(m: AuthChallenge) -> None:
@@ -347,6 +358,10 @@ def _encode_info_reply(m: InfoReply) -> bytes:
     body = _INFO_REPLY.pack(m.node_id, m.system_id, m.wal_seg_size, m.pg_version, m.timeline, m.term,
                             m.last_log_term, m.flush_lsn, m.commit_lsn, 1 if m.proposer_connected else 0,
                             m.reader_port, m.backup_lsn)
+    if m.slot_wal_limit or m.slots:  # without them, the body an older safekeeper sends
+        body += _INFO_SLOTS.pack(m.slot_wal_limit, len(m.slots)) + b"".join(
+            _INFO_SLOT.pack(h.wal_bytes, 1 if h.invalidated else 0) + _blob(_utf8(h.name, "slot name"))
+            for h in m.slots)
     return _framed(TAG_INFO_REPLY, body)
 
 
@@ -577,10 +592,34 @@ def _decode_info_reply(body: Body) -> InfoReply:
     if len(body) == _INFO_REPLY_V1_SIZE:
         raise ProtocolError(f"the safekeeper speaks protocol version 1 (this walsidecar speaks {PROTOCOL_VERSION}): "
                             "upgrade it to this release")
-    _need_exact(body, _INFO_REPLY.size, "InfoReply")
+    _need_at_least(body, _INFO_REPLY.size, "InfoReply")
     *fields, connected, reader_port, backup = _INFO_REPLY.unpack_from(body)
+    limit, slots = 0, []
+    if len(body) > _INFO_REPLY.size:
+        _need_at_least(body, _INFO_REPLY.size + _INFO_SLOTS.size, "InfoReply")
+        limit, count = _INFO_SLOTS.unpack_from(body, _INFO_REPLY.size)
+        if count > MAX_INFO_SLOTS:
+            raise ProtocolError(f"InfoReply: {count} slots exceed {MAX_INFO_SLOTS}")
+        if not (limit or count):
+            raise ProtocolError("InfoReply: an empty slot report is sent as none")  # one encoding per message
+        at = _INFO_REPLY.size + _INFO_SLOTS.size
+        for _ in range(count):
+            _need_at_least(body, at + _INFO_SLOT.size + _U16.size, "InfoReply")
+            held, invalidated = _INFO_SLOT.unpack_from(body, at)
+            (length,) = _U16.unpack_from(body, at + _INFO_SLOT.size)
+            at += _INFO_SLOT.size + _U16.size
+            _need_at_least(body, at + length, "InfoReply")
+            try:
+                name = str(body[at:at + length], "utf-8")
+            except UnicodeDecodeError as e:
+                raise ProtocolError(f"InfoReply: slot name is not UTF-8 ({e})") from None
+            slots.append(SlotHold(name, held, _bool(invalidated, "invalidated", "InfoReply")))
+            at += length
+        _no_trailing(body, at, "InfoReply")
+    else:
+        _need_exact(body, _INFO_REPLY.size, "InfoReply")
     m = InfoReply(*fields, proposer_connected=_bool(connected, "proposer_connected", "InfoReply"),
-                  reader_port=reader_port, backup_lsn=backup)
+                  reader_port=reader_port, backup_lsn=backup, slot_wal_limit=limit, slots=tuple(slots))
     _check_info_reply(m)
     return m
 

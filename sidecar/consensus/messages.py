@@ -142,6 +142,18 @@ class InfoReply:
     proposer_connected: bool
     reader_port: int = 0  # where it serves WAL to readers (0: nowhere)
     backup_lsn: int = 0  # the archive holds every segment below it
+    # Reader slots holding WAL, and the bound on what one may hold (--max-slot-wal-keep-size; 0: none).
+    slot_wal_limit: int = 0
+    slots: tuple[SlotHold, ...] = ()
+
+
+@dataclass(frozen=True)
+class SlotHold:
+    """A reader slot in an InfoReply: how much WAL behind the flush it holds, or that it was invalidated."""
+
+    name: str
+    wal_bytes: int
+    invalidated: bool = False
 
 
 @dataclass(frozen=True)

@@ -84,8 +84,9 @@ class ReadCursor:
     def __init__(self, start_lsn: int, timeline: int, s: ServerState, term: int = 0) -> None:
         """Check the request against `s`; raise ReadRefused when it cannot be served."""
         if term and term != s.term:
-            raise ReadRefused(f"this safekeeper is at term {s.term}, not {term}: the reader's term has ended",
-                              NOT_IN_PREREQUISITE)
+            # Not which term it is: a reader guessing terms learns nothing from the refusal.
+            raise ReadRefused(f"term {term} is not this safekeeper's current term: the reader's term has ended "
+                              "or has not begun", NOT_IN_PREREQUISITE)
         tli = timeline or s.timeline
         if tli != s.timeline and timeline_end(s.history, s.timeline, tli) is None:
             raise ReadRefused(f"requested timeline {tli} is not in this server's history "

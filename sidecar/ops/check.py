@@ -364,12 +364,37 @@ class Checker:
         q, n = self.s.quorum or len(self.s.safekeepers) // 2 + 1, len(self.s.safekeepers)
         self._lineage([r for r in replies if isinstance(r, InfoReply) and r.system_id == self.system_id])
         self._archive([r for r in replies if isinstance(r, InfoReply) and r.system_id and r.wal_seg_size])
+        for addr, r in zip(self.s.safekeepers, replies):
+            if isinstance(r, InfoReply):
+                self._reader_slots(addr, r)
         if good >= q:
             self.add(_ok("safekeeper quorum", f"{good} of {n} usable, quorum {q}"))
         else:
             self.add(_fail("safekeeper quorum", f"only {good} of {n} usable, quorum {q}: commits wait",
                            f"start or repair safekeepers (see the lines above) until {q} of {n} answer with this "
                            "primary's system id"))
+
+    def _reader_slots(self, addr: str, r: InfoReply) -> None:
+        """What the reader slots hold on one safekeeper: WARNING at half --max-slot-wal-keep-size, FAILED at it."""
+        if not r.slots:
+            return
+        name = f"safekeeper {addr} reader slots"
+        limit = r.slot_wal_limit
+        held = ", ".join(f"{h.name} invalidated" if h.invalidated else f"{h.name} holds {h.wal_bytes} bytes"
+                         for h in sorted(r.slots, key=lambda h: (not h.invalidated, -h.wal_bytes)))
+        detail = f"{held}; --max-slot-wal-keep-size {limit or 'unlimited'}"
+        drop = ("a reader stopped advancing its slot: let its standby stream again, or drop the slot "
+                "(DROP_REPLICATION_SLOT NAME on the reader port, or walsidecar readers slot drop)")
+        most = max(h.wal_bytes for h in r.slots)
+        if any(h.invalidated for h in r.slots):
+            self.add(_fail(name, detail, "an invalidated slot holds no WAL and its reader cannot stream with it: "
+                                         "drop it and make it again, then rebuild that standby from a base backup"))
+        elif limit and most >= limit:
+            self.add(_fail(name, detail, drop))
+        elif limit and most >= limit // 2:
+            self.add(_warn(name, detail, drop))
+        else:
+            self.add(_ok(name, detail))
 
     def _lineage(self, replies: list[InfoReply]) -> None:
         """Is this the primary the safekeepers' WAL came from, or an old one back after a failover?"""

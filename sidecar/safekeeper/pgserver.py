@@ -1,11 +1,13 @@
 """The reader port: PostgreSQL's replication protocol for pg_receivewal, standbys and restore-wal.
 
 One connection: SSLRequest (TLS with the node certificate under --certs-dir), the startup packet
-(replication=true), SCRAM-SHA-256 against the --pg-auth-file verifiers, then replication commands
+(replication=true), SCRAM-SHA-256 against the --pg-auth-file verifiers (SCRAM-SHA-256-PLUS, bound to
+the TLS channel, offered too over TLS), then replication commands
 (sidecar/pgrepl.py) until the reader leaves. START_REPLICATION hands over to walsender.py. A
 command that fails gets an ERROR and the connection stays usable; bytes that are not the protocol
 get a FATAL and the connection is closed. The startup phase has a deadline and the number of
-readers a cap, so strangers cannot hold the port.
+readers a cap, so strangers cannot hold the port. Reading above the commit position (TERM t) is for
+the proposer's recovery and `failover` alone: a connection with a proposer's client certificate.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from typing import Any, Protocol
 from scramp import ScramException, ScramMechanism
 
 from sidecar import pgrepl, pgwire, tls
+from sidecar.certs import Identity
 from sidecar.address import cannot_listen
 from sidecar.consensus.reading import ReadRefused, ServerState, readable_end
 from sidecar.logs import get_logger
 from sidecar.lsn import format_lsn
-from sidecar.readerauth import MECHANISM, AuthFile, AuthFileError, Verifier, mock_verifier
+from sidecar.readerauth import MECHANISM, MECHANISM_PLUS, AuthFile, AuthFileError, Verifier, mock_verifier
 from sidecar.safekeeper.positions import PositionWatch
 from sidecar.safekeeper.slots import Slot, SlotError, Slots, reserve_from
 from sidecar.safekeeper.walsender import StreamEnded, WalSender
@@ -48,6 +51,8 @@ class ReaderPort:
     auth: AuthFile | None
     insecure: bool = False
     ssl_context: ssl.SSLContext | None = None
+    # RFC 5929 tls-server-end-point of the node certificate (tls.server_end_point): SCRAM-SHA-256-PLUS is offered.
+    server_end_point: bytes | None = None
 
 
 class Served(Protocol):
@@ -103,7 +108,7 @@ class ReaderServer:
     """The reader port of one safekeeper."""
 
     def __init__(self, sk: Served, options: ReaderPort, *, startup_timeout: float = AUTHENTICATION_TIMEOUT,
-                 max_readers: int = MAX_READERS) -> None:
+                 max_readers: int = MAX_READERS, mock_secret: bytes | None = None) -> None:
         self.sk = sk
         self.options = options
         self.startup_timeout = startup_timeout
@@ -112,7 +117,8 @@ class ReaderServer:
         self.connections: set[Connection] = set()
         self._server: asyncio.Server | None = None
         self.port = options.port
-        self.mock_nonce = secrets.token_bytes(16)  # salts of unknown users: stable per process, unguessable
+        # Keys unknown users' salts (readerauth.mock_verifier); the safekeeper keeps one in its data directory.
+        self.mock_secret = mock_secret if mock_secret is not None else secrets.token_bytes(32)
 
     async def start(self) -> None:
         """Bind the port; OSError saying which address and why when it cannot be."""
@@ -167,6 +173,7 @@ class Connection:
         self.user = ""
         self.streaming = False
         self.temporary: list[Slot] = []
+        self.identity: Identity | None = None  # the verified client certificate's role, if one was sent
 
     async def serve(self) -> None:
         try:
@@ -223,6 +230,7 @@ class Connection:
                 await self.writer.drain()
                 await self.writer.start_tls(o.ssl_context, ssl_handshake_timeout=tls.HANDSHAKE_TIMEOUT)
                 encrypted = True
+                self.identity = tls.peer_role(self.writer)
                 continue
             if isinstance(packet, pgwire.GssEncRequest) and not encrypted:
                 self.writer.write(pgwire.SSL_REFUSE)
@@ -246,16 +254,16 @@ class Connection:
             raise Fatal(f"{what} is not served here: a safekeeper serves physical replication only",
                         pgwire.FEATURE_NOT_SUPPORTED if "replication" in params else pgwire.INVALID_AUTHORIZATION,
                         hint="connect with replication=true (pg_receivewal, a standby's primary_conninfo)")
-        await self._authenticate()
+        await self._authenticate(encrypted)
         self.writer.write(pgwire.auth_ok() + b"".join(
             pgwire.parameter_status(k, params.get("application_name", "") if k == "application_name" else v)
             for k, v in _PARAMETERS) + pgwire.backend_key_data(os.getpid(), secrets.randbits(32))
             + pgwire.ready_for_query())
         await self.writer.drain()
-        self.log.info("reader connected", tls=encrypted)
+        self.log.info("reader connected", tls=encrypted, cert_role=self.identity.role if self.identity else None)
         return True
 
-    async def _authenticate(self) -> None:
+    async def _authenticate(self, encrypted: bool) -> None:
         o = self.server.options
         if o.auth is None:
             if o.insecure:
@@ -269,16 +277,24 @@ class Connection:
             self.log.error("reader auth file unusable; refusing readers", error=str(e))
             raise Fatal("reader authentication is unavailable on this safekeeper (see its log)",
                         pgwire.INVALID_AUTHORIZATION) from None
-        verifier: Verifier = o.auth.lookup(self.user) or mock_verifier(self.user, self.server.mock_nonce)
-        known = o.auth.lookup(self.user) is not None
-        self.writer.write(pgwire.auth_sasl([MECHANISM]))
+        found = o.auth.lookup(self.user)
+        verifier: Verifier = found or mock_verifier(self.user, self.server.mock_secret, *o.auth.usual_shape())
+        known = found is not None
+        # As PostgreSQL over SSL: the channel-bound mechanism first, the plain one for clients without it.
+        plus = o.server_end_point if encrypted else None
+        self.writer.write(pgwire.auth_sasl([MECHANISM_PLUS, MECHANISM] if plus else [MECHANISM]))
         await self.writer.drain()
         failed = Fatal(f'password authentication failed for user "{self.user}"', pgwire.INVALID_PASSWORD)
         mechanism, first = pgwire.parse_sasl_initial(await self._password_packet())
-        if mechanism != MECHANISM:
+        if mechanism not in ((MECHANISM_PLUS, MECHANISM) if plus else (MECHANISM,)):
             raise Fatal(f"client selected an invalid SASL authentication mechanism {mechanism!r}",
                         pgwire.PROTOCOL_VIOLATION)
-        scram = ScramMechanism(MECHANISM).make_server(lambda _name: verifier.auth_info())
+        if plus and mechanism == MECHANISM and first.startswith(b"y"):
+            # The client can bind and believes the server cannot: someone removed PLUS from the offer.
+            raise Fatal("SCRAM channel binding negotiation error: the client supports it, and it was offered",
+                        pgwire.PROTOCOL_VIOLATION)
+        binding = ("tls-server-end-point", plus) if mechanism == MECHANISM_PLUS else None
+        scram = ScramMechanism(mechanism).make_server(lambda _name: verifier.auth_info(), channel_binding=binding)
         try:
             scram_client_first(scram, first.decode())
             self.writer.write(pgwire.auth_sasl_continue(scram.get_server_first().encode()))
@@ -288,7 +304,8 @@ class Connection:
                 raise failed
             self.writer.write(pgwire.auth_sasl_final(scram.get_server_final().encode()))
         except (ScramException, UnicodeDecodeError) as e:
-            self.log.warning("reader authentication failed", reason=str(e) if known else "unknown user")
+            self.log.warning("reader authentication failed", reason=str(e) if known else "unknown user",
+                             mechanism=mechanism)
             raise failed from None
 
     async def _password_packet(self) -> bytes:
@@ -345,7 +362,7 @@ class Connection:
             case pgrepl.CreateReplicationSlot():
                 await self._create_slot(cmd)
             case pgrepl.DropReplicationSlot():
-                await self.sk.slots.drop(cmd.slot)
+                await self.sk.slots.drop(cmd.slot, owner=self)
                 self.writer.write(pgwire.command_complete("DROP_REPLICATION_SLOT"))
             case pgrepl.StartReplication():
                 await self._start_replication(cmd)
@@ -393,26 +410,40 @@ class Connection:
     def _read_slot(self, name: str) -> None:
         slot = self.sk.slots.get(name)
         row: tuple[str | None, ...] = (None, None, None)
-        if slot is not None:
-            row = ("physical", format_lsn(slot.restart_lsn) if slot.restart_lsn else None,
-                   str(slot.timeline) if slot.restart_lsn else None)
+        if slot is not None:  # an invalidated slot has no restart_lsn, as in PostgreSQL
+            row = ("physical", format_lsn(slot.holds) if slot.holds else None,
+                   str(slot.timeline) if slot.holds else None)
         self.writer.write(pgwire.result([("slot_type", pgwire.TEXT_OID), ("restart_lsn", pgwire.TEXT_OID),
                                          ("restart_tli", pgwire.INT8_OID)], [row], "READ_REPLICATION_SLOT"))
 
     async def _create_slot(self, cmd: pgrepl.CreateReplicationSlot) -> None:
         lsn, timeline = reserve_from(self.sk.reader_state()) if cmd.reserve_wal else (0, 0)
-        slot = await self.sk.slots.create(cmd.slot, cmd.temporary, lsn, timeline)
+        slot = await self.sk.slots.create(cmd.slot, cmd.temporary, lsn, timeline, reader=self.user, owner=self)
         if cmd.temporary:
             self.temporary.append(slot)
-        self.log.info("slot created", slot=cmd.slot, temporary=cmd.temporary,
+        self.log.info("slot created", slot=cmd.slot, temporary=cmd.temporary, reader=self.user,
                       restart_lsn=format_lsn(lsn) if lsn else None)
         self.writer.write(pgwire.result(
             [("slot_name", pgwire.TEXT_OID), ("consistent_point", pgwire.TEXT_OID), ("snapshot_name", pgwire.TEXT_OID),
              ("output_plugin", pgwire.TEXT_OID)], [(cmd.slot, format_lsn(lsn), None, None)],
             "CREATE_REPLICATION_SLOT"))
 
+    def _may_read_above_commit(self) -> bool:
+        """TERM t: the proposer's certificate; or a port without TLS (--insecure), where anyone may act as the
+        proposer on the consensus port too, so that the check would protect nothing."""
+        o = self.server.options
+        if o.ssl_context is None:
+            return o.insecure
+        return self.identity is not None and self.identity.role == "proposer"
+
     async def _start_replication(self, cmd: pgrepl.StartReplication) -> None:
-        slot = self.sk.slots.acquire(cmd.slot) if cmd.slot else None
+        if cmd.term and not self._may_read_above_commit():
+            # Refused before the term is compared, so that guessing learns nothing about it.
+            raise CommandError("START_REPLICATION ... TERM (reading above the commit position) is for the "
+                               "proposer only", "42501",
+                               hint="connect over TLS with a proposer certificate (sslcert, sslkey), as "
+                                    "`walsidecar start` and `failover` do with their --certs-dir")
+        slot = self.sk.slots.acquire(cmd.slot, owner=self) if cmd.slot else None
         sender = WalSender(self.sk, self.writer, self._message, cmd, slot, self.sk.slots,
                            self.log.bind(command="START_REPLICATION"))
         self.streaming = True
@@ -420,9 +451,9 @@ class Connection:
             await sender.run()
         finally:
             self.streaming = False
-            if slot is not None and slot not in self.temporary:
+            if slot is not None and not slot.temporary:
                 self.sk.slots.release(slot)
             elif slot is not None:
-                slot.active = False
+                slot.active = False  # a temporary slot stays its connection's until that ends
             self.log.info("stream finished", sent_bytes=sender.sent_bytes,
                           slot_lsn=format_lsn(slot.restart_lsn) if slot is not None and slot.restart_lsn else None)

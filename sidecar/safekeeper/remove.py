@@ -60,7 +60,7 @@ class Remover:
         st = self.sk.storage
         if not isinstance(st, WalStorage):
             return Horizon(0, "nothing stored yet")
-        slots = {s.name: s.restart_lsn for s in self.sk.slots if s.restart_lsn}  # 0: no WAL reserved
+        slots = {s.name: s.holds for s in self.sk.slots if s.holds}  # 0: no WAL reserved, or invalidated
         return removal_horizon(flush_lsn=p.flush_lsn, commit_lsn=p.commit_lsn, seg_size=st.seg_size,
                                backup_lsn=self.backup_lsn(), slot_lsns=slots, keep_bytes=self.keep_bytes)
 
@@ -74,7 +74,16 @@ class Remover:
             await self._next(p)
 
     async def pass_once(self, p: Positions) -> None:
-        """Remove what the horizon allows now, then let the guard measure."""
+        """Invalidate slots beyond --max-slot-wal-keep-size, remove what the horizon allows now, then let the guard measure."""
+        invalidated = self.sk.slots.invalidate_beyond(p.flush_lsn)
+        for slot, held in invalidated:
+            self.sk.log.warning("reader slot invalidated: it held more WAL than --max-slot-wal-keep-size",
+                                slot=slot.name, reader=slot.reader or None, restart_lsn=format_lsn(slot.restart_lsn),
+                                flush_lsn=format_lsn(p.flush_lsn), held_bytes=held,
+                                max_slot_wal_keep_size=self.sk.slots.limits.max_wal_keep, term=p.term)
+        if invalidated:
+            # On disk before what it held goes: after a crash it must not come back holding WAL that is gone.
+            await self.sk.slots.save()
         h = self.horizon = self.compute(p)
         st = self.sk.storage
         removal = Removal([])

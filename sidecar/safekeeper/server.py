@@ -11,6 +11,7 @@ import termios
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -21,7 +22,7 @@ from sidecar.consensus.acceptor import (
     Acceptor, AcceptorAction, AcceptorError, AdoptTimeline, Persist, RecordEnd, Reply, Truncate, Write,
 )
 from sidecar.consensus.messages import (
-    Append, Elected, Greeting, InfoRequest, Message, Refusal, VoteReply, VoteRequest,
+    Append, Elected, Greeting, InfoReply, InfoRequest, Message, Refusal, VoteReply, VoteRequest,
 )
 from sidecar.consensus.quorum import peers_to_learn_from
 from sidecar.consensus.reading import ServerState
@@ -38,7 +39,8 @@ from sidecar.safekeeper.pgserver import ReaderPort, ReaderServer
 from sidecar.safekeeper.positions import Positions, PositionWatch
 from sidecar.safekeeper.publish import Publisher
 from sidecar.safekeeper.remove import Remover
-from sidecar.safekeeper.slots import Slots
+from sidecar.readerauth import MOCK_SECRET_FILE, mock_secret
+from sidecar.safekeeper.slots import SlotLimits, Slots
 from sidecar.safekeeper import streamthread
 from sidecar.safekeeper.startup import open_data_dir
 from sidecar.safekeeper.storage import DiskFull, NoWal, StorageError, WalInDoubt, WalPin, WalStorage, is_disk_full
@@ -71,7 +73,8 @@ class Safekeeper:
     def __init__(self, node_id: int, data_dir: Path, host: str, port: int, security: linkauth.Security,
                  acceptor: Acceptor, storage: WalStorage | NoWal, stats: SafekeeperMetrics,
                  reader_port: ReaderPort | None = None, keep_wal: int | None = None,
-                 max_disk_usage: DiskLimit | None = None, archive: ArchiveOptions | None = None) -> None:
+                 max_disk_usage: DiskLimit | None = None, archive: ArchiveOptions | None = None,
+                 slot_limits: SlotLimits = SlotLimits()) -> None:
         self.node_id = node_id
         # Neither: --insecure, every connection may act as a proposer.
         self.ssl_context = security if isinstance(security, ssl.SSLContext) else None
@@ -83,14 +86,15 @@ class Safekeeper:
         self.storage = storage  # a NoWal until the first proposer's greeting gives the segment size
         self.stats = stats
         self.positions = PositionWatch(self._positions())
-        self.slots = Slots(data_dir)
+        self.slots = Slots(data_dir, slot_limits)
         # Removal (the archive's backup_lsn, or --keep-wal) and the disk guard (--max-disk-usage).
         self.guard = DiskGuard(max_disk_usage, data_dir)
         self.remover = Remover(self, self.guard, keep_wal, backup_lsn=lambda: self.acceptor.state.backup_lsn
                                if self.uploader is not None else None)
         self.slots.on_change = self.remover.wake
         # The reader port (--pg-listen): proposers learn it from the greeting (0: none).
-        self.readers = ReaderServer(self, reader_port) if reader_port is not None else None
+        self.readers = ReaderServer(self, reader_port, mock_secret=mock_secret(data_dir / MOCK_SECRET_FILE)) \
+            if reader_port is not None else None
         self.acceptor.reader_port = reader_port.port if reader_port is not None else 0
         self.uploader = uploader_for(self, archive.url, archive.s3_endpoint, archive.cluster, archive.takeover,
                                      stats.archived.inc) if archive is not None else None
@@ -118,7 +122,7 @@ class Safekeeper:
     def open(cls, node_id: int, data_dir: Path, host: str, port: int,
              security: linkauth.Security = None, reader_port: ReaderPort | None = None,
              keep_wal: int | None = None, max_disk_usage: DiskLimit | None = None,
-             archive: ArchiveOptions | None = None,
+             archive: ArchiveOptions | None = None, slot_limits: SlotLimits = SlotLimits(),
              peers: tuple[str, ...] = (), peer_security: linkauth.Security = None) -> Safekeeper:
         """Load the control file, check the stored WAL and find its end: a safekeeper ready to serve.
 
@@ -131,7 +135,7 @@ class Safekeeper:
         acceptor, storage = open_data_dir(node_id, data_dir, _disk_full_reporter(stats, log), log,
                                           peers_to_learn_from(len(peers) + 1) if peers else 0)
         sk = cls(node_id, data_dir, host, port, security, acceptor, storage, stats, reader_port,
-                 keep_wal, max_disk_usage, archive)
+                 keep_wal, max_disk_usage, archive, slot_limits)
         if acceptor.amnesic:
             sk.learner = TermLearner(acceptor, peers, peer_security, sk._persist_learned)
         return sk
@@ -499,7 +503,11 @@ class Safekeeper:
             if type(a) is Write:
                 self.write_wal(a)
             elif type(a) is Reply:
-                framing.write(writer, _encode_own(a.message))
+                message = a.message
+                if type(message) is InfoReply:  # the core knows no slots: `check` reads them here
+                    message = replace(message, slot_wal_limit=self.slots.limits.max_wal_keep or 0,
+                                      slots=self.slots.holding(self.positions.value.flush_lsn))
+                framing.write(writer, _encode_own(message))
             else:
                 raise AssertionError(f"{type(a).__name__} needs the persist lock (see _execute_stateful)")
 

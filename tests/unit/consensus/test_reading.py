@@ -57,7 +57,7 @@ def test_a_reader_of_the_current_term_reads_up_to_the_flush_while_the_term_lasts
     with pytest.raises(ReadRefused) as e:
         c.next(replace(S, term=4))
     assert e.value.sqlstate == NOT_IN_PREREQUISITE
-    with pytest.raises(ReadRefused, match="not 2") as e:
+    with pytest.raises(ReadRefused, match="term 2 is not this safekeeper.s current term") as e:
         ReadCursor(SEG, 0, S, term=2)
     assert e.value.sqlstate == NOT_IN_PREREQUISITE
 

@@ -242,3 +242,141 @@ def test_the_auth_file_is_read_again_when_it_changes(tmp_path: Path) -> None:
         kind, body = await refused.message()
         assert kind == b"E" and error_of(body)["C"] == "28000"
     serve(tmp_path, test)
+
+
+async def server_first(c: Client, user: str) -> str:
+    """The salt an AuthenticationSASLContinue gives `user`, before any proof."""
+    c.startup(user=user, replication="true")
+    await c.message()
+    first = b"n,,n=,r=abcdefghijklmnopqrstuvwx"
+    c.send(b"p", b"SCRAM-SHA-256\0" + struct.pack(">I", len(first)) + first)
+    kind, body = await c.message()
+    assert kind == b"R" and body[:4] == b"\0\0\0\x0b"
+    fields = dict(f.split("=", 1) for f in body[4:].decode().split(","))
+    return f"{fields['s']} i={fields['i']}"
+
+
+def test_server_first_does_not_tell_which_names_exist(tmp_path: Path) -> None:
+    salts: dict[str, list[str]] = {}
+
+    async def test(server: ReaderServer, sk: Standin) -> None:
+        for user in ("reader", "nosuchuser", "reader", "nosuchuser", "admin"):
+            salts.setdefault(user, []).append(await server_first(await Client.connect(server.port), user))
+    serve(tmp_path, test)
+    shapes = {user: {(len(s.split()[0]), s.split()[1]) for s in got} for user, got in salts.items()}
+    assert shapes["nosuchuser"] == shapes["admin"] == shapes["reader"]  # same length and iteration count
+    assert len(set(salts["nosuchuser"])) == 1  # a repeated probe sees what a real name shows: one salt
+    assert salts["nosuchuser"][0] != salts["admin"][0]
+    # The same secret (the safekeeper keeps it in its data directory): the same salts after a restart.
+    runs: list[str] = []
+
+    async def probe(server: ReaderServer, sk: Standin) -> None:
+        runs.append(await server_first(await Client.connect(server.port), "nosuchuser"))
+    for attempt in ("first", "restarted"):
+        serve(tmp_path / attempt, probe, mock_secret=b"k" * 32)
+    assert runs[0] == runs[1]
+
+
+def test_a_temporary_slot_is_its_connections_and_its_end_removes_only_that_slot(tmp_path: Path) -> None:
+    async def test(server: ReaderServer, sk: Standin) -> None:
+        a, b = await Client.connect(server.port), await Client.connect(server.port)
+        await a.login("secret")
+        await b.login("secret")
+        a.query("CREATE_REPLICATION_SLOT x TEMPORARY PHYSICAL RESERVE_WAL")
+        assert (await a.until(b"Z"))[-2][0] == b"C"
+        for command in ("DROP_REPLICATION_SLOT x", "START_REPLICATION SLOT x PHYSICAL 0/1000000"):
+            b.query(command)
+            got = await b.until(b"Z")
+            assert got[0][0] == b"E" and error_of(got[0][1])["C"] == "55006", command
+        a.query("DROP_REPLICATION_SLOT x")  # its own connection may
+        assert (await a.until(b"Z"))[0][0] == b"C"
+        b.query("CREATE_REPLICATION_SLOT x PHYSICAL RESERVE_WAL")
+        assert (await b.until(b"Z"))[-2][0] == b"C"
+        a.send(b"X")
+        a.writer.close()
+        await until(lambda: len(server.connections) == 1, "the temporary slot's connection to end")
+        slot = sk.slots.get("x")
+        assert slot is not None and not slot.temporary  # b's slot is still there
+    serve(tmp_path, test)
+
+
+async def stream_end(c: Client, query: str) -> tuple[bytes, bytes]:
+    """The error of `query`, or the end of the first XLogData it streams."""
+    c.query(query)
+    kind, body = await c.message()
+    if kind == b"E":
+        await c.until(b"Z")
+        return b"E", body
+    assert kind == b"W"
+    msg = pgrepl.parse_copy_data((await c.message())[1])
+    return b"d", b"%d" % (msg.start + len(msg.data))
+
+
+def test_a_password_reader_cannot_read_above_the_commit_nor_learn_the_term(tmp_path: Path) -> None:
+    async def test(server: ReaderServer, sk: Standin) -> None:
+        for term in (3, 99):  # the safekeeper's term, and a guess
+            c = await Client.connect(server.port)
+            await c.login("secret")
+            kind, body = await stream_end(c, f"START_REPLICATION PHYSICAL 0/{SEG + 4000:X} TIMELINE 2 TERM {term}")
+            assert kind == b"E", f"TERM {term} was served to a password reader: WAL up to {body!r}"
+            error = error_of(body)
+            assert error["C"] == "42501" and "term 3" not in error["M"] and " 3" not in error["M"]
+    serve(tmp_path, test)
+
+
+def test_a_wrong_term_is_refused_without_the_current_one() -> None:
+    from sidecar.consensus.reading import ReadCursor, ReadRefused
+    s = ServerState(3, SEG + 5000, SEG + 4000, 0, 1, (), SEG)
+    with pytest.raises(ReadRefused) as e:
+        ReadCursor(SEG, 1, s, term=99)
+    assert "3" not in str(e.value).replace("99", "")
+
+
+def test_over_tls_a_proposer_certificate_reads_above_the_commit_and_channel_binding_is_offered(
+        tmp_path: Path, pki) -> None:  # noqa: ANN001 - the session's TestPKI
+    import types
+
+    import psycopg
+
+    from sidecar import tls
+    from sidecar.address import Address
+    from sidecar.walclient import ReaderError, WalReader, reader_conninfo
+
+    passfile = tmp_path / "pgpass"
+    passfile.write_text("*:*:*:reader:secret\n")
+    passfile.chmod(0o600)
+    auth = tmp_path / "readers.auth"
+    readerauth.add(auth, "reader", "secret")
+    server_dir = pki.certs("safekeeper", 1)
+
+    def creds(role: str) -> types.SimpleNamespace:
+        return types.SimpleNamespace(reader_user="reader", reader_passfile=passfile, certs_dir=pki.certs(role),
+                                     insecure=False, reader_timeout=10.0)
+
+    def read_above_commit(port: int, role: str) -> int | str:
+        try:
+            with WalReader(Address("127.0.0.1", port), creds(role)) as r:
+                return max(lsn + len(data) for lsn, data in r.stream(SEG + 4000, timeline=2, term=3,
+                                                                     stop_at=SEG + 5000))
+        except ReaderError as e:
+            return f"{e.sqlstate}: {e}"
+
+    def bound(port: int) -> str:
+        conninfo = reader_conninfo(Address("127.0.0.1", port), creds("client"), channel_binding="require")
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            return conn.pgconn.parameter_status(b"server_version").decode()
+
+    async def main() -> None:
+        sk = Standin(tmp_path)
+        options = ReaderPort("127.0.0.1", 0, AuthFile(auth), ssl_context=tls.reader_port_context(server_dir),
+                             server_end_point=tls.server_end_point(server_dir))
+        server = ReaderServer(sk, options)
+        await server.start()
+        try:
+            assert await asyncio.to_thread(read_above_commit, server.port, "proposer") == SEG + 5000
+            refused = await asyncio.to_thread(read_above_commit, server.port, "client")
+            assert isinstance(refused, str) and refused.startswith("42501")
+            assert (await asyncio.to_thread(bound, server.port)).startswith("15.")
+        finally:
+            await server.close()
+    run(main(), timeout=60)

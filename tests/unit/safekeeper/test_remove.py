@@ -16,7 +16,7 @@ from sidecar.metrics import SafekeeperMetrics
 from sidecar.safekeeper.diskguard import DiskGuard
 from sidecar.safekeeper.positions import Positions, PositionWatch
 from sidecar.safekeeper.remove import Remover
-from sidecar.safekeeper.slots import Slots
+from sidecar.safekeeper.slots import SlotError, SlotLimits, Slots
 from sidecar.safekeeper.storage import StorageError, WalStorage
 from sidecar.sizes import DiskLimit
 
@@ -111,3 +111,33 @@ def test_the_remover_follows_the_retention_a_slot_pins_and_the_guard_stops_and_r
             task.cancel()
     run(main())
     st.close()
+
+
+def test_a_slot_holding_more_than_max_slot_wal_keep_size_is_invalidated_and_holds_nothing(tmp_path: Path) -> None:
+    st = stored(3 * SEG + 10, tmp_path / "wal")
+    sk = Standin(tmp_path, st)
+    sk.slots = Slots(tmp_path, SlotLimits(max_wal_keep=3 * SEG))
+    remover = Remover(sk, DiskGuard(None, tmp_path), keep_bytes=SEG)
+    sk.slots.on_change = remover.wake
+
+    async def main() -> None:
+        slot = await sk.slots.create("pin", False, SEG + 5, 1, reader="reader")
+        task = asyncio.create_task(remover.run())
+        try:
+            await until(lambda: remover.horizon.held_by == 'reader slot "pin"', "the slot to hold the horizon")
+            assert st.first_lsn() == SEG and not slot.invalidated  # 2 segments behind: within the bound
+            st.write(st.write_lsn, bytes(6 * SEG + 10 - st.write_lsn))
+            st.flush()
+            sk.positions.publish(Positions(1, st.flush_lsn, st.flush_lsn, 0))
+            await until(lambda: st.first_lsn() == 5 * SEG, "what the slot held to be removed")
+            assert slot.invalidated and remover.horizon.held_by == "the retention (--keep-wal)"
+        finally:
+            task.cancel()
+        with pytest.raises(SlotError, match="invalidated") as e:
+            sk.slots.acquire("pin")
+        assert e.value.sqlstate == "55000"
+    run(main())
+    st.close()
+    # Saved before the removal: after a restart it does not come back holding WAL that is gone.
+    again = Slots(tmp_path).get("pin")
+    assert again is not None and again.invalidated and again.holds == 0

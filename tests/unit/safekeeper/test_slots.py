@@ -13,7 +13,7 @@ from support.helpers import run, until
 from sidecar.safekeeper import slots as slots_module
 from sidecar.consensus.reading import ServerState
 from sidecar.consensus.messages import TimelineEntry
-from sidecar.safekeeper.slots import SlotError, Slots, SlotsFileError, reserve_from
+from sidecar.safekeeper.slots import SlotError, SlotLimits, Slots, SlotsFileError, reserve_from
 
 
 def test_slots_are_saved_and_loaded(tmp_path: Path) -> None:
@@ -106,3 +106,31 @@ def test_reserve_wal_reserves_what_is_readable_or_all_that_is_held() -> None:
     assert reserve_from(unknown) == (0x1000000, 1)
     assert reserve_from(replace(unknown, first_lsn=None)) == (0, 0)  # nothing held: nothing reserved
     assert reserve_from(replace(known, history=history, timeline=1)) == (0x4000000, 1)
+
+
+def test_slots_are_capped_per_reader_and_in_all(tmp_path: Path) -> None:
+    async def main() -> None:
+        s = Slots(tmp_path, SlotLimits(max_slots=4, per_reader=2))
+        await s.create("a1", False, 0, 1, reader="a")
+        await s.create("a2", True, 0, 1, reader="a")
+        with pytest.raises(SlotError, match='reader "a" has all the replication slots') as e:
+            await s.create("a3", False, 0, 1, reader="a")
+        assert e.value.sqlstate == "53400"
+        await s.create("b1", False, 0, 1, reader="b")  # another reader still may
+        await s.create("b2", False, 0, 1, reader="b")
+        with pytest.raises(SlotError, match="at most 4"):
+            await s.create("c1", False, 0, 1, reader="c")
+    run(main())
+    assert {x.name: x.reader for x in Slots(tmp_path)} == {"a1": "a", "b1": "b", "b2": "b"}
+
+
+def test_a_temporary_slot_released_after_its_name_was_taken_again_removes_nothing(tmp_path: Path) -> None:
+    async def main() -> None:
+        s = Slots(tmp_path)
+        owner = object()
+        temp = await s.create("x", True, 0, 1, owner=owner)
+        await s.drop("x", owner=owner)
+        kept = await s.create("x", False, 0, 1)
+        s.release(temp)  # the temporary slot's connection ends
+        assert s.get("x") is kept
+    run(main())
