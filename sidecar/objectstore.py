@@ -20,7 +20,13 @@ from sidecar.safekeeper.storage import fsync_dir
 
 
 class ObjectConflict(Exception):
-    """A put found the key taken by different bytes; nothing was changed."""
+    """A put found the key taken by different bytes; nothing was changed. Names the object and both SHA-256s
+    (hex), so that whoever reports it can say which object differs and how."""
+
+    def __init__(self, location: str, key: str, ours: bytes, theirs: bytes) -> None:
+        super().__init__(f"{location}/{key} exists with different content (SHA-256 {theirs.hex()}, not "
+                         f"{ours.hex()} as put); it is left as it is")
+        self.key, self.ours, self.theirs = key, ours.hex(), theirs.hex()
 
 
 class Storage(Protocol):
@@ -93,12 +99,12 @@ class LocalStorage:
         """Temp file, fsync, read back and compare, then link() to the final name: link never replaces."""
         path = self._path(key)
         if path.exists():
-            return self._same(path, data)
+            return self._same(key, path, data)
         with self._written(path, data) as tmp:
             try:
                 os.link(tmp, path)
             except FileExistsError:
-                return self._same(path, data)
+                return self._same(key, path, data)
         fsync_dir(path.parent)
         return True
 
@@ -129,9 +135,10 @@ class LocalStorage:
         finally:
             tmp.unlink(missing_ok=True)
 
-    def _same(self, path: Path, data: bytes) -> bool:
-        if path.stat().st_size != len(data) or sha256(path.read_bytes()) != sha256(data):
-            raise ObjectConflict(f"{path} exists with different content; it is left as it is")
+    def _same(self, key: str, path: Path, data: bytes) -> bool:
+        ours, theirs = sha256(data), sha256(path.read_bytes())
+        if theirs != ours:
+            raise ObjectConflict(self.location, key, ours, theirs)
         return False
 
     def delete(self, key: str) -> None:
@@ -225,12 +232,25 @@ class S3Storage:
             code = exc.response.get("Error", {}).get("Code")
             if code not in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
                 raise
-            if self.read(key) != data:
-                raise ObjectConflict(f"{self.location}/{key} exists with different content; it is left as it is") \
-                    from None
+            theirs = self._stored_sha256(key, len(data))
+            if theirs is None:  # put without a whole-object SHA-256 (by another tool): compare the bytes
+                theirs = sha256(self.read(key))
+            if theirs != sha256(data):
+                raise ObjectConflict(self.location, key, sha256(data), theirs) from None
             return False
         self._verify(key, data, digest)
         return True
+
+    def _stored_sha256(self, key: str, size: int) -> bytes | None:
+        """The SHA-256 S3 checked when the object was put, if it was put with one (and has `size` bytes);
+        a digest of other bytes when its size differs. S3 verified it on receipt: no download is needed."""
+        got = self.client.head_object(Bucket=self.bucket, Key=self._key(key), ChecksumMode="ENABLED")
+        if int(got["ContentLength"]) != size:
+            return sha256(self.read(key))
+        stored = got.get("ChecksumSHA256")
+        if not stored or "-" in stored:  # none, or a multipart upload's checksum of part checksums
+            return None
+        return base64.b64decode(stored)
 
     def replace(self, key: str, data: bytes) -> None:
         digest = base64.b64encode(sha256(data)).decode()

@@ -118,6 +118,8 @@ _REFUSAL = Struct(">H")  # len(reason)
 # node_id, system_id, wal_seg_size, pg_version, timeline, term, last_log_term, flush_lsn,
 # commit_lsn, proposer_connected, reader_port, backup_lsn
 _INFO_REPLY = Struct(">QQIIIQQQQBHQ")
+# Then, only when there is one, the archived object it found not to be its WAL: a u16 length and UTF-8, so
+# the reply is unchanged on the wire while there is none.
 # Protocol version 1's InfoReply (no reader port, no backup_lsn): a client is told the safekeeper is older than it.
 _INFO_REPLY_V1_SIZE = _INFO_REPLY.size - 10
 # AuthResponse: nonce, then certificate, host and signature, each a u16 length and its bytes;
@@ -210,6 +212,7 @@ def _check_info_reply(m: InfoReply) -> None:
     limits.check_lsn(m.commit_lsn, "commit LSN")
     limits.check_port(m.reader_port)
     limits.check_lsn(m.backup_lsn, "backup LSN")
+    limits.check_object_name(m.archive_mismatch)
 
 
 def _check_auth_challenge(m: AuthChallenge) -> None:
@@ -347,6 +350,8 @@ def _encode_info_reply(m: InfoReply) -> bytes:
     body = _INFO_REPLY.pack(m.node_id, m.system_id, m.wal_seg_size, m.pg_version, m.timeline, m.term,
                             m.last_log_term, m.flush_lsn, m.commit_lsn, 1 if m.proposer_connected else 0,
                             m.reader_port, m.backup_lsn)
+    if m.archive_mismatch:
+        body += _U16.pack(len(mismatch := _utf8(m.archive_mismatch, "archive mismatch"))) + mismatch
     return _framed(TAG_INFO_REPLY, body)
 
 
@@ -577,10 +582,16 @@ def _decode_info_reply(body: Body) -> InfoReply:
     if len(body) == _INFO_REPLY_V1_SIZE:
         raise ProtocolError(f"the safekeeper speaks protocol version 1 (this walsidecar speaks {PROTOCOL_VERSION}): "
                             "upgrade it to this release")
-    _need_exact(body, _INFO_REPLY.size, "InfoReply")
+    mismatch = ""
+    if len(body) != _INFO_REPLY.size:
+        _need_at_least(body, _INFO_REPLY.size + _U16.size, "InfoReply")
+        (length,) = _U16.unpack_from(body, _INFO_REPLY.size)
+        mismatch = _text(body, _INFO_REPLY.size + _U16.size, length, "archive mismatch", "InfoReply")
+        if not mismatch:  # one encoding per message: none is said by leaving it out
+            raise ProtocolError("InfoReply: an empty archive mismatch is sent as none")
     *fields, connected, reader_port, backup = _INFO_REPLY.unpack_from(body)
     m = InfoReply(*fields, proposer_connected=_bool(connected, "proposer_connected", "InfoReply"),
-                  reader_port=reader_port, backup_lsn=backup)
+                  reader_port=reader_port, backup_lsn=backup, archive_mismatch=mismatch)
     _check_info_reply(m)
     return m
 

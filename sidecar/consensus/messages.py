@@ -142,6 +142,7 @@ class InfoReply:
     proposer_connected: bool
     reader_port: int = 0  # where it serves WAL to readers (0: nowhere)
     backup_lsn: int = 0  # the archive holds every segment below it
+    archive_mismatch: str = ""  # an archived object that is not this safekeeper's WAL of its segment ("": none)
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,8 @@ SAMPLES: list[Message] = [
     InfoReply(2, 7301234567890123456, 16 * 1024 * 1024, 15, 1, 6, 6, 0x3000100, 0x3000000, True),
     InfoReply(0, 0, 0, 0, 0, 0, 0, 0, 0, False),
     InfoReply(2, 7301234567890123456, 16 * 1024 * 1024, 15, 2, 6, 6, 0x3000100, 0x3000000, False, 5433),
+    InfoReply(2, 7301234567890123456, 16 * 1024 * 1024, 15, 2, 6, 6, 0x3000100, 0x3000000, False, 5433, 0x2000000,
+              "000000020000000000000003"),
     AuthChallenge(bytes(range(32))),
     AuthResponse(b"\x30\x82" + b"c" * 600, b"\xff" * 32, "sk1.internal", b"s" * 72),
     AuthResponse(b"c" * 8192, bytes(32), "東京", b"s" * 256),
