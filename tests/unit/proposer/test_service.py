@@ -261,6 +261,16 @@ class Harness:
     def link(self, i: int) -> FakeSafekeeper:
         return self.links[PEERS[i]]
 
+    async def behind_the_buffer(self) -> int:
+        """Streaming, with safekeeper 3 dropped while more WAL than the buffer holds was committed: its end."""
+        stream = await self.streaming()
+        self.link(2).drop()
+        end = BOOT
+        for _ in range(4):
+            end = stream.wal(end, b"c" * 3000)
+        await until(lambda: end in stream.flushes(), "the quorum flush")
+        return end
+
 
 def test_it_campaigns_then_streams_from_the_elected_start() -> None:
     async def main() -> None:
@@ -350,12 +360,7 @@ def test_a_safekeeper_behind_the_buffer_is_caught_up_from_the_primary() -> None:
         h = Harness(wal_buffer=4096)
         h.start()
         try:
-            stream = await h.streaming()
-            h.link(2).drop()
-            end = BOOT
-            for _ in range(4):
-                end = stream.wal(end, b"c" * 3000)
-            await until(lambda: end in stream.flushes(), "the quorum flush")
+            end = await h.behind_the_buffer()
 
             h.link(2).reconnect()
             await until(lambda: h.link(2).flush == end, "the returning safekeeper to catch up")
@@ -391,12 +396,7 @@ def test_catch_up_from_a_damaged_archived_segment_stops_until_the_safekeeper_rec
         h = Harness(wal_buffer=4096)
         h.start()
         try:
-            stream = await h.streaming()
-            h.link(2).drop()
-            end = BOOT
-            for _ in range(4):
-                end = stream.wal(end, b"c" * 3000)
-            await until(lambda: end in stream.flushes(), "the quorum flush")
+            await h.behind_the_buffer()
             archive = DamagedArchive()
             h.service.reader, h.service.archive = RecycledPrimary(), archive  # type: ignore[assignment]
 
