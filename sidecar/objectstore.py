@@ -38,6 +38,11 @@ class Storage(Protocol):
         """Store `data` at `key`: True if written, False if the same bytes were there; ObjectConflict if others."""
         ...
 
+    def compare(self, key: str, data: bytes) -> None:
+        """Nothing if the object at `key` holds exactly `data`; ObjectConflict if other bytes, FileNotFoundError
+        if none. What put does with a taken key, without sending `data`."""
+        ...
+
     def replace(self, key: str, data: bytes) -> None:
         """Store `data` at `key` whatever was there (reports, not WAL), as atomically as put."""
         ...
@@ -136,10 +141,13 @@ class LocalStorage:
             tmp.unlink(missing_ok=True)
 
     def _same(self, key: str, path: Path, data: bytes) -> bool:
-        ours, theirs = sha256(data), sha256(path.read_bytes())
+        self.compare(key, data)
+        return False
+
+    def compare(self, key: str, data: bytes) -> None:
+        ours, theirs = sha256(data), sha256(self._path(key).read_bytes())
         if theirs != ours:
             raise ObjectConflict(self.location, key, ours, theirs)
-        return False
 
     def delete(self, key: str) -> None:
         path = self._path(key)
@@ -232,25 +240,27 @@ class S3Storage:
             code = exc.response.get("Error", {}).get("Code")
             if code not in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
                 raise
-            theirs = self._stored_sha256(key, len(data))
-            if theirs is None:  # put without a whole-object SHA-256 (by another tool): compare the bytes
-                theirs = sha256(self.read(key))
-            if theirs != sha256(data):
-                raise ObjectConflict(self.location, key, sha256(data), theirs) from None
+            self.compare(key, data)
             return False
         self._verify(key, data, digest)
         return True
 
-    def _stored_sha256(self, key: str, size: int) -> bytes | None:
-        """The SHA-256 S3 checked when the object was put, if it was put with one (and has `size` bytes);
-        a digest of other bytes when its size differs. S3 verified it on receipt: no download is needed."""
-        got = self.client.head_object(Bucket=self.bucket, Key=self._key(key), ChecksumMode="ENABLED")
-        if int(got["ContentLength"]) != size:
-            return sha256(self.read(key))
+    def compare(self, key: str, data: bytes) -> None:
+        """By the SHA-256 S3 checked when the object was put, when it has one: S3 verified it on receipt, so
+        nothing is downloaded. An object put without it (by another tool) is read and compared."""
+        try:
+            got = self.client.head_object(Bucket=self.bucket, Key=self._key(_check_key(key)), ChecksumMode="ENABLED")
+        except self.client.exceptions.ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                raise FileNotFoundError(f"{self.location}/{key}") from None
+            raise
         stored = got.get("ChecksumSHA256")
-        if not stored or "-" in stored:  # none, or a multipart upload's checksum of part checksums
-            return None
-        return base64.b64decode(stored)
+        if int(got["ContentLength"]) == len(data) and stored and "-" not in stored:  # "-": a multipart checksum
+            theirs = base64.b64decode(stored)
+        else:
+            theirs = sha256(self.read(key))
+        if theirs != sha256(data):
+            raise ObjectConflict(self.location, key, sha256(data), theirs)
 
     def replace(self, key: str, data: bytes) -> None:
         digest = base64.b64encode(sha256(data)).decode()

@@ -292,13 +292,14 @@ class Uploader:
                 if size is None:
                     return False
             else:
-                return await self._put(store, name, lsn, tli, state, data)
+                return await self._put(store, name, lsn, tli, state, data, size)
         await self._adopt(store, name, lsn, tli, state, data)
         self.election.seen_archived(lsn)
         return True
 
-    async def _put(self, store: Storage, name: str, lsn: int, tli: int, state: AcceptorState, data: bytes) -> bool:
-        """Upload our whole copy, or adopt the object there if it holds the same bytes (put compares them)."""
+    async def _put(self, store: Storage, name: str, lsn: int, tli: int, state: AcceptorState, data: bytes,
+                   size: int | None) -> bool:
+        """Upload our whole copy, or adopt the object there (`size`: its size, if seen) if it holds the same bytes."""
         seg = state.wal_seg_size
         try:
             # A bit flipped on this disk must not reach the archive, where every safekeeper would trust it.
@@ -307,7 +308,11 @@ class Uploader:
             raise SegmentDamaged(name, lsn, str(e)) from None
         began = time.perf_counter()
         try:
-            wrote = await asyncio.to_thread(store.put, name, data)
+            if size is None:
+                wrote = await asyncio.to_thread(store.put, name, data)
+            else:  # another safekeeper's upload: compared without sending ours
+                wrote = False
+                await asyncio.to_thread(store.compare, name, data)
         except ObjectConflict as e:
             raise ArchiveMismatch(name, lsn, e.ours, e.theirs, "its bytes differ from this safekeeper's") from None
         if wrote:

@@ -57,6 +57,12 @@ def test_a_put_never_replaces_different_bytes(store: Storage) -> None:
     with pytest.raises(ObjectConflict):
         store.put("seg", b"x" * 999)
     assert store.read("seg") == b"x" * 1000
+    # The same comparison without a put (an object another safekeeper uploaded).
+    assert store.compare("seg", b"x" * 1000) is None
+    with pytest.raises(ObjectConflict):
+        store.compare("seg", b"x" * 999 + b"y")
+    with pytest.raises(FileNotFoundError):
+        store.compare("none", b"x")
     store.replace("seg", b"z")  # reports, not WAL, may be replaced
     assert store.read("seg") == b"z"
 
