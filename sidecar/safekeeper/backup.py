@@ -3,8 +3,11 @@
 Layout under the `--archive` URL: `<cluster>/<system id>/wal/<PostgreSQL's file name>`, so restore_command
 tooling, `walsidecar analyze` and `verify-archive` read it as they read pg_wal. Only segments wholly below
 commit_lsn are uploaded: one above it may still be cut by a later term. backup_lsn (persisted through the
-acceptor) is the end of the uploaded prefix; it moves segment by segment, in order, also when another
-safekeeper did the upload. The segment being written goes up as `<name>.term-T.end-X-Y.partial` when a
+acceptor) is the end of the archived prefix; it moves segment by segment, in order, also when another
+safekeeper did the upload, but only over objects known to hold this safekeeper's WAL: its own copy passes
+the WAL checks (wal/verify.py) before it goes up, the store verifies what it wrote, and an object found
+there is compared with that copy. WAL is removed below backup_lsn, so the archive is trusted for nothing
+it cannot prove. The segment being written goes up as `<name>.term-T.end-X-Y.partial` when a
 term ends and at shutdown, a name no complete segment has.
 
 One uploader at a time, chosen by an `UploadElection`: with --broker the holder of the broker's upload
@@ -331,7 +334,7 @@ class Uploader:
         seg = state.wal_seg_size
         data = await asyncio.to_thread(store.read, name)
         try:
-            check_segment_wal(data, lsn, seg, system_id=state.system_id, timeline=tli)
+            await asyncio.to_thread(check_segment_wal, data, lsn, seg, system_id=state.system_id, timeline=tli)
         except WalFormatError as e:
             raise ArchiveMismatch(name, lsn, None, sha256(data).hex(), f"it fails the WAL checks: {e}") from None
         if held is not None:
