@@ -78,6 +78,10 @@ class SafekeeperMetrics:
                                    ["safekeeper_id"], registry=r).labels(sk)
         self.archived = Counter("walsidecar_safekeeper_archived_bytes", "WAL bytes this safekeeper uploaded to the "
                                 "archive (--archive).", ["safekeeper_id"], registry=r).labels(sk)
+        self.archive_mismatches = Counter("walsidecar_safekeeper_archive_mismatches",
+                                          "Archived objects found not to hold this safekeeper's WAL of their segment "
+                                          "(each counted once; the log names them): backup_lsn stops below them.",
+                                          ["safekeeper_id"], registry=r).labels(sk)
 
     def add_collector(self, collect: Callable[[], Iterable[Metric]]) -> None:
         """Register scrape-time gauges produced by `collect`."""

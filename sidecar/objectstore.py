@@ -20,7 +20,13 @@ from sidecar.safekeeper.storage import fsync_dir
 
 
 class ObjectConflict(Exception):
-    """A put found the key taken by different bytes; nothing was changed."""
+    """A put found the key taken by different bytes; nothing was changed. Names the object and both SHA-256s
+    (hex), so that whoever reports it can say which object differs and how."""
+
+    def __init__(self, location: str, key: str, ours: bytes, theirs: bytes) -> None:
+        super().__init__(f"{location}/{key} exists with different content (SHA-256 {theirs.hex()}, not "
+                         f"{ours.hex()} as put); it is left as it is")
+        self.key, self.ours, self.theirs = key, ours.hex(), theirs.hex()
 
 
 class Storage(Protocol):
@@ -30,6 +36,11 @@ class Storage(Protocol):
 
     def put(self, key: str, data: bytes) -> bool:
         """Store `data` at `key`: True if written, False if the same bytes were there; ObjectConflict if others."""
+        ...
+
+    def compare(self, key: str, data: bytes) -> None:
+        """Nothing if the object at `key` holds exactly `data`; ObjectConflict if other bytes, FileNotFoundError
+        if none. What put does with a taken key, without sending `data`."""
         ...
 
     def replace(self, key: str, data: bytes) -> None:
@@ -93,12 +104,12 @@ class LocalStorage:
         """Temp file, fsync, read back and compare, then link() to the final name: link never replaces."""
         path = self._path(key)
         if path.exists():
-            return self._same(path, data)
+            return self._same(key, path, data)
         with self._written(path, data) as tmp:
             try:
                 os.link(tmp, path)
             except FileExistsError:
-                return self._same(path, data)
+                return self._same(key, path, data)
         fsync_dir(path.parent)
         return True
 
@@ -129,10 +140,14 @@ class LocalStorage:
         finally:
             tmp.unlink(missing_ok=True)
 
-    def _same(self, path: Path, data: bytes) -> bool:
-        if path.stat().st_size != len(data) or sha256(path.read_bytes()) != sha256(data):
-            raise ObjectConflict(f"{path} exists with different content; it is left as it is")
+    def _same(self, key: str, path: Path, data: bytes) -> bool:
+        self.compare(key, data)
         return False
+
+    def compare(self, key: str, data: bytes) -> None:
+        ours, theirs = sha256(data), sha256(self._path(key).read_bytes())
+        if theirs != ours:
+            raise ObjectConflict(self.location, key, ours, theirs)
 
     def delete(self, key: str) -> None:
         path = self._path(key)
@@ -225,12 +240,27 @@ class S3Storage:
             code = exc.response.get("Error", {}).get("Code")
             if code not in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
                 raise
-            if self.read(key) != data:
-                raise ObjectConflict(f"{self.location}/{key} exists with different content; it is left as it is") \
-                    from None
+            self.compare(key, data)
             return False
         self._verify(key, data, digest)
         return True
+
+    def compare(self, key: str, data: bytes) -> None:
+        """By the SHA-256 S3 checked when the object was put, when it has one: S3 verified it on receipt, so
+        nothing is downloaded. An object put without it (by another tool) is read and compared."""
+        try:
+            got = self.client.head_object(Bucket=self.bucket, Key=self._key(_check_key(key)), ChecksumMode="ENABLED")
+        except self.client.exceptions.ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                raise FileNotFoundError(f"{self.location}/{key}") from None
+            raise
+        stored = got.get("ChecksumSHA256")
+        if int(got["ContentLength"]) == len(data) and stored and "-" not in stored:  # "-": a multipart checksum
+            theirs = base64.b64decode(stored)
+        else:
+            theirs = sha256(self.read(key))
+        if theirs != sha256(data):
+            raise ObjectConflict(self.location, key, sha256(data), theirs)
 
     def replace(self, key: str, data: bytes) -> None:
         digest = base64.b64encode(sha256(data)).decode()

@@ -128,7 +128,7 @@ def verify_archive(s: VerifyArchiveSettings, source: str, master: str, confs: tu
     Exits 1 naming the segment and LSN of the first problem; prints a summary when the archive is intact.
     SOURCE is a directory of WAL segments, file:///path or s3://bucket/prefix (the safekeepers upload to
     <--archive>/<cluster>/<system id>/wal). With --safekeepers, a segment missing below any safekeeper's
-    backup_lsn is a problem too.
+    backup_lsn is a problem too, as is an object a safekeeper found not to hold its WAL of that segment.
     """
     plan = _plan(source, first, last, s3_endpoint)
     gaps = _backup_gaps(s, plan)
@@ -169,7 +169,7 @@ def _backup_gaps(s: VerifyArchiveSettings, plan: Any) -> list[Any]:
 
     from sidecar.linkauth import client_security
     from sidecar.ops.probe import probe_safekeeper
-    from sidecar.wal.archive import backup_gaps
+    from sidecar.wal.archive import backup_gaps, reported_mismatch
 
     if not s.safekeepers:
         return []
@@ -183,5 +183,8 @@ def _backup_gaps(s: VerifyArchiveSettings, plan: Any) -> list[Any]:
     for addr, reply in zip(s.safekeepers, asyncio.run(ask())):
         if isinstance(reply, BaseException):
             raise click.ClickException(f"safekeeper {addr} did not answer ({reply}): its backup_lsn is unknown")
-        gaps += backup_gaps(plan, reply.backup_lsn, f"safekeeper {reply.node_id} ({addr})")
+        who = f"safekeeper {reply.node_id} ({addr})"
+        gaps += backup_gaps(plan, reply.backup_lsn, who)
+        if reply.archive_mismatch:
+            gaps.append(reported_mismatch(reply.archive_mismatch, reply.backup_lsn, who))
     return sorted(set(gaps))

@@ -97,6 +97,7 @@ class Acceptor:
         self.owner: object = None
         self.min_seg_size = min_seg_size  # lowered only by the simulator's tiny segments
         self.reader_port = 0  # where the service serves WAL to readers, told to proposers and clients
+        self.archive_mismatch = ""  # set by the service's uploader; told to clients (`check`)
         self._persisted_commit = state.commit_lsn
         # Stored WAL changes (writes, truncations) bump the epoch; a scan is reused until then.
         self.wal_epoch = 0
@@ -122,7 +123,8 @@ class Acceptor:
         last_log_term = s.term_history[-1].term if s.term_history else 0
         return InfoReply(self.node_id, s.system_id, s.wal_seg_size, s.pg_version, s.timeline, s.term, last_log_term,
                          self.flush_lsn, s.commit_lsn, proposer_connected=self.owner is not None,
-                         reader_port=self.reader_port, backup_lsn=s.backup_lsn)
+                         reader_port=self.reader_port, backup_lsn=s.backup_lsn,
+                         archive_mismatch=self.archive_mismatch)
 
     @property
     def amnesic(self) -> bool:

@@ -121,8 +121,9 @@ _REFUSAL = Struct(">H")  # len(reason)
 _INFO_REPLY = Struct(">QQIIIQQQQBHQ")
 # Protocol version 1's InfoReply (no reader port, no backup_lsn): a client is told the safekeeper is older than it.
 _INFO_REPLY_V1_SIZE = _INFO_REPLY.size - 10
-# Then, optional (a safekeeper before reader-slot limits sends none): slot_wal_limit, len(slots); and
-# per slot its WAL held, invalidated, then its name as a u16-length string.
+# Then a report, only when there is something in it (so the reply is unchanged on the wire while there is
+# none): slot_wal_limit, len(slots); per slot its WAL held, invalidated, then its name as a u16-length
+# string; then the archived object it found not to be its WAL, a u16-length string ("": none).
 _INFO_SLOTS = Struct(">QH")
 _INFO_SLOT = Struct(">QB")
 MAX_INFO_SLOTS = 1000
@@ -221,6 +222,7 @@ def _check_info_reply(m: InfoReply) -> None:
         raise ProtocolError(f"InfoReply: {len(m.slots)} slots exceed {MAX_INFO_SLOTS}")
     for slot in m.slots:
         limits.check_lsn(slot.wal_bytes, "slot WAL held")
+    limits.check_object_name(m.archive_mismatch)
 
 
 def _check_auth_challenge(m: AuthChallenge) -> None:
@@ -358,10 +360,10 @@ def _encode_info_reply(m: InfoReply) -> bytes:
     body = _INFO_REPLY.pack(m.node_id, m.system_id, m.wal_seg_size, m.pg_version, m.timeline, m.term,
                             m.last_log_term, m.flush_lsn, m.commit_lsn, 1 if m.proposer_connected else 0,
                             m.reader_port, m.backup_lsn)
-    if m.slot_wal_limit or m.slots:  # without them, the body an older safekeeper sends
+    if m.slot_wal_limit or m.slots or m.archive_mismatch:  # without them, the body an older safekeeper sends
         body += _INFO_SLOTS.pack(m.slot_wal_limit, len(m.slots)) + b"".join(
             _INFO_SLOT.pack(h.wal_bytes, 1 if h.invalidated else 0) + _blob(_utf8(h.name, "slot name"))
-            for h in m.slots)
+            for h in m.slots) + _blob(_utf8(m.archive_mismatch, "archive mismatch"))
     return _framed(TAG_INFO_REPLY, body)
 
 
@@ -594,14 +596,12 @@ def _decode_info_reply(body: Body) -> InfoReply:
                             "upgrade it to this release")
     _need_at_least(body, _INFO_REPLY.size, "InfoReply")
     *fields, connected, reader_port, backup = _INFO_REPLY.unpack_from(body)
-    limit, slots = 0, []
+    limit, slots, mismatch = 0, [], ""
     if len(body) > _INFO_REPLY.size:
         _need_at_least(body, _INFO_REPLY.size + _INFO_SLOTS.size, "InfoReply")
         limit, count = _INFO_SLOTS.unpack_from(body, _INFO_REPLY.size)
         if count > MAX_INFO_SLOTS:
             raise ProtocolError(f"InfoReply: {count} slots exceed {MAX_INFO_SLOTS}")
-        if not (limit or count):
-            raise ProtocolError("InfoReply: an empty slot report is sent as none")  # one encoding per message
         at = _INFO_REPLY.size + _INFO_SLOTS.size
         for _ in range(count):
             _need_at_least(body, at + _INFO_SLOT.size + _U16.size, "InfoReply")
@@ -615,11 +615,16 @@ def _decode_info_reply(body: Body) -> InfoReply:
                 raise ProtocolError(f"InfoReply: slot name is not UTF-8 ({e})") from None
             slots.append(SlotHold(name, held, _bool(invalidated, "invalidated", "InfoReply")))
             at += length
-        _no_trailing(body, at, "InfoReply")
+        _need_at_least(body, at + _U16.size, "InfoReply")
+        (length,) = _U16.unpack_from(body, at)
+        mismatch = _text(body, at + _U16.size, length, "archive mismatch", "InfoReply")
+        if not (limit or slots or mismatch):
+            raise ProtocolError("InfoReply: an empty report is sent as none")  # one encoding per message
     else:
         _need_exact(body, _INFO_REPLY.size, "InfoReply")
     m = InfoReply(*fields, proposer_connected=_bool(connected, "proposer_connected", "InfoReply"),
-                  reader_port=reader_port, backup_lsn=backup, slot_wal_limit=limit, slots=tuple(slots))
+                  reader_port=reader_port, backup_lsn=backup, slot_wal_limit=limit, slots=tuple(slots),
+                  archive_mismatch=mismatch)
     _check_info_reply(m)
     return m
 

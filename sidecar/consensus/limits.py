@@ -32,6 +32,8 @@ AUTH_NONCE = 32
 MAX_AUTH_CERT = 8 * 1024
 MAX_AUTH_HOST = 255
 MAX_AUTH_SIGNATURE = 256
+# The archived object a safekeeper reports as not its WAL (InfoReply): a segment's name, or a partial's.
+MAX_OBJECT_NAME = 255
 
 
 class LimitError(ValueError):
@@ -93,6 +95,12 @@ def check_port(port: int, what: str = "reader port") -> int:
     if not 0 <= port <= MAX_PORT:
         raise LimitError(f"{what} {port} is outside 0..{MAX_PORT}")
     return port
+
+
+def check_object_name(name: str) -> str:
+    if len(name) > MAX_OBJECT_NAME:
+        raise LimitError(f"object name of {len(name)} characters, the limit is {MAX_OBJECT_NAME}")
+    return name
 
 
 def check_nonce(nonce: bytes) -> None:

@@ -145,6 +145,7 @@ class InfoReply:
     # Reader slots holding WAL, and the bound on what one may hold (--max-slot-wal-keep-size; 0: none).
     slot_wal_limit: int = 0
     slots: tuple[SlotHold, ...] = ()
+    archive_mismatch: str = ""  # an archived object that is not this safekeeper's WAL of its segment ("": none)
 
 
 @dataclass(frozen=True)

@@ -426,6 +426,16 @@ class Checker:
         hint = ("read the safekeepers' logs for 'archiving failed' (the archive unreachable, its credentials, a "
                 "full bucket) and their /status (archive_failing); WAL removal waits for the archive, so their "
                 "disks fill meanwhile")
+        for r in (r for r in replies if r.archive_mismatch):
+            self.add(_fail("archive", f"safekeeper {r.node_id}: the archived object {r.archive_mismatch} is not its "
+                                      "WAL of that segment (its log gives both SHA-256s); backup_lsn stops at "
+                                      f"{format_lsn(r.backup_lsn)} and nothing from there on is removed",
+                           "compare the object with the segment on the safekeepers (and the primary's pg_wal); set "
+                           "the bad object aside (move it out of the archive): the uploader puts the checked "
+                           "segment there and archiving resumes"))
+        replies = [r for r in replies if not r.archive_mismatch]
+        if not replies:
+            return
         if not any(r.backup_lsn for r in replies):
             # A cluster's WAL begins in segment 1, so the first segment a safekeeper holds whole (the uploader's
             # first) starts at segment 2 or later: below the end of segment 2 nothing can be archived yet.

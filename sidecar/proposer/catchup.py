@@ -20,6 +20,7 @@ from sidecar.lsn import format_lsn, segment_file_name
 from sidecar.ops.archivedwal import ArchivedWal, open_archived_wal
 from sidecar.pgrepl import timeline_end, timeline_of
 from sidecar.proposer import replication as repl
+from sidecar.wal.format import WalFormatError
 
 CATCHUP_BACKLOG = 16 * 1024 * 1024  # bytes queued to one safekeeper before catch-up reading pauses
 
@@ -169,6 +170,15 @@ class DonorReader:
                                         f"{format_lsn(end)}")
 
 
+class DamagedArchiveSegment(WalFormatError):
+    """A segment in the archive fails the WAL checks: reading it again gives the same bytes, so catch-up from
+    the archive stops there until an operator replaces it."""
+
+    def __init__(self, name: str, lsn: int, why: str) -> None:
+        super().__init__(f"the archived segment {name} fails the WAL checks: {why}")
+        self.name, self.lsn, self.why = name, lsn, why
+
+
 class ArchiveReader:
     """Reads WAL ranges from the archive's whole segments, checked as restore-wal checks them (`archivedwal`)."""
 
@@ -181,7 +191,7 @@ class ArchiveReader:
         """Hand WAL [start, end) to `sink` segment by segment; stop at the first the archive lacks: how far it got.
 
         A segment is named for the timeline of its last byte, as the safekeepers name what they upload.
-        Raises ArchiveError when the archive does not answer, WalFormatError when a segment fails the checks.
+        Raises ArchiveError when the archive does not answer, DamagedArchiveSegment when a segment fails the checks.
         """
         wal = self._wal.get(system_id)
         if wal is None:
@@ -192,7 +202,11 @@ class ArchiveReader:
             segno = pos // seg_size
             seg_start = segno * seg_size
             tli = timeline_of(history, timeline, seg_start + seg_size - 1)
-            data = await asyncio.to_thread(wal.segment, segment_file_name(tli, segno, seg_size), tli)
+            name = segment_file_name(tli, segno, seg_size)
+            try:
+                data = await asyncio.to_thread(wal.segment, name, tli)
+            except WalFormatError as e:
+                raise DamagedArchiveSegment(name, seg_start, str(e)) from None
             if data is None:
                 break
             upto = min(end, seg_start + seg_size)

@@ -26,7 +26,7 @@ from sidecar.proposer import pgerrors, primary
 from sidecar.proposer.actions import exhausted_text, log_event, log_fields, refused_text
 from sidecar.proposer import replication as repl
 from sidecar.ops.archivedwal import ArchiveError
-from sidecar.proposer.catchup import ArchiveReader, DonorReader, PrimaryReader, reader_address
+from sidecar.proposer.catchup import ArchiveReader, DamagedArchiveSegment, DonorReader, PrimaryReader, reader_address
 from sidecar.proposer.options import StartOptions
 from sidecar.proposer.peers import PeerLink
 from sidecar.proposer.view import PeerView, ProposerObserver
@@ -567,6 +567,14 @@ class ProposerService:
                 # The primary recycled it (or lost it): a safekeeper of the term has it up to its flush,
                 # the archive what they all removed.
                 await self._copy_elsewhere(a, sink, e)
+        except DamagedArchiveSegment as e:
+            # Reading it again gives the same bytes: dropping the link would reconnect and fail here again, for
+            # ever. The link stays up and the safekeeper waits, not caught up, until it reconnects (a restart of
+            # it or of the proposer, or a new term), by when an operator may have replaced the object.
+            self.log.error("catch-up stopped: a segment in the archive fails the WAL checks; not retried until "
+                           "the safekeeper reconnects", peer=a.peer, segment=e.name, lsn=format_lsn(e.lsn),
+                           archive=self.archive.url if self.archive else None, term=core.term, reason=e.why)
+            return
         except (repl.ReplicationError, psycopg.Error, OSError, ReaderError, ArchiveError, WalFormatError) as e:
             self.log.error("catch-up failed; will retry after reconnect", peer=a.peer, error=str(e).strip())
             link.drop()

@@ -3,8 +3,11 @@
 Layout under the `--archive` URL: `<cluster>/<system id>/wal/<PostgreSQL's file name>`, so restore_command
 tooling, `walsidecar analyze` and `verify-archive` read it as they read pg_wal. Only segments wholly below
 commit_lsn are uploaded: one above it may still be cut by a later term. backup_lsn (persisted through the
-acceptor) is the end of the uploaded prefix; it moves segment by segment, in order, also when another
-safekeeper did the upload. The segment being written goes up as `<name>.term-T.end-X-Y.partial` when a
+acceptor) is the end of the archived prefix; it moves segment by segment, in order, also when another
+safekeeper did the upload, but only over objects known to hold this safekeeper's WAL: its own copy passes
+the WAL checks (wal/verify.py) before it goes up, the store verifies what it wrote, and an object found
+there is compared with that copy. WAL is removed below backup_lsn, so the archive is trusted for nothing
+it cannot prove. The segment being written goes up as `<name>.term-T.end-X-Y.partial` when a
 term ends and at shutdown, a name no complete segment has.
 
 One uploader at a time, chosen by an `UploadElection`: with --broker the holder of the broker's upload
@@ -24,14 +27,32 @@ from typing import Protocol
 from sidecar.consensus.state import AcceptorState
 from sidecar.logs import get_logger
 from sidecar.lsn import format_lsn, segment_file_name
-from sidecar.objectstore import ObjectConflict, Storage
+from sidecar.objectstore import ObjectConflict, Storage, sha256
 from sidecar.pgrepl import format_timeline_history, history_file_name, history_up_to, timeline_of
 from sidecar.safekeeper.positions import PositionWatch
-from sidecar.wal.format import LONG_PAGE_HEADER, XLOG_PAGE_MAGIC, XLP_LONG_HEADER
+from sidecar.wal.format import LONG_PAGE_HEADER, XLOG_PAGE_MAGIC, XLP_LONG_HEADER, WalFormatError
+from sidecar.wal.verify import check_segment_wal
 
 RETRY = 1.0  # seconds between looks at the archive while another safekeeper should upload
 MAX_BACKOFF = 30.0  # seconds, after repeated failures of the archive
 SHUTDOWN_UPLOAD = 15.0  # seconds the partial segment's upload may hold up a shutdown
+
+
+class ArchiveMismatch(Exception):
+    """The object under a committed segment's name is not the WAL this safekeeper holds for it: it is not
+    counted as archived (so nothing from it on is removed here), and it is left as it is for an operator."""
+
+    def __init__(self, name: str, lsn: int, ours: str | None, theirs: str, why: str) -> None:
+        super().__init__(f"the archived {name} is not this safekeeper's WAL of it: {why}")
+        self.name, self.lsn, self.ours, self.theirs = name, lsn, ours, theirs
+
+
+class SegmentDamaged(Exception):
+    """This safekeeper's own copy of a committed segment fails the WAL checks: never uploaded, never removed."""
+
+    def __init__(self, name: str, lsn: int, why: str) -> None:
+        super().__init__(f"this safekeeper's {name} fails the WAL checks: {why}")
+        self.name, self.lsn, self.why = name, lsn, why
 
 
 class UploadElection(Protocol):
@@ -104,6 +125,8 @@ class Archived(Protocol):
 
     async def backed_up(self, lsn: int) -> None: ...
 
+    def archive_mismatch(self, name: str | None) -> None: ...
+
 
 def default_cluster(system_id: int) -> str:
     """The cluster name when --cluster is not given."""
@@ -156,6 +179,8 @@ class Uploader:
         self._partial: tuple[int, int] | None = None  # (term, end) of the last partial uploaded
         self._waiting: int | None = None  # segment start another safekeeper should upload
         self._not_whole: int | None = None  # the last segment found not held whole here (logged once)
+        self.mismatch: ArchiveMismatch | None = None  # the object backup_lsn stops at, until it is verified
+        self._mismatches: set[tuple[str, str]] = set()  # (object, its SHA-256) reported to the safekeeper
 
     # ---- the loop
 
@@ -173,8 +198,7 @@ class Uploader:
                 self.error, backoff = None, RETRY
             except Exception as e:  # the archive, or a segment that cannot be read: try again later
                 self.error = f"{type(e).__name__}: {e}"
-                self.log.error("archiving failed; retrying", error=self.error, retry_seconds=backoff,
-                               backup_lsn=format_lsn(self.sk.archive_state().backup_lsn))
+                self._failed(e, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF)
                 continue
@@ -184,6 +208,26 @@ class Uploader:
                 # A wait for commit_lsn to pass `ready`, or for a term change; a timer while another
                 # safekeeper is the uploader, to see whether it did.
                 await self._until(ready, RETRY if self._waiting is not None else None)
+
+    def _failed(self, e: Exception, backoff: float) -> None:
+        backup = format_lsn(self.sk.archive_state().backup_lsn)
+        if isinstance(e, ArchiveMismatch):
+            # Retried with the back-off: an operator who removes the object lets ours go up in its place.
+            self.log.error("archived object differs from this safekeeper's segment; it is not counted as "
+                           "archived and no WAL from it on is removed here", segment=e.name, lsn=format_lsn(e.lsn),
+                           object=f"{self.store.location if self.store else self.root.location}/{e.name}",
+                           sha256_here=e.ours, sha256_archived=e.theirs, error=str(e), backup_lsn=backup,
+                           retry_seconds=backoff)
+            self.mismatch = e
+            if (e.name, e.theirs) not in self._mismatches:
+                self._mismatches.add((e.name, e.theirs))
+                self.sk.archive_mismatch(e.name)
+        elif isinstance(e, SegmentDamaged):
+            self.log.error("segment fails the WAL checks on this safekeeper; not uploaded, and no WAL from it on "
+                           "is removed here", segment=e.name, lsn=format_lsn(e.lsn), reason=e.why, backup_lsn=backup,
+                           retry_seconds=backoff)
+        else:
+            self.log.error("archiving failed; retrying", error=self.error, retry_seconds=backoff, backup_lsn=backup)
 
     async def _until(self, lsn: int, timeout: float | None) -> None:
         term = self.sk.positions.value.term
@@ -212,6 +256,10 @@ class Uploader:
                 return lsn + seg
             lsn += seg
             await self.sk.backed_up(lsn)
+            if self.mismatch is not None and self.mismatch.lsn < lsn:
+                self.log.info("the archived object now matches this safekeeper's segment", segment=self.mismatch.name)
+                self.mismatch, self._mismatches = None, set()
+                self.sk.archive_mismatch(None)
         return lsn + seg
 
     def _store(self, state: AcceptorState) -> Storage:
@@ -222,38 +270,78 @@ class Uploader:
         return self.store
 
     async def _segment(self, store: Storage, state: AcceptorState, lsn: int) -> bool:
-        """Make sure the archive holds the committed segment at `lsn`; False while it lacks it and we may not upload."""
+        """Make sure the archive holds the committed segment at `lsn`, as this safekeeper knows it; False while
+        it lacks it and we may not upload. ArchiveMismatch when the object there is not that WAL, SegmentDamaged
+        when our own copy fails the WAL checks: either way backup_lsn stays below it."""
         seg = state.wal_seg_size
         segno = lsn // seg
         path = self.sk.complete_segment(segno)
-        name = path.name if path is not None else \
-            segment_file_name(timeline_of(state.timeline_history, state.timeline, lsn + seg - 1), segno, seg)
+        tli = timeline_of(state.timeline_history, state.timeline, lsn + seg - 1)
+        name = path.name if path is not None else segment_file_name(tli, segno, seg)
         size = await asyncio.to_thread(store.head, name)
-        if size == seg:
-            self.election.seen_archived(lsn)
-            return True  # puts are atomic: a whole-size object is complete
-        if size is not None:
-            raise ObjectConflict(f"{store.location}/{name} has {size} bytes, a segment has {seg}")
-        if path is None or not self.election.may_upload(lsn):
+        if size is None and (path is None or not self.election.may_upload(lsn)):
             return False
-        with self.sk.pin_wal(lsn, "the uploader"):  # removal stops below backup_lsn anyway; this says so
-            data = await asyncio.to_thread(path.read_bytes)
-        bad = check_segment(data, lsn, seg, state.system_id)
-        if bad is not None:
-            # Not held whole here (this safekeeper joined inside it): another one uploads it.
-            if self._not_whole != lsn:
-                self._not_whole = lsn
-                self.log.warning("segment not held whole here; leaving it to another safekeeper", segment=name,
-                                 reason=bad, lsn=format_lsn(lsn))
-            return False
+        data = None
+        if path is not None:
+            with self.sk.pin_wal(lsn, "the uploader"):  # removal stops below backup_lsn anyway; this says so
+                data = await asyncio.to_thread(path.read_bytes)
+            bad = check_segment(data, lsn, seg, state.system_id)
+            if bad is not None:
+                # Not held whole here (this safekeeper joined inside it): another one uploads it.
+                if self._not_whole != lsn:
+                    self._not_whole = lsn
+                    self.log.warning("segment not held whole here; leaving it to another safekeeper",
+                                     segment=name, reason=bad, lsn=format_lsn(lsn))
+                if size is None:
+                    return False
+            else:
+                return await self._put(store, name, lsn, tli, state, data, size)
+        await self._adopt(store, name, lsn, tli, state, data)
+        self.election.seen_archived(lsn)
+        return True
+
+    async def _put(self, store: Storage, name: str, lsn: int, tli: int, state: AcceptorState, data: bytes,
+                   size: int | None) -> bool:
+        """Upload our whole copy, or adopt the object there (`size`: its size, if seen) if it holds the same bytes."""
+        seg = state.wal_seg_size
+        try:
+            # A bit flipped on this disk must not reach the archive, where every safekeeper would trust it.
+            await asyncio.to_thread(check_segment_wal, data, lsn, seg, system_id=state.system_id, timeline=tli)
+        except WalFormatError as e:
+            raise SegmentDamaged(name, lsn, str(e)) from None
         began = time.perf_counter()
-        wrote = await asyncio.to_thread(store.put, name, data)
+        try:
+            if size is None:
+                wrote = await asyncio.to_thread(store.put, name, data)
+            else:  # another safekeeper's upload: compared without sending ours
+                wrote = False
+                await asyncio.to_thread(store.compare, name, data)
+        except ObjectConflict as e:
+            raise ArchiveMismatch(name, lsn, e.ours, e.theirs, "its bytes differ from this safekeeper's") from None
         if wrote:
             self.on_upload(len(data))
-        self.log.info("segment archived" if wrote else "segment already archived", segment=name,
+        else:
+            self.election.seen_archived(lsn)
+        self.log.info("segment archived" if wrote else "segment already archived, the same bytes", segment=name,
                       end_lsn=format_lsn(lsn + seg), seconds=round(time.perf_counter() - began, 3))
         await self._drop_partials(store, name)
         return True
+
+    async def _adopt(self, store: Storage, name: str, lsn: int, tli: int, state: AcceptorState,
+                     held: bytes | None) -> None:
+        """An object uploaded by another safekeeper, of a segment not held whole here: it must be valid WAL of
+        this segment, and hold what we hold of it (`held`: zeros before where this safekeeper's WAL begins)."""
+        seg = state.wal_seg_size
+        data = await asyncio.to_thread(store.read, name)
+        try:
+            await asyncio.to_thread(check_segment_wal, data, lsn, seg, system_id=state.system_id, timeline=tli)
+        except WalFormatError as e:
+            raise ArchiveMismatch(name, lsn, None, sha256(data).hex(), f"it fails the WAL checks: {e}") from None
+        if held is not None:
+            start = len(held) - len(held.lstrip(b"\0"))  # where this safekeeper's WAL begins
+            if data[start:] != held[start:]:
+                raise ArchiveMismatch(name, lsn, sha256(held[start:]).hex(), sha256(data[start:]).hex(),
+                                      f"its bytes from {format_lsn(lsn + start)} differ from this safekeeper's")
 
     async def _drop_partials(self, store: Storage, name: str) -> None:
         """The partial objects of segment `name`, now archived whole: its committed bytes are all there.
@@ -313,5 +401,5 @@ def uploader_for(sk: Archived, url: str, s3_endpoint: str | None, cluster: str |
                     on_upload)
 
 
-__all__ = ["ArchiveOptions", "Archived", "PartialSegment", "RankElection", "UploadElection", "Uploader",
+__all__ = ["ArchiveMismatch", "ArchiveOptions", "Archived", "SegmentDamaged", "PartialSegment", "RankElection", "UploadElection", "Uploader",
            "default_cluster", "partial_name", "uploader_for", "wal_prefix"]

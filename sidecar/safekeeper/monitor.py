@@ -75,6 +75,7 @@ class SafekeeperMonitor:
             "backup_lsn": format_lsn(s.backup_lsn),
             "archiving": v.archive is not None,
             "archive_failing": v.archive_error is not None,
+            "archive_mismatch": v.archive_mismatch,
             # No proposer address, paths or error texts: a stranger may read this; the log has them.
             "proposer_connected": v.proposer_connected,
             "reader_listen": v.reader_listen,
@@ -119,6 +120,9 @@ class SafekeeperMonitor:
                 "(--archive).", s.backup_lsn)
         yield g("walsidecar_safekeeper_archive_failing", "1 while archiving fails (the log says why); it is "
                 "retried.", 1 if v.archive_error else 0)
+        yield g("walsidecar_safekeeper_archive_mismatch", "1 while an archived object is not this safekeeper's WAL of "
+                "its segment (/status and the log name it): backup_lsn, and so removal, stop below it.",
+                1 if v.archive_mismatch else 0)
         yield g("walsidecar_safekeeper_disk_full", "1 once a full disk stopped this safekeeper acknowledging WAL "
                 "(free space, then restart it).", 1 if v.disk_full else 0)
         yield g("walsidecar_safekeeper_proposer_connected", "1 while an elected proposer streams to this safekeeper.",

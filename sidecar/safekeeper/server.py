@@ -173,6 +173,7 @@ class Safekeeper:
             disk_guard=self.guard.reason, disk_usage=self.guard.usage,
             archive=(self.uploader.store or self.uploader.root).location if self.uploader is not None else None,
             archive_error=self.uploader.error if self.uploader is not None else None,
+            archive_mismatch=self.acceptor.archive_mismatch or None,
             learning_term_from=acc.amnesic_peers)
 
     # ---- what readers see (safekeeper/pgserver.py, walsender.py) ------------------------------
@@ -246,6 +247,12 @@ class Safekeeper:
         if actions:
             await self._save_persisted(actions)
             self.remover.wake()  # the horizon may move with backup_lsn
+
+    def archive_mismatch(self, name: str | None) -> None:
+        """The uploader found the archived object `name` not to be this safekeeper's WAL (None: no longer)."""
+        if name is not None:
+            self.stats.archive_mismatches.inc()
+        self.acceptor.archive_mismatch = name or ""  # `check` reads it in InfoReply
 
     def _positions(self) -> Positions:
         acc = self.acceptor

@@ -58,6 +58,7 @@ class SafekeeperView:
     slots: tuple[SlotView, ...] = ()
     archive: str | None = None  # where committed segments are uploaded (--archive), if anywhere
     archive_error: str | None = None  # the last archiving failure, until an upload succeeds
+    archive_mismatch: str | None = None  # an archived object that is not our WAL of its segment: backup_lsn stops
     broker: BrokerView | None = None  # with --broker
     removal_horizon: Horizon = Horizon(0, "nothing stored yet")  # WAL below it is removed
     removal_stopped_by: str | None = None  # a pin that kept removal below the horizon

@@ -71,6 +71,7 @@ TIMELINE = "timeline break"
 TRUNCATED = "truncated segment"
 RECORD = "invalid record"
 END = "WAL ends early"
+MISMATCH = "object differing from a safekeeper's WAL"
 
 
 @dataclass(frozen=True, order=True)
@@ -193,6 +194,12 @@ def backup_gaps(plan: ArchivePlan, backup_lsn: int, who: str) -> list[Problem]:
     return [Problem(segno * seg, MISSING, segment_file_name(tli, segno, seg),
                     f"not in {plan.storage.location}, yet below the backup_lsn {format_lsn(backup_lsn)} of {who}")
             for segno in range(min(held), backup_lsn // seg) if segno not in held]
+
+
+def reported_mismatch(name: str, backup_lsn: int, who: str) -> Problem:
+    """`who` found the archived object `name` not to hold its WAL of that segment (its backup_lsn stops there)."""
+    return Problem(backup_lsn, MISMATCH, name, f"{who} holds other bytes for it (its log gives both SHA-256s); "
+                                               "nothing from it on is removed there")
 
 
 def _bound(name: str | None, seg_size: int, default: int) -> int:

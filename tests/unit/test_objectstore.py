@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,11 +49,20 @@ def test_put_get_head_list(store: Storage) -> None:
 def test_a_put_never_replaces_different_bytes(store: Storage) -> None:
     store.put("seg", b"x" * 1000)
     assert store.put("seg", b"x" * 1000) is False  # a racing uploader with the same bytes succeeds
-    with pytest.raises(ObjectConflict, match="different content"):
+    with pytest.raises(ObjectConflict, match="different content") as conflict:
         store.put("seg", b"y" * 1000)
+    # Named, with both digests: whoever reports it says which object differs and how.
+    assert (conflict.value.key, conflict.value.ours, conflict.value.theirs) == \
+        ("seg", hashlib.sha256(b"y" * 1000).hexdigest(), hashlib.sha256(b"x" * 1000).hexdigest())
     with pytest.raises(ObjectConflict):
         store.put("seg", b"x" * 999)
     assert store.read("seg") == b"x" * 1000
+    # The same comparison without a put (an object another safekeeper uploaded).
+    assert store.compare("seg", b"x" * 1000) is None
+    with pytest.raises(ObjectConflict):
+        store.compare("seg", b"x" * 999 + b"y")
+    with pytest.raises(FileNotFoundError):
+        store.compare("none", b"x")
     store.replace("seg", b"z")  # reports, not WAL, may be replaced
     assert store.read("seg") == b"z"
 
@@ -79,6 +89,15 @@ def test_s3_puts_carry_their_sha256(s3: str) -> None:
     store.put("seg", b"abc")
     head = store.client.head_object(Bucket="archive", Key="sums/seg", ChecksumMode="ENABLED")
     assert head["ChecksumSHA256"] == "ungWv48Bz+pBQUDeXa4iI7ADYaOWF3qctBD/YfIAFa0="
+
+    # A taken key is compared by the checksum S3 keeps; one put without it (another tool) by its bytes.
+    store.client.put_object(Bucket="archive", Key="sums/other", Body=b"abd")
+    assert store.put("other", b"abd") is False
+    with pytest.raises(ObjectConflict) as conflict:
+        store.put("other", b"abc")
+    assert conflict.value.theirs == hashlib.sha256(b"abd").hexdigest()
+    with pytest.raises(ObjectConflict):
+        store.put("seg", b"abd")
 
 
 def test_a_crashed_file_put_leaves_nothing_that_looks_complete(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from sidecar.consensus.codec import (
 from sidecar.consensus.limits import MAX_HISTORY, MAX_LSN, MAX_TERM, LimitError
 from sidecar.consensus.messages import (
     PROTOCOL_VERSION,
+    SlotHold,
     Append,
     AppendReply,
     AuthChallenge,
@@ -85,6 +86,10 @@ SAMPLES: list[Message] = [
     InfoReply(2, 7301234567890123456, 16 * 1024 * 1024, 15, 1, 6, 6, 0x3000100, 0x3000000, True),
     InfoReply(0, 0, 0, 0, 0, 0, 0, 0, 0, False),
     InfoReply(2, 7301234567890123456, 16 * 1024 * 1024, 15, 2, 6, 6, 0x3000100, 0x3000000, False, 5433),
+    InfoReply(2, 7301234567890123456, 16 * 1024 * 1024, 15, 2, 6, 6, 0x3000100, 0x3000000, False, 5433, 0x2000000,
+              archive_mismatch="000000020000000000000003"),
+    InfoReply(2, 7301234567890123456, 16 * 1024 * 1024, 15, 2, 6, 6, 0x3000100, 0x3000000, False, 5433, 0x2000000,
+              10 << 30, (SlotHold("standby", 1 << 20),), "000000020000000000000003"),
     AuthChallenge(bytes(range(32))),
     AuthResponse(b"\x30\x82" + b"c" * 600, b"\xff" * 32, "sk1.internal", b"s" * 72),
     AuthResponse(b"c" * 8192, bytes(32), "東京", b"s" * 256),

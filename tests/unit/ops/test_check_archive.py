@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from sidecar.config import CheckSettings
 from sidecar.consensus.messages import InfoReply
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE as SEG
@@ -41,3 +43,12 @@ def test_before_a_segment_can_be_complete_there_is_nothing_to_archive_yet() -> N
                                       "end of the first segment the safekeepers hold whole")
     (status, _), = archive_lines(reply(1, 3 * SEG, 0))
     assert status == "WARNING"  # segment 2 may be complete: it should have been uploaded
+
+
+def test_an_archived_object_that_is_not_a_safekeeper_s_wal_fails_by_name() -> None:
+    name = "000000010000000000000002"
+    lines = archive_lines(replace(reply(1, 5 * SEG, 0), archive_mismatch=name), reply(2, 5 * SEG, 4 * SEG))
+    assert [s for s, _ in lines] == ["FAILED", "OK"]
+    assert lines[0][1].startswith(f"safekeeper 1: the archived object {name} is not its WAL")
+    (status, detail), = archive_lines(replace(reply(1, 5 * SEG, 0), archive_mismatch=name))
+    assert status == "FAILED" and name in detail  # not "nothing uploaded yet": it says what holds it

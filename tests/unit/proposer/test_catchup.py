@@ -75,8 +75,7 @@ def test_a_range_across_a_promotion_is_read_on_the_old_timeline_then_the_new_one
 
 def test_the_archive_gives_nothing_it_lacks_and_nothing_unchecked(tmp_path: Path) -> None:
     from sidecar.lsn import DEFAULT_SEGMENT_SIZE as SEG, segment_file_name
-    from sidecar.proposer.catchup import ArchiveReader
-    from sidecar.wal.format import WalFormatError
+    from sidecar.proposer.catchup import ArchiveReader, DamagedArchiveSegment
 
     system_id = 7300000000000000001
     wal = tmp_path / str(system_id) / str(system_id) / "wal"
@@ -89,6 +88,7 @@ def test_the_archive_gives_nothing_it_lacks_and_nothing_unchecked(tmp_path: Path
 
     assert run(copy(2 * SEG + 100)) == 2 * SEG + 100, "a segment the archive lacks gave WAL"
     (wal / segment_file_name(1, 3)).write_bytes(bytes(SEG))  # whole, but no WAL page in it
-    with pytest.raises(WalFormatError):
+    with pytest.raises(DamagedArchiveSegment) as damaged:
         run(copy(3 * SEG))
+    assert (damaged.value.name, damaged.value.lsn) == (segment_file_name(1, 3), 3 * SEG)
     assert got == []

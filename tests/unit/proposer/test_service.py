@@ -20,6 +20,7 @@ from sidecar.consensus.messages import (
     Refusal, TimelineEntry, VoteReply, VoteRequest,
 )
 from sidecar.consensus.proposer import Campaign, ElectionWon, Phase, ProposerEvent, Streaming
+from sidecar.proposer.catchup import DamagedArchiveSegment
 from sidecar.proposer.options import StartOptions
 from sidecar.proposer.primary import PrimaryInfo
 from sidecar.proposer.service import PrimaryMismatch, ProposerService
@@ -260,6 +261,16 @@ class Harness:
     def link(self, i: int) -> FakeSafekeeper:
         return self.links[PEERS[i]]
 
+    async def behind_the_buffer(self) -> int:
+        """Streaming, with safekeeper 3 dropped while more WAL than the buffer holds was committed: its end."""
+        stream = await self.streaming()
+        self.link(2).drop()
+        end = BOOT
+        for _ in range(4):
+            end = stream.wal(end, b"c" * 3000)
+        await until(lambda: end in stream.flushes(), "the quorum flush")
+        return end
+
 
 def test_it_campaigns_then_streams_from_the_elected_start() -> None:
     async def main() -> None:
@@ -349,16 +360,56 @@ def test_a_safekeeper_behind_the_buffer_is_caught_up_from_the_primary() -> None:
         h = Harness(wal_buffer=4096)
         h.start()
         try:
-            stream = await h.streaming()
-            h.link(2).drop()
-            end = BOOT
-            for _ in range(4):
-                end = stream.wal(end, b"c" * 3000)
-            await until(lambda: end in stream.flushes(), "the quorum flush")
+            end = await h.behind_the_buffer()
 
             h.link(2).reconnect()
             await until(lambda: h.link(2).flush == end, "the returning safekeeper to catch up")
             assert len(h.replication.readers) == 1 and h.replication.readers[0].start_lsn == BOOT
+        finally:
+            await h.stop()
+
+    run(main())
+
+
+class RecycledPrimary:
+    """The primary's pg_wal no longer holds what a lagging safekeeper needs."""
+
+    async def copy(self, *args: Any, **kwargs: Any) -> None:
+        raise OSError("requested WAL segment has already been removed")
+
+
+class DamagedArchive:
+    """An archive whose segment at BOOT fails the WAL checks; counts the reads."""
+
+    url = "file:///archive"
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    async def copy(self, *args: Any, **kwargs: Any) -> int:
+        self.reads += 1
+        raise DamagedArchiveSegment("000000010000000000000003", BOOT, "invalid magic number 0000")
+
+
+def test_catch_up_from_a_damaged_archived_segment_stops_until_the_safekeeper_reconnects() -> None:
+    async def main() -> None:
+        h = Harness(wal_buffer=4096)
+        h.start()
+        try:
+            await h.behind_the_buffer()
+            archive = DamagedArchive()
+            h.service.reader, h.service.archive = RecycledPrimary(), archive  # type: ignore[assignment]
+
+            h.link(2).reconnect()
+            await until(lambda: archive.reads == 1 and not h.service._fetches, "the catch-up to give up")
+            # Not dropped: a reconnect would read the same bytes again, and again.
+            assert h.link(2).up and h.link(2).reconnects == 1 and h.link(2).flush == BOOT
+            assert h.service.phase is Phase.STREAMING  # the others go on
+            # A new connection (an operator replaced the object, restarted the safekeeper) tries once more.
+            h.link(2).drop()
+            h.link(2).reconnect()
+            await until(lambda: archive.reads == 2 and not h.service._fetches, "the catch-up to try again")
+            assert h.link(2).up and h.link(2).reconnects == 2
         finally:
             await h.stop()
 

@@ -29,7 +29,8 @@ VIEW = SafekeeperView(
     reader_listen="127.0.0.1:7612", readers=2, streaming_readers=1,
     slots=(SlotView("standby1", 0x2000080, 2, False, True), SlotView("new", 0, 0, False, False)),
     removal_horizon=Horizon(0x2000000, 'reader slot "standby1"'), disk_usage=DiskUsage(2 * SEG, 10 << 30, 100 << 30),
-    archive="s3://bucket/wal", archive_error="ClientError: AccessDenied")
+    archive="s3://bucket/wal", archive_error="ArchiveMismatch: the archived 000000010000000000000002 is not ...",
+    archive_mismatch="000000010000000000000002")
 
 
 class Published:
@@ -58,6 +59,7 @@ def test_status_is_the_view() -> None:
         "term": 5, "term_history": [[3, "0/1000000"], [5, "0/2000000"]], "elected_term": 5,
         "learning_term_from_peers": 0, "flush_lsn": "0/2000200", "write_lsn": "0/2000300", "commit_lsn": "0/2000100",
         "peer_horizon_lsn": "0/2000080", "backup_lsn": "0/2000000", "archiving": True, "archive_failing": True,
+        "archive_mismatch": "000000010000000000000002",
         "proposer_connected": True, "fatal": None, "stopped": None,
         "reader_listen": "127.0.0.1:7612", "readers": 2, "streaming_readers": 1,
         "slots": [{"name": "standby1", "restart_lsn": "0/2000080", "timeline": 2, "temporary": False, "active": True},
@@ -104,6 +106,7 @@ def test_gauges_follow_the_published_view() -> None:
     assert g["walsidecar_safekeeper_commit_lsn_bytes"] == 0x2000100
     assert g["walsidecar_safekeeper_peer_horizon_lsn_bytes"] == 0x2000080
     assert g["walsidecar_safekeeper_backup_lsn_bytes"] == 0x2000000 and g["walsidecar_safekeeper_archive_failing"] == 1
+    assert g["walsidecar_safekeeper_archive_mismatch"] == 1
     assert g["walsidecar_safekeeper_proposer_connected"] == 1 and g["walsidecar_safekeeper_disk_full"] == 0
     assert g["walsidecar_safekeeper_readers"] == 2 and g["walsidecar_safekeeper_streaming_readers"] == 1
     text = generate_latest(mon.stats.registry).decode()

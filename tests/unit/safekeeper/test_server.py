@@ -4,9 +4,7 @@ and publishing its positions as it serves a proposer over a real connection."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,7 @@ import pytest
 from sidecar import framing
 from sidecar.consensus import codec
 from sidecar.consensus.messages import (
-    PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply, Message, TermEntry,
+    PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply, TermEntry,
     VoteReply, VoteRequest,
 )
 from sidecar.consensus.state import AcceptorState
@@ -24,6 +22,7 @@ from sidecar.safekeeper.server import Safekeeper
 from sidecar.safekeeper.storage import NoWal, WalStorage
 from sidecar.safekeeper.walcheck import StartupError
 from support.helpers import run, until
+from support.serving import talking_to
 from support.walbuilder import WalBuilder
 
 SEG = 1 << 20
@@ -100,26 +99,6 @@ def test_stored_wal_opens_at_the_end_of_its_last_record(tmp_path: Path) -> None:
 
 
 # ---- positions published as the server carries out the acceptor's actions -------------------------
-
-@contextlib.asynccontextmanager
-async def talking_to(sk: Safekeeper) -> AsyncIterator[Callable[[Message], Awaitable[Message]]]:
-    """`sk` serving, and a function that sends it one message and returns its answer."""
-    server = asyncio.ensure_future(sk.serve())
-    await until(lambda: sk._server is not None and sk._server.sockets, "the safekeeper to listen")
-    port = sk._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    reader, writer = await framing.open_connection("127.0.0.1", port)
-
-    async def send(msg: Message) -> Message:
-        framing.write(writer, codec.encode(msg))
-        return await asyncio.wait_for(reader.read_message(), 10)
-
-    try:
-        yield send
-    finally:
-        writer.close()
-        server.cancel()
-        await asyncio.gather(server, return_exceptions=True)
-
 
 def test_positions_are_published_after_fsync_commit_and_cut(tmp_path: Path) -> None:
     b = WalBuilder(SEG, seg_size=SEG, sysid=SYSID)
