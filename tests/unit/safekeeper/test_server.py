@@ -103,12 +103,17 @@ def test_stored_wal_opens_at_the_end_of_its_last_record(tmp_path: Path) -> None:
 
 # ---- positions published as the server carries out the acceptor's actions -------------------------
 
+async def serving(sk: Safekeeper) -> tuple[asyncio.Future[None], int]:
+    """`sk` serving: the task (cancel it to stop) and the port it listens on."""
+    server = asyncio.ensure_future(sk.serve())
+    await until(lambda: sk._server is not None and sk._server.sockets, "the safekeeper to listen")
+    return server, sk._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+
 @contextlib.asynccontextmanager
 async def talking_to(sk: Safekeeper) -> AsyncIterator[Callable[[Message], Awaitable[Message]]]:
     """`sk` serving, and a function that sends it one message and returns its answer."""
-    server = asyncio.ensure_future(sk.serve())
-    await until(lambda: sk._server is not None and sk._server.sockets, "the safekeeper to listen")
-    port = sk._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    server, port = await serving(sk)
     reader, writer = await framing.open_connection("127.0.0.1", port)
 
     async def send(msg: Message) -> Message:
@@ -197,9 +202,7 @@ def test_a_stop_while_the_stream_thread_serves_waits_for_it(tmp_path: Path, monk
 
     async def main() -> None:
         sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
-        server = asyncio.ensure_future(sk.serve())
-        await until(lambda: sk._server is not None and sk._server.sockets, "the safekeeper to listen")
-        port = sk._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        server, port = await serving(sk)
         reader, writer = await framing.open_connection("127.0.0.1", port)
         for msg in (Greeting(PROTOCOL_VERSION, "p", SYSID, 1, SEG, 15), VoteRequest(1),
                     Elected(1, SEG, (TermEntry(1, SEG),)), Append(1, SEG, 0, 0, b.bytes())):
@@ -223,9 +226,7 @@ def test_read_only_clients_cannot_take_the_proposers_places(tmp_path: Path, pki:
 
     async def main() -> None:
         sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 0, server_security(pki.certs("safekeeper", 1), "tls"))
-        server = asyncio.ensure_future(sk.serve())
-        await until(lambda: sk._server is not None and sk._server.sockets, "the safekeeper to listen")
-        port = sk._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        server, port = await serving(sk)
         client = client_security(pki.certs("client"), "tls")
         held, answered = [], 0
         try:
@@ -269,9 +270,7 @@ def test_no_descriptor_for_a_connection_closes_it_and_marks_nothing_in_doubt(
 
     async def main() -> None:
         sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
-        server = asyncio.ensure_future(sk.serve())
-        await until(lambda: sk._server is not None and sk._server.sockets, "the safekeeper to listen")
-        port = sk._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        server, port = await serving(sk)
         reader, writer = await framing.open_connection("127.0.0.1", port)
         try:
             for msg in (Greeting(PROTOCOL_VERSION, "p", SYSID, 1, SEG, 15), VoteRequest(1)):
