@@ -15,13 +15,19 @@ import asyncio
 import collections
 import ssl
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from sidecar.consensus import codec, limits
 from sidecar.consensus.messages import Append, Message
 from sidecar.tlslayer import TlsProtocol
 
 _PAUSE_AT = 8 * 1024 * 1024  # decoded WAL waiting for the reader before reading pauses
+
+
+class Admitted(Protocol):
+    """What `start_server`'s `admit` gives an accepted connection: released once it is closed."""
+
+    def release(self) -> None: ...
 
 
 class FrameReader(asyncio.BufferedProtocol):
@@ -32,6 +38,8 @@ class FrameReader(asyncio.BufferedProtocol):
     Frames longer than `max_frame` are refused; it starts at the limit for a peer nobody has
     authenticated yet, and whoever authenticates the peer raises it.
     """
+
+    admitted: Admitted | None = None  # a server's connection: its place (start_server's `admit`)
 
     def __init__(self, loop: asyncio.AbstractEventLoop, max_frame: int = limits.PREAUTH_MAX_FRAME) -> None:
         self._loop = loop
@@ -224,22 +232,54 @@ def write(writer: Writer, *parts: bytes | bytearray | memoryview) -> bool:
 
 async def start_server(
     connected: Callable[[FrameReader, Writer], Awaitable[None]], host: str, port: int,
-    tls: ssl.SSLContext | None = None, handshake_timeout: float = 10.0, **kwargs: Any,
+    tls: ssl.SSLContext | None = None, handshake_timeout: float = 10.0,
+    admit: Callable[[asyncio.BaseTransport], Admitted | None] | None = None, **kwargs: Any,
 ) -> asyncio.Server:
     """Like asyncio.start_server, with a FrameReader and a Writer in place of the streams.
 
     With `tls`, connections are served over `tlslayer` rather than the loop's TLS, so that their TLS
     state can be handed to a thread; the handler sees a connection only once its handshake is done.
+    `admit` is called as each connection is accepted, before any handshake: None closes it at once;
+    otherwise the handler finds what it returned as `reader.admitted`, released when the connection is lost.
     """
     loop = asyncio.get_running_loop()
     tasks: set[asyncio.Task[None]] = set()
 
+    def _admit(reader: FrameReader, transport: asyncio.BaseTransport) -> bool:
+        if admit is None:
+            return True
+        reader.admitted = admit(transport)
+        if reader.admitted is None:
+            transport.abort()  # type: ignore[attr-defined]
+        return reader.admitted is not None
+
+    def _release(reader: FrameReader) -> None:
+        if reader.admitted is not None:
+            reader.admitted.release()
+
     class _ServerFrameReader(FrameReader):
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)
+            if tls is None and not _admit(self, transport):
+                return
             task = loop.create_task(connected(self, Writer(transport, self)))  # type: ignore[arg-type]
             tasks.add(task)
             task.add_done_callback(_finished)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            super().connection_lost(exc)
+            _release(self)
+
+    class _AdmittedTls(TlsProtocol):
+        app: _ServerFrameReader
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            if _admit(self.app, transport):
+                super().connection_made(transport)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            super().connection_lost(exc)
+            _release(self.app)  # before the handshake the app never saw the connection
 
     def _finished(task: asyncio.Task[None]) -> None:
         tasks.discard(task)
@@ -248,7 +288,7 @@ async def start_server(
 
     if tls is None:
         return await loop.create_server(lambda: _ServerFrameReader(loop), host, port, **kwargs)
-    return await loop.create_server(lambda: TlsProtocol(tls, _ServerFrameReader(loop), handshake_timeout),
+    return await loop.create_server(lambda: _AdmittedTls(tls, _ServerFrameReader(loop), handshake_timeout),
                                     host, port, **kwargs)
 
 

@@ -1,18 +1,25 @@
 """`--link-security auth-only`: both ends of a link prove their certificate, and nothing is encrypted.
 
 A challenge-response at connection start, as SCRAM does it, with the keys and certificates of
-`--certs-dir`. The safekeeper sends `AuthChallenge` (32 random bytes); the dialler answers with
-`AuthResponse`: its certificate, a nonce of its own, the host it dialled and an ECDSA signature
-over both nonces and that host; the safekeeper checks the certificate against its `ca.crt`
-bundle, its validity, the signature and that the host is one of its own names, then proves
-itself the same way with `AuthConfirm`. Afterwards the connection is plain TCP: it keeps out
-whoever can reach the port, not whoever sits on the path (docs/security.md).
+`--certs-dir`. The safekeeper sends `AuthChallenge`: 32 random bytes and its certificate. The dialler
+checks that certificate (the deployment's CA, a name of the host it dialled), then answers with
+`AuthResponse`: its certificate, a nonce of its own, the host and port it dialled and an ECDSA
+signature over the `transcript`: both certificates, both nonces, that host and port and both roles,
+as TLS 1.3's CertificateVerify covers the handshake. The safekeeper checks the certificate against its
+`ca.crt` bundle, its validity, the signature, that the host is one of its own names and the port the
+one the connection arrived on, then proves itself over the same transcript with `AuthConfirm`.
+
+So a proof is good for one safekeeper's address only: whoever the dialler reached cannot pass its
+proof on to another safekeeper sharing the host name (a relay to another port gets a refusal).
+Afterwards the connection is plain TCP: it keeps out whoever can reach the port, not whoever sits on
+the path (docs/security.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime
+import hashlib
 import ipaddress
 import os
 import ssl
@@ -30,8 +37,9 @@ from sidecar.certs import Identity
 from sidecar.consensus import codec, limits
 from sidecar.consensus.messages import AuthChallenge, AuthConfirm, AuthResponse
 
-CLIENT_CONTEXT = b"walsidecar-link-auth-v1 client"
-SERVER_CONTEXT = b"walsidecar-link-auth-v1 server"
+# v2 (the certificates, the port and the roles signed too): a v1 peer's signature never verifies.
+CLIENT_CONTEXT = b"walsidecar-link-auth-v2 client"
+SERVER_CONTEXT = b"walsidecar-link-auth-v2 server"
 _SIGNATURE = ec.ECDSA(hashes.SHA256())
 # The subject fields tls.identity_of reads, under the names ssl.getpeercert() gives them.
 _PEERCERT_NAMES = {NameOID.ORGANIZATION_NAME: "organizationName",
@@ -65,35 +73,51 @@ class LinkAuth:
         LinkAuthError (or the reader's error) if the peer fails: nothing has been answered then.
         """
         server_nonce = os.urandom(limits.AUTH_NONCE)
-        writer.write(codec.encode(AuthChallenge(server_nonce)))
+        writer.write(codec.encode(AuthChallenge(server_nonce, self.cert_der)))
         msg = await reader.read_message()
         if type(msg) is not AuthResponse:
             raise LinkAuthError(f"expected AuthResponse, got {type(msg).__name__}")
         cert = self._verify_certificate(msg.certificate)
         if not names_host(self.cert, msg.host):
             raise LinkAuthError(f"the peer dialled {msg.host!r}, a name this safekeeper's certificate does not have")
-        _verify_signature(cert, msg.signature, CLIENT_CONTEXT + server_nonce + msg.nonce + msg.host.encode())
-        proof = self.key.sign(SERVER_CONTEXT + msg.nonce + server_nonce + msg.host.encode(), _SIGNATURE)
-        writer.write(codec.encode(AuthConfirm(self.cert_der, proof)))
+        here = writer.get_extra_info("sockname")
+        port = here[1] if isinstance(here, tuple) and len(here) >= 2 else None
+        if msg.port != port:
+            # Another listener on this host passing on what it was sent (audit M-3), or a port
+            # translated on the way, which auth-only cannot tell apart from one.
+            raise LinkAuthError(f"the peer dialled port {msg.port}, not {port}, where it arrived: a relay, "
+                                "or port translation (auth-only needs the safekeeper's own port)")
+        signed = transcript(self.cert_der, msg.certificate, server_nonce, msg.nonce, msg.host, msg.port)
+        _verify_signature(cert, msg.signature, CLIENT_CONTEXT + signed)
+        writer.write(codec.encode(AuthConfirm(self.cert_der, self.key.sign(SERVER_CONTEXT + signed, _SIGNATURE))))
         return identity(cert)
 
-    async def authenticate(self, reader: framing.FrameReader, writer: framing.Writer, host: str) -> Identity | None:
-        """The dialler's side: answer the challenge, then verify the safekeeper's proof and that it names `host`."""
+    async def authenticate(self, reader: framing.FrameReader, writer: framing.Writer, host: str,
+                           port: int) -> Identity | None:
+        """The dialler's side: check the safekeeper's certificate names `host`, prove this end over it,
+        then verify the safekeeper's proof."""
         host = tls.server_hostname(host)
         challenge = await _read(reader, "before its challenge")
         if type(challenge) is not AuthChallenge:
             raise LinkAuthError(f"it sent {type(challenge).__name__} instead of a challenge: does it run with "
                                 "--link-security auth-only?")
+        if not challenge.certificate:
+            raise LinkAuthError("its challenge carries no certificate: an older walsidecar (link auth v1); "
+                                "upgrade both ends")
+        # Checked before anything is signed: a proof goes only to a safekeeper that may get it.
+        cert = self._verify_certificate(challenge.certificate)
+        if not names_host(cert, host):
+            raise LinkAuthError(f"its certificate does not name {host}, the host dialled (address mismatch)")
         client_nonce = os.urandom(limits.AUTH_NONCE)
-        proof = self.key.sign(CLIENT_CONTEXT + challenge.nonce + client_nonce + host.encode(), _SIGNATURE)
-        writer.write(codec.encode(AuthResponse(self.cert_der, client_nonce, host, proof)))
+        signed = transcript(challenge.certificate, self.cert_der, challenge.nonce, client_nonce, host, port)
+        proof = self.key.sign(CLIENT_CONTEXT + signed, _SIGNATURE)
+        writer.write(codec.encode(AuthResponse(self.cert_der, client_nonce, host, proof, port)))
         reply = await _read(reader, "during authentication: does it trust this certificate (the same CA)?")
         if type(reply) is not AuthConfirm:
             raise LinkAuthError(f"it answered {type(reply).__name__} instead of proving its certificate")
-        cert = self._verify_certificate(reply.certificate)
-        if not names_host(cert, host):
-            raise LinkAuthError(f"its certificate does not name {host}, the host dialled (address mismatch)")
-        _verify_signature(cert, reply.signature, SERVER_CONTEXT + client_nonce + challenge.nonce + host.encode())
+        if reply.certificate != challenge.certificate:
+            raise LinkAuthError("it proved another certificate than the one it presented")
+        _verify_signature(cert, reply.signature, SERVER_CONTEXT + signed)
         return identity(cert)
 
     def _verify_certificate(self, der: bytes) -> x509.Certificate:
@@ -126,6 +150,22 @@ async def _read(reader: framing.FrameReader, when: str) -> object:
     except codec.ProtocolError as e:
         raise LinkAuthError(f"it sent something that is not the walsidecar protocol ({e}): does it run with "
                             "--link-security auth-only?") from None
+
+
+def transcript(server_cert: bytes, client_cert: bytes, server_nonce: bytes, client_nonce: bytes,
+               host: str, port: int) -> bytes:
+    """What both ends sign (after their context): each certificate's hash, each nonce, the address
+    dialled and each certificate's role, every field length-prefixed so that none can run into the next."""
+    roles = []
+    for der in (client_cert, server_cert):
+        try:
+            ident = identity(x509.load_der_x509_certificate(der))
+        except ValueError:
+            ident = None
+        roles.append(ident.role.encode() if ident is not None else b"")
+    fields = (hashlib.sha256(server_cert).digest(), hashlib.sha256(client_cert).digest(), server_nonce,
+              client_nonce, host.encode(), port.to_bytes(2, "big"), *roles)
+    return b"".join(len(f).to_bytes(2, "big") + f for f in fields)
 
 
 def _issued_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
@@ -193,7 +233,7 @@ async def dial(host: str, port: int, security: Security,
     if security is None:
         return reader, writer, None
     try:
-        ident = await asyncio.wait_for(security.authenticate(reader, writer, host), tls.HANDSHAKE_TIMEOUT)
+        ident = await asyncio.wait_for(security.authenticate(reader, writer, host, port), tls.HANDSHAKE_TIMEOUT)
     except asyncio.TimeoutError:
         writer.close()
         raise LinkAuthError(f"no authentication within {tls.HANDSHAKE_TIMEOUT:g}s: does it run with "

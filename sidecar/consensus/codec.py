@@ -127,8 +127,9 @@ _INFO_REPLY_V1_SIZE = _INFO_REPLY.size - 10
 _INFO_SLOTS = Struct(">QH")
 _INFO_SLOT = Struct(">QB")
 MAX_INFO_SLOTS = 1000
-# AuthResponse: nonce, then certificate, host and signature, each a u16 length and its bytes;
-# AuthConfirm: certificate and signature the same way.
+# AuthChallenge: nonce, then the certificate as a u16 length and its bytes (none from link auth v1);
+# AuthResponse: nonce, the u16 port dialled, then certificate, host and signature, each a u16 length
+# and its bytes; AuthConfirm: certificate and signature the same way.
 
 # Whole frames of fixed-size messages, so that encoding one is a single pack() call.
 _GREETING_REPLY_FRAME = Struct(">IB" + _GREETING_REPLY.format[1:])
@@ -227,10 +228,14 @@ def _check_info_reply(m: InfoReply) -> None:
 
 def _check_auth_challenge(m: AuthChallenge) -> None:
     limits.check_nonce(m.nonce)
+    if m.certificate:  # empty only as decoded from an older safekeeper, which linkauth then refuses
+        limits.check_auth_field("certificate", m.certificate, limits.MAX_AUTH_CERT)
 
 
 def _check_auth_response(m: AuthResponse) -> None:
     limits.check_nonce(m.nonce)
+    if not 0 <= m.port <= 0xFFFF:
+        raise limits.LimitError(f"port {m.port} is outside 0..65535")
     limits.check_auth_field("certificate", m.certificate, limits.MAX_AUTH_CERT)
     limits.check_auth_field("host", m.host.encode("utf-8", "surrogatepass"), limits.MAX_AUTH_HOST)
     limits.check_auth_field("signature", m.signature, limits.MAX_AUTH_SIGNATURE)
@@ -373,12 +378,13 @@ def _blob(value: bytes) -> bytes:
 
 def _encode_auth_challenge(m: AuthChallenge) -> bytes:
     _check_auth_challenge(m)
-    return _framed(TAG_AUTH_CHALLENGE, bytes(m.nonce))
+    return _framed(TAG_AUTH_CHALLENGE, bytes(m.nonce) + (_blob(m.certificate) if m.certificate else b""))
 
 
 def _encode_auth_response(m: AuthResponse) -> bytes:
     _check_auth_response(m)
-    body = bytes(m.nonce) + _blob(m.certificate) + _blob(_utf8(m.host, "host")) + _blob(m.signature)
+    body = bytes(m.nonce) + _U16.pack(m.port) + _blob(m.certificate) + _blob(_utf8(m.host, "host")) \
+        + _blob(m.signature)
     return _framed(TAG_AUTH_RESPONSE, body)
 
 
@@ -646,19 +652,24 @@ def _blobs(body: Body, start: int, count: int, name: str) -> list[bytes]:
 
 
 def _decode_auth_challenge(body: Body) -> AuthChallenge:
-    m = AuthChallenge(bytes(body))
+    if len(body) <= limits.AUTH_NONCE:  # link auth v1: the nonce alone (a wrong size fails the check)
+        m = AuthChallenge(bytes(body))
+    else:
+        (cert,) = _blobs(body, limits.AUTH_NONCE, 1, "AuthChallenge")
+        m = AuthChallenge(bytes(body[:limits.AUTH_NONCE]), cert)
     _check_auth_challenge(m)
     return m
 
 
 def _decode_auth_response(body: Body) -> AuthResponse:
-    _need_at_least(body, limits.AUTH_NONCE, "AuthResponse")
-    cert, host, sig = _blobs(body, limits.AUTH_NONCE, 3, "AuthResponse")
+    _need_at_least(body, limits.AUTH_NONCE + _U16.size, "AuthResponse")
+    (port,) = _U16.unpack_from(body, limits.AUTH_NONCE)
+    cert, host, sig = _blobs(body, limits.AUTH_NONCE + _U16.size, 3, "AuthResponse")
     try:
         text = host.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ProtocolError(f"AuthResponse: host is not valid UTF-8: {e}") from None
-    m = AuthResponse(cert, bytes(body[:limits.AUTH_NONCE]), text, sig)
+    m = AuthResponse(cert, bytes(body[:limits.AUTH_NONCE]), text, sig, port)
     _check_auth_response(m)
     return m
 

@@ -159,19 +159,23 @@ class SlotHold:
 
 @dataclass(frozen=True)
 class AuthChallenge:
-    """`--link-security auth-only`: the safekeeper's first message, fresh random bytes to sign."""
+    """`--link-security auth-only`: the safekeeper's first message, fresh random bytes to sign and its
+    certificate (DER), which the dialler's signature then covers; empty from an older safekeeper."""
 
     nonce: bytes
+    certificate: bytes = field(default=b"", repr=False)
 
 
 @dataclass(frozen=True)
 class AuthResponse:
-    """The dialler's proof: its certificate (DER) and a signature over both nonces and the host it dialled."""
+    """The dialler's proof: its certificate (DER) and a signature over both certificates, both nonces and
+    the host and port it dialled (linkauth.transcript)."""
 
     certificate: bytes = field(repr=False)
     nonce: bytes
     host: str
     signature: bytes = field(repr=False)
+    port: int = 0
 
 
 @dataclass(frozen=True)

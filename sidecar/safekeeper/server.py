@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import ssl
 import struct
@@ -42,6 +43,9 @@ from sidecar.safekeeper.remove import Remover
 from sidecar.readerauth import MOCK_SECRET_FILE, mock_secret
 from sidecar.safekeeper.slots import SlotLimits, Slots
 from sidecar.safekeeper import streamthread
+from sidecar.safekeeper.budget import (
+    MAX_CONNECTIONS, ConnectionBudget, Place, TooFewDescriptors, descriptors_needed, raise_descriptor_limit,
+)
 from sidecar.safekeeper.startup import open_data_dir
 from sidecar.safekeeper.storage import DiskFull, NoWal, StorageError, WalInDoubt, WalPin, WalStorage, is_disk_full
 from sidecar.safekeeper.view import SafekeeperView, SlotView
@@ -53,13 +57,12 @@ from sidecar.sizes import DiskLimit
 # and latency than the sync itself. More than this is synced in a thread while reading goes on.
 INLINE_FLUSH_MAX = 256 * 1024
 _FIONREAD = struct.Struct("i")
-# Connections served at once; more are closed at once, so that strangers cannot exhaust memory
-# or file descriptors that the elected proposer's reconnect needs.
-MAX_CONNECTIONS = 64
 # A connection that does not hold the term and sends nothing for this long is closed; the
 # elected proposer sends a heartbeat every second and is exempt.
 IDLE_TIMEOUT = 60.0
 _STATEFUL = (Persist, Truncate, AdoptTimeline)
+# Out of descriptors: what an open, dup or accept found, never a write's or a sync's.
+_NO_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
 
 __all__ = ["INLINE_FLUSH_MAX", "Safekeeper", "StartupError"]
 
@@ -105,6 +108,7 @@ class Safekeeper:
         self._saved_term = self.acceptor.state.term  # the term on disk: see _save
         self._flush_wanted = asyncio.Event()
         self._sessions: set[AcceptorSession] = set()
+        self.budget = ConnectionBudget()  # the consensus port's places, from accept on
         self._handlers: set[asyncio.Task[None]] = set()  # every connection's task, ended before storage closes
         # The elected proposer's stream may run in a thread (streamthread.py): the acceptor changes
         # under this lock, and while the term's owner is `threaded` its thread alone syncs and acknowledges.
@@ -136,6 +140,14 @@ class Safekeeper:
                                           peers_to_learn_from(len(peers) + 1) if peers else 0)
         sk = cls(node_id, data_dir, host, port, security, acceptor, storage, stats, reader_port,
                  keep_wal, max_disk_usage, archive, slot_limits)
+        needed = descriptors_needed(MAX_CONNECTIONS, sk.readers.max_readers if sk.readers is not None else 0)
+        try:
+            before, soft = raise_descriptor_limit(needed)
+        except TooFewDescriptors as e:
+            raise StartupError(str(e)) from None
+        if soft != before:
+            log.info("file descriptor limit raised to the hard limit", soft_limit_was=before, soft_limit=soft,
+                     needed=needed)
         if acceptor.amnesic:
             sk.learner = TermLearner(acceptor, peers, peer_security, sk._persist_learned)
         return sk
@@ -286,7 +298,7 @@ class Safekeeper:
         """Listen and serve until cancelled."""
         try:
             self._server = await framing.start_server(self._connection, self.host, self.port, tls=self.ssl_context,
-                                                      handshake_timeout=tls.HANDSHAKE_TIMEOUT)
+                                                      handshake_timeout=tls.HANDSHAKE_TIMEOUT, admit=self._admit)
         except OSError as e:
             raise cannot_listen(self.host, self.port, "the safekeeper (--listen)", e) from e
         self.log.info("listening", address=f"{self.host}:{self.port}", tls=self.ssl_context is not None,
@@ -328,6 +340,18 @@ class Safekeeper:
             return Role.PROPOSER
         return Role(ident.role) if ident is not None else Role.CLIENT
 
+    def _admit(self, transport: asyncio.BaseTransport) -> Place | None:
+        """A connection accepted on the consensus port: its place, before any handshake (budget.py)."""
+        peer = _peer_name(transport)
+        place, evicted = self.budget.admit(cast(asyncio.Transport, transport).abort, peer)
+        if evicted is not None:
+            self.log.warning("too many connections authenticating; dropping the oldest", peer=evicted.peer,
+                             limit=self.budget.max_handshaking)
+        if place is None:
+            self.log.warning("connection limit reached; closing the new connection", peer=peer,
+                             limit=self.budget.limit)
+        return place
+
     async def _connection(self, reader: framing.FrameReader, writer: framing.Writer) -> None:
         handler = asyncio.current_task()
         if handler is not None:
@@ -336,10 +360,6 @@ class Safekeeper:
         # A TLS handshake without a certificate from the deployment's CA never gets here.
         ident = tls.peer_role(writer) if self.ssl_context is not None else None
         log = self.log.bind(peer=_peer_name(writer), **({"peer_cert": str(ident)} if ident else {}))
-        if len(self._sessions) >= MAX_CONNECTIONS:
-            log.warning("connection limit reached; closing the new connection", limit=MAX_CONNECTIONS)
-            writer.close()
-            return
         if self.link_auth is not None:
             try:
                 # auth-only: nothing else is read or answered before the peer proves its certificate
@@ -353,9 +373,16 @@ class Safekeeper:
             log = log.bind(peer_cert=str(ident))
         acc = self.acceptor
         try:
-            session = AcceptorSession(acc, self._role_of(ident), conn=writer)
+            role = self._role_of(ident)
+            session = AcceptorSession(acc, role, conn=writer)
         except Exception as e:  # a certificate the hook cannot map: this connection only
             log.warning("connection refused", reason=str(e))
+            writer.close()
+            return
+        place = cast(Place | None, reader.admitted)
+        if place is not None and not place.authenticated(role.value):
+            log.warning("connection limit for this role reached; the remaining places are the proposer's",
+                        role=role.value, limit=self.budget.others_max)
             writer.close()
             return
         self._sessions.add(session)
@@ -407,6 +434,8 @@ class Safekeeper:
                         await self._execute_stateful(back.actions, writer)
                         self._publish()
                         self._sync_when_drained(reader, writer)
+        except streamthread.OutOfDescriptors as e:  # this connection's own descriptor: nothing stored is touched
+            log.warning("out of file descriptors; closing the connection", reason=str(e), role=session.role.value)
         except (asyncio.IncompleteReadError, ConnectionError):
             log.info("connection closed")
         except asyncio.TimeoutError:
@@ -629,7 +658,7 @@ class Safekeeper:
         self.stopped = f"stopped after a fatal error: {e}"
         self.fatal = e
         doubt = {}
-        if isinstance(st, WalStorage):
+        if isinstance(st, WalStorage) and _leaves_wal_in_doubt(e):
             # Whatever failed (a control-file fsync as much as the WAL's), this process's view of
             # the WAL above its last good flush is not to be trusted at the next start either.
             st.mark_in_doubt(str(e))
@@ -639,6 +668,21 @@ class Safekeeper:
             self._server.close()
         if self._serving is not None:
             self._serving.cancel()  # uvloop's close() does not end serve_forever()
+
+
+def _leaves_wal_in_doubt(e: BaseException) -> bool:
+    """True for an I/O failure of the storage or the control file, after which the page cache may
+    have dropped WAL written but not synced; False for running out of descriptors (an open or a
+    dup failed, nothing written was lost) and for anything that is not I/O (a bug), which a restart
+    recovers from as from a crash, by scanning the WAL."""
+    chain: list[BaseException] = []
+    cause: BaseException | None = e
+    while cause is not None and len(chain) < 16:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    if any(isinstance(c, OSError) and c.errno in _NO_DESCRIPTORS for c in chain):
+        return False
+    return any(isinstance(c, (StorageError, OSError)) for c in chain)
 
 
 def _disk_full_reporter(stats: SafekeeperMetrics, log: Any) -> Callable[[str], None]:
@@ -663,7 +707,7 @@ class _OwnEncodeError(Exception):
     """A reply this safekeeper built cannot be encoded (a bug or a limit missed on the way in)."""
 
 
-def _peer_name(writer: asyncio.StreamWriter) -> str:
+def _peer_name(writer: asyncio.StreamWriter | asyncio.BaseTransport) -> str:
     """HOST:PORT of the peer; asyncio leaves peername None if the peer reset at once."""
     peer = writer.get_extra_info("peername")
     return "%s:%s" % peer[:2] if isinstance(peer, tuple) and len(peer) >= 2 else "unknown"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import os
 import socket
 import ssl
@@ -125,6 +126,10 @@ class Link:
         self.sock.sendall(data)
 
 
+class OutOfDescriptors(ConnectionError):
+    """The connection's own descriptor could not be had: it ends, the safekeeper goes on."""
+
+
 async def stream(sk: Safekeeper, session: AcceptorSession, reader: framing.FrameReader,
                  writer: framing.Writer) -> HandBack:
     """Serve `session`'s Appends in a thread until something needs the loop; raises what ends the connection."""
@@ -136,7 +141,14 @@ async def stream(sk: Safekeeper, session: AcceptorSession, reader: framing.Frame
         return HandBack()
     transport.pause_reading()
     # A duplicate of the transport's socket: closing it leaves the connection to the transport.
-    sock = socket.socket(fileno=os.dup(raw.fileno()))
+    try:
+        fd = os.dup(raw.fileno())
+    except OSError as e:
+        transport.resume_reading()
+        if e.errno in (errno.EMFILE, errno.ENFILE):
+            raise OutOfDescriptors(f"no descriptor for the stream thread's socket: {e}") from e
+        raise
+    sock = socket.socket(fileno=fd)
     sock.setblocking(True)  # shared with the transport's descriptor; the thread restores it
     # Over TLS the thread takes the connection's TLS state (tlslayer) with it, and gives it back.
     link = Link(sock, reader.decoder, transport.tls if isinstance(transport, TlsTransport) else None)

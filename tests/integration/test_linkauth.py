@@ -23,7 +23,8 @@ from sidecar.consensus.messages import (
     PROTOCOL_VERSION, AuthChallenge, AuthConfirm, AuthResponse, Elected, Greeting, InfoReply, InfoRequest, Message,
     Refusal, TermEntry, VoteRequest,
 )
-from sidecar.linkauth import CLIENT_CONTEXT, SERVER_CONTEXT, LinkAuth, _SIGNATURE
+from sidecar.linkauth import dial as linkauth_dial
+from sidecar.linkauth import CLIENT_CONTEXT, SERVER_CONTEXT, LinkAuth, _SIGNATURE, transcript
 from sidecar.ops.probe import ProbeError, probe_safekeeper
 from support.pki import foreign_ca
 from support.wire import read_frame
@@ -57,9 +58,10 @@ def attempt(port: int, auth: LinkAuth | None, *msgs: Message | bytes, host: str 
             else:
                 assert auth is not None
                 nonce = bytes(range(32))
-                transcript = CLIENT_CONTEXT + challenge.nonce + nonce + host.encode()
-                sig = sign(transcript) if sign else auth.key.sign(transcript, _SIGNATURE)
-                s.sendall(codec.encode(AuthResponse(auth.cert_der, nonce, host, sig)))
+                signed = CLIENT_CONTEXT + transcript(challenge.certificate, auth.cert_der, challenge.nonce, nonce,
+                                                     host, port)
+                sig = sign(signed) if sign else auth.key.sign(signed, _SIGNATURE)
+                s.sendall(codec.encode(AuthResponse(auth.cert_der, nonce, host, sig, port)))
             out.append(read_frame(s))
             for m in msgs:
                 if out[-1] is None:
@@ -144,13 +146,14 @@ class Impostor:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonce = bytes(32)
-        writer.write(codec.encode(AuthChallenge(nonce)))
+        writer.write(codec.encode(AuthChallenge(nonce, self.auth.cert_der)))
         with contextlib.suppress(Exception):
             head = await reader.readexactly(4)
             body = await reader.readexactly(struct.unpack(">I", head)[0])
             resp = codec.decode(body[0], body[1:])
             assert isinstance(resp, AuthResponse)
-            proof = self.sign(self.auth, SERVER_CONTEXT + resp.nonce + nonce + resp.host.encode())
+            proof = self.sign(self.auth, SERVER_CONTEXT + transcript(self.auth.cert_der, resp.certificate, nonce,
+                                                                     resp.nonce, resp.host, resp.port))
             writer.write(codec.encode(AuthConfirm(self.auth.cert_der, proof)))
             await reader.read()  # whatever the dialler sends next
         writer.close()
@@ -241,3 +244,49 @@ def test_the_mode_comes_from_toml_too(tmp_path: Path) -> None:
     conf.write_text(f'certs_dir = "{tmp_path}"\nlink_security = "plaintext"\n')
     with pytest.raises(ConfigError, match="link_security"):
         load(StartSettings, {"pg_dsn": "host=x", "safekeepers": "a:1"}, conf)
+
+
+def test_a_relay_holding_no_key_gets_nothing(procs: ProcessTracker, test_dir: Path, pki: TestPKI) -> None:
+    """The audit's E8: whoever answers at one safekeeper's address passes the proposer's proof on to
+    another safekeeper whose certificate names the same host, and keeps that connection for itself."""
+    sk2, port2 = start_safekeeper(procs, test_dir / "sk2", pki.certs("safekeeper", 2), node_id=2)
+    relay_port = free_port()
+    seen: dict[str, Message | None] = {}
+
+    async def frame(r: asyncio.StreamReader) -> bytes:
+        head = await r.readexactly(4)
+        return head + await r.readexactly(struct.unpack(">I", head)[0])
+
+    async def relay(pr: asyncio.StreamReader, pw: asyncio.StreamWriter) -> None:
+        sr, sw = await asyncio.open_connection("127.0.0.1", port2)
+        try:
+            pw.write(await frame(sr))  # safekeeper 2's challenge
+            sw.write(await frame(pr))  # the proposer's proof, made for the relay's address
+            confirm = await frame(sr)
+            seen["confirm"] = codec.decode(confirm[4], confirm[5:])
+            pw.write(confirm)
+            sw.write(codec.encode(VoteRequest(1000)))  # the link, now the relay's own
+            reply = await frame(sr)
+            seen["vote"] = codec.decode(reply[4], reply[5:])
+        except (asyncio.IncompleteReadError, ConnectionError):
+            seen.setdefault("confirm", None)
+        finally:
+            sw.close()
+            pw.close()
+
+    async def dial() -> BaseException | None:
+        server = await asyncio.start_server(relay, "127.0.0.1", relay_port)
+        async with server:
+            try:
+                _, w, _ = await linkauth_dial("127.0.0.1", relay_port, LinkAuth(pki.certs("proposer")))
+            except OSError as e:
+                return e
+            w.close()
+            return None
+
+    refused = run(dial())
+    assert seen.get("confirm") is None and "vote" not in seen, seen
+    assert isinstance(refused, OSError), "the proposer believed the relay was a safekeeper"
+    wait_for(lambda: "authentication failed" in sk2.log_text(), timeout=10, what="safekeeper 2's refusal")
+    assert f"dialled port {relay_port}" in sk2.log_text(), sk2.log_text()
+    assert "granted=" not in sk2.log_text() and "peer_cert=proposer" not in sk2.log_text()

@@ -13,12 +13,17 @@ from sidecar.safekeeper.server import Safekeeper
 from support.helpers import until
 
 
+async def serving(sk: Safekeeper) -> tuple[asyncio.Future[None], int]:
+    """`sk` serving: the task (cancel it to stop) and the port it listens on."""
+    server = asyncio.ensure_future(sk.serve())
+    await until(lambda: sk._server is not None and sk._server.sockets, "the safekeeper to listen")
+    return server, sk._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+
 @contextlib.asynccontextmanager
 async def talking_to(sk: Safekeeper) -> AsyncIterator[Callable[[Message], Awaitable[Message]]]:
     """`sk` serving, and a function that sends it one message and returns its answer."""
-    server = asyncio.ensure_future(sk.serve())
-    await until(lambda: sk._server is not None and sk._server.sockets, "the safekeeper to listen")
-    port = sk._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    server, port = await serving(sk)
     reader, writer = await framing.open_connection("127.0.0.1", port)
 
     async def send(msg: Message) -> Message:

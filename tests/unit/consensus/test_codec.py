@@ -91,7 +91,8 @@ SAMPLES: list[Message] = [
     InfoReply(2, 7301234567890123456, 16 * 1024 * 1024, 15, 2, 6, 6, 0x3000100, 0x3000000, False, 5433, 0x2000000,
               10 << 30, (SlotHold("standby", 1 << 20),), "000000020000000000000003"),
     AuthChallenge(bytes(range(32))),
-    AuthResponse(b"\x30\x82" + b"c" * 600, b"\xff" * 32, "sk1.internal", b"s" * 72),
+    AuthChallenge(bytes(range(32)), b"\x30\x82" + b"c" * 600),
+    AuthResponse(b"\x30\x82" + b"c" * 600, b"\xff" * 32, "sk1.internal", b"s" * 72, 5454),
     AuthResponse(b"c" * 8192, bytes(32), "東京", b"s" * 256),
     AuthConfirm(b"c", b"s"),
 ]
@@ -154,7 +155,8 @@ def test_auth_fields_are_bounded_both_ways(msg: Message) -> None:
     if isinstance(msg, AuthChallenge):
         body = msg.nonce
     elif isinstance(msg, AuthResponse):
-        body = msg.nonce + blob(msg.certificate) + blob(msg.host.encode()) + blob(msg.signature)
+        body = msg.nonce + struct.pack(">H", msg.port) + blob(msg.certificate) + blob(msg.host.encode()) \
+            + blob(msg.signature)
     else:
         body = blob(msg.certificate) + blob(msg.signature)
     with pytest.raises(ProtocolError):  # FieldError where the frame's layout is intact

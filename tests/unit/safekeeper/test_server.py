@@ -12,8 +12,8 @@ import pytest
 from sidecar import framing
 from sidecar.consensus import codec
 from sidecar.consensus.messages import (
-    PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply, TermEntry,
-    VoteReply, VoteRequest,
+    PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply, InfoReply, InfoRequest,
+    Message, TermEntry, VoteReply, VoteRequest,
 )
 from sidecar.consensus.state import AcceptorState
 from sidecar.safekeeper.control import ControlData, ControlFileError, control_path, save_control
@@ -21,8 +21,10 @@ from sidecar.safekeeper.positions import Positions
 from sidecar.safekeeper.server import Safekeeper
 from sidecar.safekeeper.storage import NoWal, WalStorage
 from sidecar.safekeeper.walcheck import StartupError
+from sidecar.linkauth import client_security, dial, server_security
 from support.helpers import run, until
-from support.serving import talking_to
+from support.serving import serving, talking_to
+from support.pki import TestPKI
 from support.walbuilder import WalBuilder
 
 SEG = 1 << 20
@@ -174,9 +176,7 @@ def test_a_stop_while_the_stream_thread_serves_waits_for_it(tmp_path: Path, monk
 
     async def main() -> None:
         sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
-        server = asyncio.ensure_future(sk.serve())
-        await until(lambda: sk._server is not None and sk._server.sockets, "the safekeeper to listen")
-        port = sk._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        server, port = await serving(sk)
         reader, writer = await framing.open_connection("127.0.0.1", port)
         for msg in (Greeting(PROTOCOL_VERSION, "p", SYSID, 1, SEG, 15), VoteRequest(1),
                     Elected(1, SEG, (TermEntry(1, SEG),)), Append(1, SEG, 0, 0, b.bytes())):
@@ -190,3 +190,98 @@ def test_a_stop_while_the_stream_thread_serves_waits_for_it(tmp_path: Path, monk
 
     run(main())
     assert failures == []
+
+
+# ---- the consensus port's places (budget.py) ------------------------------------------------------
+
+def test_read_only_clients_cannot_take_the_proposers_places(tmp_path: Path, pki: TestPKI) -> None:
+    """Audit M-5 (E21): clients holding every place they may have leave the proposer its own."""
+    from sidecar.safekeeper.budget import MAX_CONNECTIONS
+
+    async def main() -> None:
+        sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 0, server_security(pki.certs("safekeeper", 1), "tls"))
+        server, port = await serving(sk)
+        client = client_security(pki.certs("client"), "tls")
+        held, answered = [], 0
+        try:
+            for _ in range(MAX_CONNECTIONS):  # as many as the safekeeper serves at all
+                r, w, _ = await dial("127.0.0.1", port, client)
+                held.append(w)
+                framing.write(w, codec.encode(InfoRequest()))
+                try:
+                    if isinstance(await asyncio.wait_for(r.read_message(), 10), InfoReply):
+                        answered += 1
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    pass
+            r, w, _ = await dial("127.0.0.1", port, client_security(pki.certs("proposer"), "tls"))
+            held.append(w)
+            framing.write(w, codec.encode(Greeting(PROTOCOL_VERSION, "p", SYSID, 1, SEG, 15)))
+            reply = await asyncio.wait_for(r.read_message(), 10)
+        finally:
+            for w in held:
+                w.close()
+            server.cancel()
+            await asyncio.gather(server, return_exceptions=True)
+        assert isinstance(reply, GreetingReply), reply
+        assert 0 < answered < MAX_CONNECTIONS
+
+    run(main())
+
+
+def test_no_descriptor_for_a_connection_closes_it_and_marks_nothing_in_doubt(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Audit M-1/I-1: EMFILE on the connection's own descriptor (the stream thread's dup) is that
+    connection's end, not a storage failure that stops the safekeeper and marks its WAL in doubt."""
+    import errno
+    import os
+
+    b = WalBuilder(SEG, seg_size=SEG, sysid=SYSID)
+    b.fill_to(SEG + 20_000, 200)
+    real_dup = os.dup
+
+    def no_descriptors(fd: int) -> int:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    async def main() -> None:
+        sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
+        server, port = await serving(sk)
+        reader, writer = await framing.open_connection("127.0.0.1", port)
+        try:
+            for msg in (Greeting(PROTOCOL_VERSION, "p", SYSID, 1, SEG, 15), VoteRequest(1)):
+                framing.write(writer, codec.encode(msg))
+                await asyncio.wait_for(reader.read_message(), 10)
+            # Once elected, the connection's Appends go to the stream thread, on a dup of its socket.
+            monkeypatch.setattr(os, "dup", no_descriptors)
+            framing.write(writer, codec.encode(Elected(1, SEG, (TermEntry(1, SEG),))))
+            framing.write(writer, codec.encode(Append(1, SEG, 0, 0, b.bytes())))
+            with pytest.raises((asyncio.IncompleteReadError, ConnectionError)):
+                while True:  # the replies, then the end of the connection
+                    await asyncio.wait_for(reader.read_message(), 10)
+            monkeypatch.setattr(os, "dup", real_dup)
+            assert sk.fatal is None and sk.stopped is None, sk.stopped
+            assert isinstance(sk.storage, WalStorage) and sk.storage.in_doubt() is None
+            async with talking_to(sk) as send:  # and it goes on serving
+                assert isinstance(await send(Greeting(PROTOCOL_VERSION, "p", SYSID, 1, SEG, 15)), GreetingReply)
+        finally:
+            writer.close()
+            server.cancel()
+            await asyncio.gather(server, return_exceptions=True)
+
+    run(main())
+
+
+def test_only_storage_io_failures_leave_wal_in_doubt() -> None:
+    import errno
+
+    from sidecar.safekeeper.server import _leaves_wal_in_doubt
+    from sidecar.safekeeper.storage import StorageError
+
+    def caused(outer: Exception, inner: Exception) -> Exception:
+        outer.__cause__ = inner
+        return outer
+
+    assert _leaves_wal_in_doubt(OSError(errno.EIO, "Input/output error"))
+    assert _leaves_wal_in_doubt(caused(StorageError("fdatasync failed"), OSError(errno.EIO, "I/O")))
+    assert not _leaves_wal_in_doubt(caused(StorageError("writing WAL failed"), OSError(errno.EMFILE, "Too many")))
+    assert not _leaves_wal_in_doubt(OSError(errno.ENFILE, "File table overflow"))
+    assert not _leaves_wal_in_doubt(AssertionError("a bug"))
