@@ -115,7 +115,7 @@ def _reader_port(s: SafekeeperSettings) -> Any:
     auth = AuthFile(s.pg_auth_file) if s.pg_auth_file is not None else None
     # Readers are libpq clients: TLS with the node certificate, no client certificate asked.
     ssl_context = https_context(s.certs_dir) if s.certs_dir is not None else None
-    return ReaderPort(host, port, auth, s.insecure, ssl_context)
+    return ReaderPort(host, port, auth, s.insecure, ssl_context, s.pg_authentication_timeout)
 
 
 def _archive(s: SafekeeperSettings) -> Any:
