@@ -306,3 +306,35 @@ def test_strangers_from_one_address_drop_their_own_before_anothers() -> None:
     assert to_drop(["10.0.0.9", "10.0.0.1", "10.0.0.2"]) == 0  # a tie: the oldest
     assert to_drop(["10.0.0.9"] * 3 + ["10.0.0.1"] * 4) == 3
 
+
+def test_a_reader_asking_for_replies_it_never_reads_is_not_read_from(tmp_path: Path) -> None:
+    """L-4: replies wait for the send buffer to drain before the reader's next message is read."""
+    async def test(server: ReaderServer, sk: Standin) -> None:
+        # Small socket buffers on both ends, so what is unread shows in the server's own buffer.
+        for s in server._server.sockets:  # noqa: SLF001 - accepted sockets inherit the listener's sizes
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
+        c = Client(*await asyncio.open_connection(sock=sock))
+        await c.login("secret")
+        c.query(f"START_REPLICATION PHYSICAL 0/{SEG + 4000:X}")
+        assert (await c.message())[0] == b"W"
+        (conn,) = server.connections
+        transport = conn.writer.transport
+        status = pgwire.copy_data(pgrepl.encode_status(0, 0, 0, 0, reply_requested=True))
+        asked = 40_000  # 1.5 MB of requests, 0.9 MB of replies
+        c.writer.write(status * asked)
+        bound = 256 << 10
+        # Either the server stops reading this reader, or its buffer grows past any bound.
+        await until(lambda: not transport.is_reading() or transport.get_write_buffer_size() > bound,
+                    "the server to stop reading or to buffer past the bound", timeout=60)
+        assert transport.get_write_buffer_size() <= bound
+        # Nothing is lost: once the reader reads, every reply comes, one per request.
+        for _ in range(asked):
+            msg = pgrepl.parse_copy_data((await c.message())[1])
+            assert isinstance(msg, pgrepl.Keepalive) and not msg.reply_requested
+    serve(tmp_path, test)
