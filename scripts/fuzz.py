@@ -197,6 +197,27 @@ messages = st.one_of(
 _LENGTHS = [0, 1, 2, 8, codec.MAX_FRAME, codec.MAX_FRAME + 1, U32, 16 * 1024, 0x7FFFFFFF]
 
 
+def _mutate(draw: st.DrawFn, data: bytes, lengths: list[int]) -> bytes:
+    """Byte mutations: flips, overwrites, inserts, cuts, and four-byte lengths from `lengths` (at the limits)."""
+    buf = bytearray(data)
+    for _ in range(draw(st.integers(1, 4))):
+        op = draw(st.sampled_from(["flip", "set", "insert", "delete", "length", "cut"]))
+        pos = draw(st.integers(0, max(len(buf) - 1, 0)))
+        if op == "flip" and buf:
+            buf[pos] ^= 1 << draw(st.integers(0, 7))
+        elif op == "set" and buf:
+            buf[pos] = draw(st.integers(0, 255))
+        elif op == "insert":
+            buf[pos:pos] = draw(st.binary(min_size=1, max_size=8))
+        elif op == "delete":
+            del buf[pos:pos + draw(st.integers(1, 8))]
+        elif op == "length":
+            buf[pos:pos + 4] = draw(st.sampled_from(lengths)).to_bytes(4, "big")
+        elif op == "cut":
+            del buf[pos:]
+    return bytes(buf)
+
+
 @st.composite
 def streams(draw: st.DrawFn) -> dict[str, Any]:
     """A byte stream (hex) and the chunk sizes it arrives in; `messages` when it is unmutated frames."""
@@ -212,23 +233,7 @@ def streams(draw: st.DrawFn) -> dict[str, Any]:
         msgs = [m for m in draw(st.lists(messages, min_size=1, max_size=5)) if _encodable(m)] or [InfoRequest()]
         data = b"".join(codec.encode(m) for m in msgs)
         if kind == "mutated":
-            buf = bytearray(data)
-            for _ in range(draw(st.integers(1, 4))):
-                op = draw(st.sampled_from(["flip", "set", "insert", "delete", "length", "cut"]))
-                pos = draw(st.integers(0, max(len(buf) - 1, 0)))
-                if op == "flip" and buf:
-                    buf[pos] ^= 1 << draw(st.integers(0, 7))
-                elif op == "set" and buf:
-                    buf[pos] = draw(st.integers(0, 255))
-                elif op == "insert":
-                    buf[pos:pos] = draw(st.binary(min_size=1, max_size=8))
-                elif op == "delete":
-                    del buf[pos:pos + draw(st.integers(1, 8))]
-                elif op == "length":
-                    buf[pos:pos + 4] = draw(st.sampled_from(_LENGTHS)).to_bytes(4, "big")
-                elif op == "cut":
-                    del buf[pos:]
-            data, msgs = bytes(buf), []
+            data, msgs = _mutate(draw, data, _LENGTHS), []
     chunks = draw(st.lists(st.one_of(st.integers(1, 7), st.integers(1, 70_000)), min_size=1, max_size=8))
     return {"kind": kind, "data": data.hex(), "chunks": chunks,
             "messages": [codec.encode(m).hex() for m in msgs]}
@@ -424,27 +429,6 @@ frontend_messages = st.one_of(
 )
 _PG_LENGTHS = [0, 4, 7, 8, pgwire.MAX_STARTUP_PACKET, pgwire.MAX_STARTUP_PACKET + 1, pgwire.MAX_MESSAGE + 4,
                pgwire.MAX_MESSAGE + 5, U32]
-
-
-def _mutate(draw: st.DrawFn, data: bytes, lengths: list[int]) -> bytes:
-    """Byte mutations as for the codec's streams: flips, overwrites, inserts, cuts, lengths at the limits."""
-    buf = bytearray(data)
-    for _ in range(draw(st.integers(1, 4))):
-        op = draw(st.sampled_from(["flip", "set", "insert", "delete", "length", "cut"]))
-        pos = draw(st.integers(0, max(len(buf) - 1, 0)))
-        if op == "flip" and buf:
-            buf[pos] ^= 1 << draw(st.integers(0, 7))
-        elif op == "set" and buf:
-            buf[pos] = draw(st.integers(0, 255))
-        elif op == "insert":
-            buf[pos:pos] = draw(st.binary(min_size=1, max_size=8))
-        elif op == "delete":
-            del buf[pos:pos + draw(st.integers(1, 8))]
-        elif op == "length":
-            buf[pos:pos + 4] = draw(st.sampled_from(lengths)).to_bytes(4, "big")
-        elif op == "cut":
-            del buf[pos:]
-    return bytes(buf)
 
 
 @st.composite
