@@ -268,7 +268,10 @@ class Connection:
                     continue
                 if self.reader._buffer:  # noqa: SLF001 - plaintext after the request: an injection attempt
                     raise pgwire.ProtocolViolation("received unencrypted data after SSL request")
-                await self._answer(pgwire.SSL_ACCEPT)
+                # No yield between the answer and start_tls: the loop would read the ClientHello
+                # into the plaintext reader, and the handshake would wait for it forever.
+                self.writer.write(pgwire.SSL_ACCEPT)
+                await self.writer.drain()
                 await self.writer.start_tls(o.ssl_context, ssl_handshake_timeout=tls.HANDSHAKE_TIMEOUT)
                 encrypted = gss_done = True
                 continue
@@ -307,7 +310,7 @@ class Connection:
         return True
 
     async def _answer(self, data: bytes) -> None:
-        """A negotiation answer, then back to the loop: a stranger's bytes never run in one go."""
+        """A refused negotiation's answer, then back to the loop: a stranger's bytes never run in one go."""
         self.writer.write(data)
         await self.writer.drain()
         await asyncio.sleep(0)  # drain() returns at once below its high-water mark
