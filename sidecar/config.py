@@ -296,6 +296,9 @@ class SafekeeperSettings(ArchiveSettings, SafekeeperBrokerSettings, TlsSettings)
     pg_auth_file: FilePath | None = Field(None, description="The readers' SCRAM-SHA-256 verifiers (made by "
                                                             "`walsidecar readers add`, mode 0600). Without it the "
                                                             "reader port refuses everyone, unless --insecure.")
+    pg_authentication_timeout: Timeout = Field(10.0, description="Seconds a reader port connection has from "
+                                               "connecting to logging in (PostgreSQL's authentication_timeout); "
+                                               "a connection still silent or authenticating then is closed.")
     keep_wal: Size = Field(None, description="Without an archive: remove WAL segments more than this far behind "
                                              "the flush position (10GB, 512MiB), unless a reader slot still needs "
                                              "them. Default: keep everything. Removed WAL then exists only on the "

@@ -346,7 +346,8 @@ class _Parser:
 
     def integer(self, what: str) -> int:
         tok = self.name()
-        if not tok.isdigit() or len(tok) > 10:
+        # ASCII only, as PostgreSQL's grammar: str.isdigit() takes '²' (int() refuses it) and '٣'.
+        if not (tok.isascii() and tok.isdigit()) or len(tok) > 10:
             raise ReplicationProtocolError(f"invalid {what} {tok!r}")
         return int(tok)
 

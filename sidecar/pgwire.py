@@ -99,8 +99,7 @@ def parse_startup(body: bytes) -> StartupPacket:
         pid, secret = struct.unpack_from(">II", body, 4)
         return CancelRequest(pid, secret)
     if code >> 16 != 3:
-        raise ProtocolViolation(f"unsupported frontend protocol {code >> 16}.{code & 0xFFFF}: "
-                                "this server supports 3.0")
+        raise ProtocolViolation(unsupported_protocol(code))
     fields = body[4:].split(b"\0")
     # name\0value\0 ... \0: an even number of strings, then the empty terminator (and the split's tail).
     if len(fields) < 2 or fields[-1] != b"" or fields[-2] != b"" or len(fields) % 2:
@@ -117,6 +116,11 @@ def parse_startup(body: bytes) -> StartupPacket:
     if "user" not in params:
         raise ProtocolViolation("no PostgreSQL user name specified in startup packet")
     return Startup(params)
+
+
+def unsupported_protocol(code: int) -> str:
+    """PostgreSQL's FATAL for a protocol it does not speak, also a negotiation request already answered."""
+    return f"unsupported frontend protocol {code >> 16}.{code & 0xFFFF}: this server supports 3.0"
 
 
 def is_replication(params: dict[str, str]) -> bool:

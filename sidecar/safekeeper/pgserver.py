@@ -5,9 +5,13 @@ One connection: SSLRequest (TLS with the node certificate under --certs-dir), th
 the TLS channel, offered too over TLS), then replication commands
 (sidecar/pgrepl.py) until the reader leaves. START_REPLICATION hands over to walsender.py. A
 command that fails gets an ERROR and the connection stays usable; bytes that are not the protocol
-get a FATAL and the connection is closed. The startup phase has a deadline and the number of
-readers a cap, so strangers cannot hold the port. Reading above the commit position (TERM t) is for
-the proposer's recovery and `failover` alone: a connection with a proposer's client certificate.
+get a FATAL and the connection is closed. Reading above the commit position (TERM t) is for the
+proposer's recovery and `failover` alone: a connection with a proposer's client certificate.
+
+Before a connection has authenticated, it is a stranger's: its work is bounded (one SSLRequest and
+one GSSENCRequest, as PostgreSQL's ProcessStartupPacket allows, and the startup packet's size), the
+whole phase has a deadline, and at most MAX_STARTUPS connections are in it at once; a new one
+drops the oldest, so silent connections cannot keep a reader with a password out.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import contextlib
 import os
 import secrets
 import ssl
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -33,8 +38,16 @@ from sidecar.safekeeper.positions import PositionWatch
 from sidecar.safekeeper.slots import Slot, SlotError, Slots, reserve_from
 from sidecar.safekeeper.walsender import StreamEnded, WalSender
 
-AUTHENTICATION_TIMEOUT = 60.0  # PostgreSQL's authentication_timeout: the whole startup phase
-MAX_READERS = 32  # connections at once; more get "too many clients"
+# PostgreSQL's authentication_timeout, for the whole startup phase; shorter than its 60 s because
+# the proposers' port gives a handshake 10 s too (tls.HANDSHAKE_TIMEOUT), and a slot held by a silent
+# stranger is a slot a standby cannot have.
+AUTHENTICATION_TIMEOUT = 10.0
+MAX_READERS = 32  # connections at once, authenticated or not; more get "too many clients"
+# Connections still authenticating at once. A reader's own startup takes milliseconds, so a few are
+# plenty; beyond them one is dropped rather than the newcomer refused (the oldest of the address
+# holding the most), so whoever holds connections open without logging in never fills the port,
+# and one address flooding it mostly drops its own.
+MAX_STARTUPS = 8
 SERVER_VERSION = "15.0 (walsidecar safekeeper)"
 _PARAMETERS = (("server_version", SERVER_VERSION), ("server_encoding", "UTF8"), ("client_encoding", "UTF8"),
                ("DateStyle", "ISO, MDY"), ("integer_datetimes", "on"), ("standard_conforming_strings", "on"),
@@ -53,6 +66,7 @@ class ReaderPort:
     ssl_context: ssl.SSLContext | None = None
     # RFC 5929 tls-server-end-point of the node certificate (tls.server_end_point): SCRAM-SHA-256-PLUS is offered.
     server_end_point: bytes | None = None
+    authentication_timeout: float = AUTHENTICATION_TIMEOUT  # seconds from connect to logged in
 
 
 class Served(Protocol):
@@ -107,14 +121,15 @@ def scram_client_first(scram: Any, client_first: str) -> None:
 class ReaderServer:
     """The reader port of one safekeeper."""
 
-    def __init__(self, sk: Served, options: ReaderPort, *, startup_timeout: float = AUTHENTICATION_TIMEOUT,
-                 max_readers: int = MAX_READERS, mock_secret: bytes | None = None) -> None:
+    def __init__(self, sk: Served, options: ReaderPort, *, max_readers: int = MAX_READERS,
+                 max_startups: int = MAX_STARTUPS, mock_secret: bytes | None = None) -> None:
         self.sk = sk
         self.options = options
-        self.startup_timeout = startup_timeout
         self.max_readers = max_readers
+        self.max_startups = max_startups
         self.log = get_logger(node=sk.node_id, port="reader")
         self.connections: set[Connection] = set()
+        self.starting: dict[Connection, None] = {}  # not authenticated yet, oldest first
         self._server: asyncio.Server | None = None
         self.port = options.port
         # Keys unknown users' salts (readerauth.mock_verifier); the safekeeper keeps one in its data directory.
@@ -147,20 +162,39 @@ class ReaderServer:
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = Connection(self, reader, writer)
+        if len(self.starting) >= self.max_startups:
+            starting = list(self.starting)
+            victim = starting[to_drop([c.host for c in starting])]
+            victim.log.warning("too many reader connections authenticating; dropping one", limit=self.max_startups)
+            victim.drop(Fatal("too many connections are authenticating; this one was dropped",
+                              pgwire.TOO_MANY_CONNECTIONS))
         if len(self.connections) >= self.max_readers:
             conn.log.warning("reader connection limit reached; refusing", limit=self.max_readers)
             await conn.fatal(Fatal("sorry, too many clients already", pgwire.TOO_MANY_CONNECTIONS))
             return
         self.connections.add(conn)
+        self.starting[conn] = None
         try:
             await conn.serve()
         finally:
             self.connections.discard(conn)
+            self.starting.pop(conn, None)
 
 
-def _peer(writer: asyncio.StreamWriter) -> str:
+def to_drop(hosts: list[str]) -> int:
+    """Which of the authenticating connections (their addresses, oldest first) goes: the oldest of the
+    address that has the most of them."""
+    counts = Counter(hosts)
+    most = max(counts.values())
+    return next(i for i, h in enumerate(hosts) if counts[h] == most)
+
+
+def _peer(writer: asyncio.StreamWriter) -> tuple[str, str]:
+    """(address, address:port) of the other end."""
     peer = writer.get_extra_info("peername")
-    return "%s:%s" % peer[:2] if isinstance(peer, tuple) and len(peer) >= 2 else "unknown"
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        return str(peer[0]), "%s:%s" % peer[:2]
+    return "unknown", "unknown"
 
 
 class Connection:
@@ -169,20 +203,23 @@ class Connection:
     def __init__(self, server: ReaderServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.server, self.sk = server, server.sk
         self.reader, self.writer = reader, writer
-        self.log = server.log.bind(peer=_peer(writer))
+        self.host, peer = _peer(writer)
+        self.log = server.log.bind(peer=peer)
         self.user = ""
         self.streaming = False
         self.temporary: list[Slot] = []
         self.identity: Identity | None = None  # the verified client certificate's role, if one was sent
 
     async def serve(self) -> None:
+        deadline = self.server.options.authentication_timeout
         try:
             try:
-                async with asyncio.timeout(self.server.startup_timeout):
+                async with asyncio.timeout(deadline):
                     started = await self._startup()
             except TimeoutError:
-                raise Fatal(f"canceling authentication due to timeout ({self.server.startup_timeout:g}s)",
+                raise Fatal(f"canceling authentication due to timeout ({deadline:g}s)",
                             pgwire.PROTOCOL_VIOLATION) from None
+            self.server.starting.pop(self, None)
             if started:
                 await self._commands()
         except Fatal as e:
@@ -211,34 +248,51 @@ class Connection:
             await asyncio.wait_for(self.writer.drain(), 5)
         self.writer.close()
 
+    def drop(self, e: Fatal) -> None:
+        """End a connection from outside its task: the FATAL goes out, and its next read sees the close."""
+        self.server.starting.pop(self, None)
+        self.server.connections.discard(self)  # its slot is free now, not when its task sees the close
+        with contextlib.suppress(Exception):
+            self.writer.write(pgwire.error_response(e.sqlstate, str(e), severity="FATAL", hint=e.hint))
+        self.writer.close()
+
     # ---- startup ----------------------------------------------------------------------------
 
     async def _startup(self) -> bool:
         """SSL negotiation, the startup packet and authentication; False for a CancelRequest."""
         o = self.server.options
-        encrypted = False
+        # As ProcessStartupPacket: one SSLRequest and one GSSENCRequest, GSS only while SSL is not on;
+        # a repeat is not a negotiation but an unknown protocol. So a stranger gets at most two
+        # answers, not one per 8 bytes it sends.
+        encrypted = ssl_done = gss_done = False
         while True:
             body = await self.reader.readexactly(pgwire.startup_length(await self.reader.readexactly(4)))
             packet = pgwire.parse_startup(body)
-            if isinstance(packet, pgwire.SslRequest) and not encrypted:
+            if isinstance(packet, pgwire.SslRequest) and not ssl_done:
+                ssl_done = True
                 if o.ssl_context is None:
-                    self.writer.write(pgwire.SSL_REFUSE)
+                    await self._answer(pgwire.SSL_REFUSE)
                     continue
                 if self.reader._buffer:  # noqa: SLF001 - plaintext after the request: an injection attempt
                     raise pgwire.ProtocolViolation("received unencrypted data after SSL request")
+                # No yield between the answer and start_tls: the loop would read the ClientHello
+                # into the plaintext reader, and the handshake would wait for it forever.
                 self.writer.write(pgwire.SSL_ACCEPT)
                 await self.writer.drain()
                 await self.writer.start_tls(o.ssl_context, ssl_handshake_timeout=tls.HANDSHAKE_TIMEOUT)
-                encrypted = True
+                encrypted = gss_done = True
                 self.identity = tls.peer_role(self.writer)
                 continue
-            if isinstance(packet, pgwire.GssEncRequest) and not encrypted:
-                self.writer.write(pgwire.SSL_REFUSE)
+            if isinstance(packet, pgwire.GssEncRequest) and not gss_done:
+                gss_done = True
+                await self._answer(pgwire.SSL_REFUSE)
                 continue
             if isinstance(packet, pgwire.CancelRequest):
                 return False  # nothing runs that a cancel could stop; PostgreSQL closes without a word
-            if not isinstance(packet, pgwire.Startup):
-                raise pgwire.ProtocolViolation(f"{type(packet).__name__} after the connection was encrypted")
+            if isinstance(packet, pgwire.SslRequest):
+                raise pgwire.ProtocolViolation(pgwire.unsupported_protocol(pgwire.SSL_REQUEST_CODE))
+            if isinstance(packet, pgwire.GssEncRequest):
+                raise pgwire.ProtocolViolation(pgwire.unsupported_protocol(pgwire.GSSENC_REQUEST_CODE))
             break
         params = packet.params
         self.user = params["user"]
@@ -262,6 +316,12 @@ class Connection:
         await self.writer.drain()
         self.log.info("reader connected", tls=encrypted, cert_role=self.identity.role if self.identity else None)
         return True
+
+    async def _answer(self, data: bytes) -> None:
+        """A refused negotiation's answer, then back to the loop: a stranger's bytes never run in one go."""
+        self.writer.write(data)
+        await self.writer.drain()
+        await asyncio.sleep(0)  # drain() returns at once below its high-water mark
 
     async def _authenticate(self, encrypted: bool) -> None:
         o = self.server.options

@@ -2,7 +2,8 @@
 
 The cursor (consensus/reading.py) decides what may be sent; this loop reads it from storage,
 sends it at most MAX_SEND_SIZE at a time and waits for the socket to drain before reading more,
-so memory per reader is bounded and a slow reader only slows itself. When there is nothing to
+so memory per reader is bounded and a slow reader only slows itself; the replies it asks for wait
+for the same drain before more of its messages are read. When there is nothing to
 send it waits on the safekeeper's published positions, not a timer. Keepalives ask for a reply
 after WAL_SENDER_TIMEOUT/2 of silence from the reader, which is dropped after WAL_SENDER_TIMEOUT.
 """
@@ -157,11 +158,19 @@ class WalSender:
         cursor.advance(step.end)
         self.pin.move(step.end, self.sk.wal_seg_size)
         self.sent_bytes += len(data)
+        await self._drained("WAL")  # at most one message per reader waits in memory
+
+    async def _drained(self, what: str) -> None:
+        """Wait while the send buffer is above its high-water mark; StreamEnded if it stays there.
+
+        Also after each reply: a reader that asks for replies and never reads them is not read from
+        until it does, so what it makes the safekeeper buffer is bounded (the kernel holds the rest).
+        """
         try:
             async with asyncio.timeout(self.timeout):
-                await self.writer.drain()  # at most one message per reader waits in memory
+                await self.writer.drain()
         except TimeoutError:
-            raise StreamEnded(f"terminating the stream: the reader took no WAL for {self.timeout:g}s") from None
+            raise StreamEnded(f"terminating the stream: the reader took no {what} for {self.timeout:g}s") from None
 
     async def _receive(self) -> None:
         """The reader's messages while streaming: status moves the slot; CopyDone ends the stream."""
@@ -182,6 +191,7 @@ class WalSender:
                     if reply.reply_requested:
                         end = readable_end(self.sk.reader_state(), self.cmd.term)
                         self.writer.write(pgwire.copy_data(pgrepl.encode_keepalive(end, now(), False)))
+                        await self._drained("replies")
                 elif type(reply) is not pgrepl.HotStandbyFeedback:
                     raise StreamEnded(f"unexpected standby message {type(reply).__name__}")
             elif type(msg) is pgwire.CopyDone:

@@ -503,3 +503,72 @@ def test_a_missing_auth_file_or_a_taken_port_refuses_to_start(test_dir: Path, pk
         taken.close()
 
 
+
+
+# ---- (f) strangers before authentication, against a safekeeper process --------------------------------
+
+
+@pytest.fixture
+def lone_safekeeper(procs: ProcessTracker, test_dir: Path):  # noqa: ANN201
+    """Start a safekeeper with a reader port (no proposer, no TLS; SCRAM for 'reader' / 'secret'); its reader port."""
+    from sidecar import readerauth
+    auth = test_dir / "readers.auth"
+    readerauth.add(auth, "reader", "secret")
+
+    def start(*options: str) -> int:
+        port, reader_port = free_port(), free_port()
+        procs.start(sidecar_argv("safekeeper", "--id", "7", "--listen", f"127.0.0.1:{port}", "--data-dir",
+                                 str(test_dir / "sk7"), "--pg-listen", f"127.0.0.1:{reader_port}",
+                                 "--pg-auth-file", str(auth), "--insecure", *options), name="sk7")
+        wait_for(lambda: identify_dsn(lone_dsn(reader_port)), timeout=30, ignore=(psycopg.OperationalError,),
+                 what="the safekeeper's reader port to log a reader in")
+        return reader_port
+    return start
+
+
+def lone_dsn(port: int) -> str:
+    return f"host=127.0.0.1 port={port} user=reader password=secret sslmode=disable dbname=replication"
+
+
+def stranger(port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=30)
+
+
+def test_a_stranger_gets_one_answer_per_negotiation_then_fatal(lone_safekeeper) -> None:  # noqa: ANN001
+    port = lone_safekeeper()
+    for code, answers in ((pgwire.SSL_REQUEST_CODE, b"N"), (pgwire.GSSENC_REQUEST_CODE, b"N")):
+        with stranger(port) as s:
+            s.sendall(struct.pack(">II", 8, code) * 1000)
+            got = read_all(s)
+            assert got[:got.index(b"E")] == answers, got[:40]
+            sqlstate, message = fatal_of(got)
+            assert sqlstate == "08P01" and message.startswith(f"unsupported frontend protocol 1234.{code & 0xFFFF}")
+    with stranger(port) as s:  # over PostgreSQL's MAX_STARTUP_PACKET_LENGTH
+        s.sendall(struct.pack(">II", pgwire.MAX_STARTUP_PACKET + 1, pgwire.PROTOCOL_3_0) + bytes(10_000))
+        sqlstate, message = fatal_of(read_all(s))
+        assert sqlstate == "08P01" and "invalid length of startup packet" in message
+    assert identify_dsn(lone_dsn(port))[0]  # and the port serves readers on
+
+
+def test_silent_connections_do_not_keep_a_reader_out_of_a_safekeeper(lone_safekeeper) -> None:  # noqa: ANN001
+    port = lone_safekeeper()
+    silent = [stranger(port) for _ in range(40)]  # more than the 32 reader connections
+    try:
+        # The 40th connection dropped the 32nd: every one before it was dropped for a newer one.
+        sqlstate, message = fatal_of(read_all(silent[31]))
+        assert sqlstate == "53300" and "authenticating" in message
+        with psycopg.connect(lone_dsn(port), replication="true", autocommit=True) as r:
+            assert r.execute("IDENTIFY_SYSTEM").fetchone()[1] == 1
+    finally:
+        for s in silent:
+            s.close()
+
+
+def test_a_silent_connection_is_closed_at_the_authentication_deadline(lone_safekeeper) -> None:  # noqa: ANN001
+    port = lone_safekeeper("--pg-authentication-timeout", "1")
+    with stranger(port) as s:
+        s.sendall(struct.pack(">II", 8, pgwire.SSL_REQUEST_CODE))  # then nothing
+        got = read_all(s)
+        assert got[:1] == b"N"
+        sqlstate, message = fatal_of(got)
+        assert sqlstate == "08P01" and "canceling authentication due to timeout (1s)" in message

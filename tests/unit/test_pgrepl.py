@@ -100,6 +100,8 @@ def test_commands(text: str, command: pgrepl.Command) -> None:
     ("START_REPLICATION PHYSICAL 0-1", "invalid WAL position"),
     ("START_REPLICATION PHYSICAL 0/1 TIMELINE 0", "invalid timeline"),
     ("TIMELINE_HISTORY x", "invalid timeline"),
+    ("TIMELINE_HISTORY \u0663", "invalid timeline"),  # an Arabic-Indic 3: a digit to str.isdigit()
+    ("START_REPLICATION PHYSICAL 0/0 TERM \u00b2", "invalid term"),  # a superscript 2, which int() refuses
     ("SHOW", "end of input"),
     ("CREATE_REPLICATION_SLOT s PHYSICAL (FOO)", "unrecognized option"),
     ("X" * (pgrepl.MAX_COMMAND + 1), "too long"),

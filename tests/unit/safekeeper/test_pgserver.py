@@ -4,6 +4,7 @@ end of a timeline and the commit cap as walsender.c does them."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import struct
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from sidecar import pgrepl, pgwire, readerauth
 from sidecar.consensus.messages import TimelineEntry
 from sidecar.consensus.reading import ServerState
 from sidecar.readerauth import AuthFile
-from sidecar.safekeeper.pgserver import ReaderPort, ReaderServer
+from sidecar.safekeeper.pgserver import MAX_READERS, MAX_STARTUPS, ReaderPort, ReaderServer, to_drop
 from sidecar.safekeeper.positions import Positions, PositionWatch
 from sidecar.safekeeper.slots import Slots
 from sidecar.safekeeper.storage import NoWal, WalPin
@@ -109,14 +110,14 @@ def error_of(body: bytes) -> dict[str, str]:
     return {f[:1].decode(): f[1:].decode() for f in body.split(b"\0") if f}
 
 
-def serve(tmp: Path, test, **kwargs):  # noqa: ANN001, ANN201
+def serve(tmp: Path, test, port: dict | None = None, **kwargs):  # noqa: ANN001, ANN201
     """Run `test(server, sk)` against a reader port with one reader, 'reader' / 'secret'."""
     auth = tmp / "readers.auth"
     readerauth.add(auth, "reader", "secret")
 
     async def main() -> None:
         sk = Standin(tmp)
-        server = ReaderServer(sk, ReaderPort("127.0.0.1", 0, AuthFile(auth)), **kwargs)
+        server = ReaderServer(sk, ReaderPort("127.0.0.1", 0, AuthFile(auth), **(port or {})), **kwargs)
         await server.start()
         try:
             await test(server, sk)
@@ -158,7 +159,7 @@ def test_a_silent_client_is_dropped_and_the_readers_are_capped(tmp_path: Path) -
         assert kind == b"E" and error_of(body)["C"] == "53300"
         for h in held:
             h.writer.close()
-    serve(tmp_path, test, startup_timeout=0.2, max_readers=2)
+    serve(tmp_path, test, port={"authentication_timeout": 0.2}, max_readers=2)
 
 
 def test_the_end_of_a_timeline_is_told_as_walsender_c_does(tmp_path: Path) -> None:
@@ -380,3 +381,98 @@ def test_over_tls_a_proposer_certificate_reads_above_the_commit_and_channel_bind
         finally:
             await server.close()
     run(main(), timeout=60)
+
+
+def negotiation(code: int) -> bytes:
+    return struct.pack(">II", 8, code)
+
+
+async def answer_until_closed(c: Client) -> tuple[bytes, dict[str, str]]:
+    """What the server sent before its FATAL ErrorResponse, and the FATAL's fields; then the close."""
+    before = b""
+    while (b := await c.reader.readexactly(1)) != b"E":
+        before += b
+    (length,) = struct.unpack(">I", await c.reader.readexactly(4))
+    fields = error_of(await c.reader.readexactly(length - 4))
+    assert await c.reader.read() == b"", "the connection is closed after the FATAL"
+    return before, fields
+
+
+@pytest.mark.parametrize(("sent", "answers", "protocol"), [
+    ([pgwire.SSL_REQUEST_CODE] * 1000, b"N", "1234.5679"),
+    ([pgwire.GSSENC_REQUEST_CODE] * 1000, b"N", "1234.5680"),
+    ([pgwire.GSSENC_REQUEST_CODE, pgwire.SSL_REQUEST_CODE] * 500, b"NN", "1234.5680"),
+])
+def test_one_ssl_and_one_gss_request_per_connection_as_postgresql(tmp_path: Path, sent: list[int], answers: bytes,
+                                                                   protocol: str) -> None:
+    async def test(server: ReaderServer, sk: Standin) -> None:
+        c = await Client.connect(server.port)
+        c.writer.write(b"".join(negotiation(code) for code in sent))
+        before, fatal = await answer_until_closed(c)
+        assert before == answers
+        assert (fatal["S"], fatal["C"]) == ("FATAL", "08P01")
+        assert fatal["M"].startswith(f"unsupported frontend protocol {protocol}"), fatal
+    serve(tmp_path, test)
+
+
+def test_a_startup_packet_over_postgresqls_cap_is_fatal(tmp_path: Path) -> None:
+    async def test(server: ReaderServer, sk: Standin) -> None:
+        c = await Client.connect(server.port)
+        c.writer.write(struct.pack(">II", pgwire.MAX_STARTUP_PACKET + 1, pgwire.PROTOCOL_3_0) + b"user\0" * 2000)
+        before, fatal = await answer_until_closed(c)
+        assert before == b"" and fatal["C"] == "08P01" and "invalid length of startup packet" in fatal["M"]
+    serve(tmp_path, test)
+
+
+def test_silent_connections_do_not_keep_a_reader_out(tmp_path: Path) -> None:
+    async def test(server: ReaderServer, sk: Standin) -> None:
+        silent = [await Client.connect(server.port) for _ in range(MAX_READERS + 8)]
+        # Each newcomer beyond MAX_STARTUPS drops the oldest stranger; nobody logged in is refused.
+        for s in silent[:-MAX_STARTUPS]:
+            kind, body = await asyncio.wait_for(s.message(), 10)
+            assert kind == b"E" and error_of(body)["C"] == "53300"
+        reader = await Client.connect(server.port)
+        assert (await reader.login("secret"))[-1][0] == b"Z"
+        assert len(server.starting) <= MAX_STARTUPS and len(server.connections) <= MAX_STARTUPS + 1
+        for s in silent:
+            s.writer.close()
+    serve(tmp_path, test)
+
+
+def test_strangers_from_one_address_drop_their_own_before_anothers() -> None:
+    assert to_drop(["10.0.0.9", "10.0.0.1", "10.0.0.1", "10.0.0.2"]) == 1
+    assert to_drop(["10.0.0.9", "10.0.0.1", "10.0.0.2"]) == 0  # a tie: the oldest
+    assert to_drop(["10.0.0.9"] * 3 + ["10.0.0.1"] * 4) == 3
+
+
+def test_a_reader_asking_for_replies_it_never_reads_is_not_read_from(tmp_path: Path) -> None:
+    """L-4: replies wait for the send buffer to drain before the reader's next message is read."""
+    async def test(server: ReaderServer, sk: Standin) -> None:
+        # Small socket buffers on both ends, so what is unread shows in the server's own buffer.
+        for s in server._server.sockets:  # noqa: SLF001 - accepted sockets inherit the listener's sizes
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
+        c = Client(*await asyncio.open_connection(sock=sock))
+        await c.login("secret")
+        c.query(f"START_REPLICATION PHYSICAL 0/{SEG + 4000:X}")
+        assert (await c.message())[0] == b"W"
+        (conn,) = server.connections
+        transport = conn.writer.transport
+        status = pgwire.copy_data(pgrepl.encode_status(0, 0, 0, 0, reply_requested=True))
+        asked = 40_000  # 1.5 MB of requests, 0.9 MB of replies
+        c.writer.write(status * asked)
+        bound = 256 << 10
+        # Either the server stops reading this reader, or its buffer grows past any bound.
+        await until(lambda: not transport.is_reading() or transport.get_write_buffer_size() > bound,
+                    "the server to stop reading or to buffer past the bound", timeout=60)
+        assert transport.get_write_buffer_size() <= bound
+        # Nothing is lost: once the reader reads, every reply comes, one per request.
+        for _ in range(asked):
+            msg = pgrepl.parse_copy_data((await c.message())[1])
+            assert isinstance(msg, pgrepl.Keepalive) and not msg.reply_requested
+    serve(tmp_path, test)
