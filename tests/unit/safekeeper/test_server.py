@@ -13,7 +13,7 @@ from sidecar import framing
 from sidecar.consensus import codec
 from sidecar.consensus.messages import (
     PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply, InfoReply, InfoRequest,
-    Message, TermEntry, VoteReply, VoteRequest,
+    TermEntry, VoteReply, VoteRequest,
 )
 from sidecar.consensus.state import AcceptorState
 from sidecar.safekeeper.control import ControlData, ControlFileError, control_path, save_control
