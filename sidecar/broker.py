@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+from sidecar.logs import get_logger
 from sidecar.lsn import format_lsn, parse_lsn
 
 ROOT = "walsidecar"
@@ -387,6 +388,13 @@ class LeaseElection:
         self.key = key
         lease = await self.lease.ensure()
         held = await self.broker.holder(key)
+        if held is not None and held[1] != lease and (held[1] == 0 or not held[0].isdigit()):
+            # No safekeeper writes the key without a lease, nor with anything but its id: whoever has
+            # write access to etcd put it there, and a key without a lease would stop uploads for ever.
+            get_logger(node=self.node_id).warning("an upload lease key no safekeeper wrote; deleting it",
+                                                  key=key, value=held[0][:64], lease=held[1])
+            await self.broker.delete_if(key, held[1])
+            held = await self.broker.holder(key)
         if held is not None and held[1] == lease:
             if eligible:
                 self._held_lease, self.holder = lease, self.node_id

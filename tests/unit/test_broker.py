@@ -114,6 +114,25 @@ def test_one_uploader_at_a_time_and_the_next_takes_over_when_its_lease_ends(etcd
     asyncio.run(main())
 
 
+def test_an_upload_lease_key_no_safekeeper_wrote_does_not_stop_uploads(etcd: EtcdServer) -> None:
+    """Write access to etcd (audit-2 L-6): a key without a lease, or naming no safekeeper, is not a holder."""
+    async def main() -> None:
+        b = Broker([etcd.url])
+        election = LeaseElection(b, Lease(b, ttl=5), node_id=1)
+        key = uploader_key("c", 1)
+        try:
+            for forged in ("99", "someone"):
+                await b._call("forge", lambda c: c.put(key, forged))  # no lease: it would never expire
+                await election.campaign(key, eligible=True)
+                assert election.may_upload(0) and election.holder == 1, forged
+                assert (await b.holder(key)) == ("1", election.lease.id)
+                await election.resign()
+        finally:
+            b.close()
+
+    asyncio.run(main())
+
+
 def test_tls_with_client_certificates(procs: ProcessTracker, test_dir: Path, pki: TestPKI) -> None:
     server_certs = test_dir / "etcd-certs"
     create_node(pki.ca_dir, server_certs, "client", hosts=("127.0.0.1", "localhost"))
