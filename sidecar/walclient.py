@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import select
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import IO, Any
 
 import psycopg
@@ -43,14 +43,9 @@ class ReaderUnreachable(ReaderError):
     """No connection could be made, or it was lost (network, TLS, authentication)."""
 
 
-def reader_conninfo(address: Address | Sequence[Address], creds: ReaderCredentials, **params: Any) -> str:
-    """libpq conninfo of a reader port: replication, the reader's user and passfile, TLS verify-full or none.
-
-    Several addresses make a multi-host conninfo: libpq connects to the first that answers, in order.
-    """
-    addresses = [address] if isinstance(address, Address) else list(address)
-    info: dict[str, Any] = {"host": ",".join(a.host for a in addresses),
-                            "port": ",".join(str(a.port) for a in addresses), "user": creds.reader_user,
+def reader_conninfo(address: Address, creds: ReaderCredentials, **params: Any) -> str:
+    """libpq conninfo of a reader port: replication, the reader's user and passfile, TLS verify-full or none."""
+    info: dict[str, Any] = {"host": address.host, "port": address.port, "user": creds.reader_user,
                             "dbname": "replication", "replication": "true",
                             "connect_timeout": max(1, round(creds.reader_timeout))}
     if creds.reader_passfile is not None:
