@@ -531,15 +531,26 @@ class FailoverSettings(SafekeepersMixin, ReaderCredentials):
 
     command: ClassVar[str] = "failover"
     cert_role: ClassVar[str] = "proposer"
-    standby_dsn: PgDsn = Field(min_length=1, description="libpq connection string of the standby to promote (a "
-                                                         "superuser: it runs pg_promote() and reads its timeline "
-                                                         "history).")
+    standby_dsn: PgDsn = Field("", description="libpq connection string of the standby to promote (a "
+                                               "superuser: it runs pg_promote() and reads its timeline "
+                                               "history).")
     safekeepers: Safekeepers = Field(min_length=1)
     timeout: float = Field(60.0, gt=0, description="Seconds to win the fence term and commit its start on a quorum, "
                                                    "and for pg_promote() to finish.")
     catchup_timeout: float = Field(60.0, gt=0, description="Seconds the standby may replay nothing while below "
                                                            "the committed end before failover gives up without "
                                                            "promoting it.")
+    undo: bool = Field(False, description="Undo a failover that never promoted: lift the end it put on the old "
+                                          "primary's timeline, so that its sidecar may stream again. Refused once "
+                                          "the promoted standby's sidecar streams. No --standby-dsn.")
+
+    @model_validator(mode="after")
+    def _standby_unless_undo(self) -> FailoverSettings:
+        if self.undo and self.standby_dsn:
+            raise ValueError("standby_dsn: --undo promotes nothing; leave out --standby-dsn")
+        if not self.undo and not self.standby_dsn:
+            raise ValueError("standby_dsn: give --standby-dsn, the standby to promote (or --undo)")
+        return self
 
 
 class VerifyArchiveSettings(LinkSettings):

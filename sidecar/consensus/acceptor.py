@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from sidecar.consensus import history as hist
-from sidecar.consensus import limits
+from sidecar.consensus import limits, lineage
 from sidecar.consensus.messages import (
     PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply,
     InfoReply, Message, TimelineHistory, VoteReply, VoteRequest,
@@ -92,6 +92,9 @@ class Acceptor:
         self.write_lsn = write_lsn  # end of WAL handed to storage
         self.flush_lsn = write_lsn  # end of WAL storage has fsynced
         self.elected_term = 0  # the term whose Elected this process has applied
+        # Where the elected term's WAL must end: its start, in a failover's own term (it sets or lifts a
+        # fence and streams nothing past E); unbounded otherwise.
+        self.append_limit = limits.MAX_LSN
         # The connection (an opaque token from its session) whose Elected applied elected_term:
         # the only one whose Appends are accepted in that term.
         self.owner: object = None
@@ -196,7 +199,7 @@ class Acceptor:
             term=term, granted=granted, flush_lsn=end.flush_lsn,
             term_history=hist.up_to(self.state.term_history, end.flush_lsn),
             timeline_history=self.state.timeline_history,
-            tail_lsn=end.tail_lsn, tail_crc=end.tail_crc, timeline=self.state.timeline)))
+            tail_lsn=end.tail_lsn, tail_crc=end.tail_crc, timeline=self.state.timeline, fence=self.state.fence)))
         return actions
 
     def on_elected(self, msg: Elected, end: RecordEnd, owner: object = None) -> list[AcceptorAction]:
@@ -211,6 +214,16 @@ class Acceptor:
         _check(limits.check_lsn, msg.start_lsn, "Elected start LSN")
         _check(limits.check_term_history, msg.term_history)
         _check(limits.check_timeline, msg.timeline, msg.timeline_history)
+        _check(limits.check_fence, msg.fence, msg.term)
+        failover_term = msg.fence.term == msg.term
+        fence = msg.fence if failover_term else lineage.latest(self.state.fence, msg.fence)
+        if not failover_term:
+            ours = self.state
+            timeline, timelines = ((msg.timeline, msg.timeline_history) if msg.timeline
+                                   else (ours.timeline, ours.timeline_history))
+            problem = lineage.fenced_out(fence, timeline, timelines)
+            if problem is not None:
+                raise AcceptorError(f"Elected for term {msg.term} refused: {problem}")
         last = msg.term_history[-1] if msg.term_history else None
         if last is None or (last.term, last.start_lsn) != (msg.term, msg.start_lsn):
             raise AcceptorError(f"Elected for term {msg.term}: history does not end with this term at its start LSN")
@@ -229,7 +242,7 @@ class Acceptor:
         # (a torn record's, counted raw), and readers may have them only once it acknowledges them.
         commit = min(commit, point)
         new = replace(self.state, term_history=msg.term_history, commit_lsn=commit,
-                      peer_horizon_lsn=min(self.state.peer_horizon_lsn, commit))
+                      peer_horizon_lsn=min(self.state.peer_horizon_lsn, commit), fence=fence)
         adopt: list[AcceptorAction] = []
         if msg.timeline and (msg.timeline, msg.timeline_history) != (new.timeline, new.timeline_history):
             new = replace(new, timeline=msg.timeline, timeline_history=msg.timeline_history)
@@ -237,6 +250,7 @@ class Acceptor:
         self.state = new
         self.write_lsn = self.flush_lsn = point
         self.elected_term = msg.term
+        self.append_limit = msg.start_lsn if failover_term else limits.MAX_LSN
         self.owner = owner
         self.wal_epoch += 1
         self.cut_generation += 1
@@ -261,8 +275,12 @@ class Acceptor:
         actions: list[AcceptorAction] = []
         if msg.data:
             end = msg.end_lsn
-            if end > limits.MAX_LSN:
-                raise AcceptorError(f"Append ending at {end:#x} runs past PostgreSQL's WAL range")
+            if end > self.append_limit:
+                if self.append_limit == limits.MAX_LSN:
+                    raise AcceptorError(f"Append ending at {end:#x} runs past PostgreSQL's WAL range")
+                raise AcceptorError(
+                    f"Append ending at {format_lsn(end)} in term {msg.term}, a failover's term: it streams no WAL "
+                    f"past its start {format_lsn(self.append_limit)}")
             actions.append(Write(msg.begin_lsn, msg.data))
             self.write_lsn = end
             self.wal_epoch += 1
@@ -298,7 +316,7 @@ class Acceptor:
             return []
         # Positional construction: replace() costs several times more, and this runs per Append.
         self.state = AcceptorState(s.system_id, s.wal_seg_size, s.pg_version, s.timeline, s.term,
-                                   s.term_history, s.timeline_history, commit, s.backup_lsn, horizon)
+                                   s.term_history, s.timeline_history, commit, s.backup_lsn, horizon, s.fence)
         # commit_lsn is a hint: persist it lazily, once per segment of progress.
         if commit - self._persisted_commit >= max(s.wal_seg_size, 1):
             self._persisted_commit = commit

@@ -41,6 +41,7 @@ from sidecar.consensus.messages import (
     TermEntry,
     TermHistory,
     TimelineEntry,
+    TimelineFence,
     TimelineHistory,
     VoteReply,
     VoteRequest,
@@ -113,6 +114,7 @@ _VOTE_REPLY = Struct(">QBQQIII")
 # term, start_lsn, timeline, len(term_history); then the term and timeline histories
 _ELECTED = Struct(">QQII")
 _ELECTED_REPLY = Struct(">QQ")  # term, flush_lsn
+_FENCE = Struct(">QIQ")  # a TimelineFence (term, timeline, lsn), after the histories of VoteReply and Elected
 _APPEND = Struct(">QQQQ")  # term, begin_lsn, commit_lsn, peer_horizon_lsn; data follows
 _APPEND_REPLY = Struct(">QQQ")  # term, flush_lsn, commit_lsn
 _REFUSAL = Struct(">H")  # len(reason)
@@ -142,7 +144,7 @@ _MAX_APPEND_DATA = MAX_FRAME - 1 - _APPEND.size
 # The longest frame a safekeeper sends: a VoteReply with both histories at their limit (an Elected,
 # which the proposer sends, is as long).
 REPLY_MAX_FRAME = (1 + _VOTE_REPLY.size + limits.MAX_HISTORY * _TERM_ENTRY.size + _U32.size
-                   + limits.MAX_HISTORY * _TIMELINE_ENTRY.size)
+                   + limits.MAX_HISTORY * _TIMELINE_ENTRY.size + _FENCE.size)
 
 
 class ProtocolError(Exception):
@@ -174,6 +176,7 @@ def _check_vote_reply(m: VoteReply) -> None:
     # 0: a voter that names no timeline; its history is still checked.
     limits.check_timeline(m.timeline, m.timeline_history if m.timeline else ())
     limits.check_timeline_history(m.timeline_history)
+    limits.check_fence(m.fence, limits.MAX_TERM)  # a voter may hold a fence above the term it reports
 
 
 def _check_elected(m: Elected) -> None:
@@ -181,6 +184,7 @@ def _check_elected(m: Elected) -> None:
     limits.check_lsn(m.start_lsn, "start LSN")
     limits.check_term_history(m.term_history)
     limits.check_timeline(m.timeline, m.timeline_history)
+    limits.check_fence(m.fence, m.term)
 
 
 def _check_term(m: VoteRequest) -> None:
@@ -295,6 +299,10 @@ def _timeline_history_bytes(history: TimelineHistory) -> bytes:
     )
 
 
+def _fence_bytes(fence: TimelineFence) -> bytes:
+    return _FENCE.pack(fence.term, fence.timeline, fence.lsn)
+
+
 def _framed(tag: int, body: bytes) -> bytes:
     if len(body) + 1 > MAX_FRAME:
         raise ProtocolError(f"message body of {len(body)} bytes does not fit in a frame")
@@ -323,14 +331,16 @@ def _encode_vote_reply(m: VoteReply) -> bytes:
     head = _VOTE_REPLY.pack(
         m.term, 1 if m.granted else 0, m.flush_lsn, m.tail_lsn, m.tail_crc, m.timeline, len(m.term_history)
     )
-    body = head + _term_entries_bytes(m.term_history) + _timeline_history_bytes(m.timeline_history)
+    body = (head + _term_entries_bytes(m.term_history) + _timeline_history_bytes(m.timeline_history)
+            + _fence_bytes(m.fence))
     return _framed(TAG_VOTE_REPLY, body)
 
 
 def _encode_elected(m: Elected) -> bytes:
     _check_elected(m)
     head = _ELECTED.pack(m.term, m.start_lsn, m.timeline, len(m.term_history))
-    body = head + _term_entries_bytes(m.term_history) + _timeline_history_bytes(m.timeline_history)
+    body = (head + _term_entries_bytes(m.term_history) + _timeline_history_bytes(m.timeline_history)
+            + _fence_bytes(m.fence))
     return _framed(TAG_ELECTED, body)
 
 
@@ -503,6 +513,12 @@ def _timeline_entries(body: Body, start: int, name: str) -> tuple[TimelineHistor
     return history, end
 
 
+def _fence(body: Body, start: int, name: str) -> tuple[TimelineFence, int]:
+    if start + _FENCE.size > len(body):
+        raise ProtocolError(f"{name}: body ends before the timeline fence")
+    return TimelineFence(*_FENCE.unpack_from(body, start)), start + _FENCE.size
+
+
 def _no_trailing(body: Body, end: int, name: str) -> None:
     if end != len(body):
         raise ProtocolError(f"{name}: {len(body) - end} trailing bytes")
@@ -540,9 +556,10 @@ def _decode_vote_reply(body: Body) -> VoteReply:
     term, granted, flush_lsn, tail_lsn, tail_crc, timeline, count = _VOTE_REPLY.unpack_from(body)
     terms, pos = _term_entries(body, _VOTE_REPLY.size, count, "VoteReply")
     timelines, pos = _timeline_entries(body, pos, "VoteReply")
+    fence, pos = _fence(body, pos, "VoteReply")
     _no_trailing(body, pos, "VoteReply")
     m = VoteReply(term, _bool(granted, "granted", "VoteReply"), flush_lsn, terms, timelines, tail_lsn, tail_crc,
-                  timeline)
+                  timeline, fence)
     _check_vote_reply(m)
     return m
 
@@ -552,8 +569,9 @@ def _decode_elected(body: Body) -> Elected:
     term, start_lsn, timeline, count = _ELECTED.unpack_from(body)
     terms, pos = _term_entries(body, _ELECTED.size, count, "Elected")
     timelines, pos = _timeline_entries(body, pos, "Elected")
+    fence, pos = _fence(body, pos, "Elected")
     _no_trailing(body, pos, "Elected")
-    m = Elected(term, start_lsn, terms, timeline, timelines)
+    m = Elected(term, start_lsn, terms, timeline, timelines, fence)
     _check_elected(m)
     return m
 

@@ -6,7 +6,7 @@ make a safekeeper or the proposer store a number it cannot encode, name or move 
 
 from __future__ import annotations
 
-from sidecar.consensus.messages import TermHistory, TimelineHistory
+from sidecar.consensus.messages import TermHistory, TimelineFence, TimelineHistory
 
 # Terms fit a signed 64-bit integer, so a proposer can always campaign one above any term a
 # safekeeper has accepted and still encode it: a huge term can no longer end every election.
@@ -89,6 +89,18 @@ def check_timeline(timeline: int, history: TimelineHistory, what: str = "timelin
     if history and (not timeline or history[-1].timeline >= timeline):
         raise LimitError(f"{what} {timeline} does not follow its history's last timeline {history[-1].timeline}")
     return timeline
+
+
+def check_fence(fence: TimelineFence, term: int) -> TimelineFence:
+    """A fence set in a term at or below `term` (the message's): no term sets what a later one decides."""
+    check_term(fence.term, "fence term")
+    if fence.term > term:
+        raise LimitError(f"fence of term {fence.term} is above the message's term {term}")
+    check_timeline(fence.timeline, (), "fenced timeline")
+    check_lsn(fence.lsn, "fence LSN")
+    if not fence.timeline and fence.lsn:
+        raise LimitError("a fence that ends no timeline has no LSN")
+    return fence
 
 
 def check_port(port: int, what: str = "reader port") -> int:

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 # 2: Elected carries the primary's timeline and history, VoteReply the voter's timeline, GreetingReply
 # and InfoReply the safekeeper's reader port.
-PROTOCOL_VERSION = 2
+# 3: VoteReply and Elected carry the timeline fence of a failover (TimelineFence).
+PROTOCOL_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,25 @@ class TimelineEntry:
 
 TermHistory = tuple[TermEntry, ...]
 TimelineHistory = tuple[TimelineEntry, ...]
+
+
+@dataclass(frozen=True)
+class TimelineFence:
+    """A failover's end of a timeline: from term `term` on, `timeline` ends at `lsn` (E).
+
+    Set by the Elected of a failover's fence term, before it promotes a standby: no later term may
+    stream from a primary still on `timeline` (the old primary, alive or not), only from one whose
+    history switches away from it at `lsn` or above (the promoted standby and its descendants).
+    A `timeline` of 0 ends none: no failover yet, or its undo (`failover --undo`) in term `term`.
+    The fence of the highest term wins, as voters report theirs and each Elected carries it on.
+    """
+
+    term: int = 0
+    timeline: int = 0
+    lsn: int = 0
+
+
+NO_FENCE = TimelineFence()
 
 
 @dataclass(frozen=True)
@@ -70,13 +90,16 @@ class VoteReply:
     tail_lsn: int = 0
     tail_crc: int = 0
     timeline: int = 0  # the timeline the voter's WAL was last written on (0: never greeted)
+    fence: TimelineFence = NO_FENCE  # the voter's
 
 
 @dataclass(frozen=True)
 class Elected:
     """`timeline` and `timeline_history` are the primary's, for every safekeeper to lay its WAL out by.
 
-    A timeline of 0 names none: the safekeeper keeps the one it has.
+    A timeline of 0 names none: the safekeeper keeps the one it has. `fence` is the highest-term fence
+    of the voters, carried on; a fence of this very term is set by it (a failover's fence term, which
+    streams no WAL beyond its start).
     """
 
     term: int
@@ -84,6 +107,7 @@ class Elected:
     term_history: TermHistory
     timeline: int = 0
     timeline_history: TimelineHistory = ()
+    fence: TimelineFence = NO_FENCE
 
 
 @dataclass(frozen=True)

@@ -15,16 +15,24 @@ from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
 from typing import Any, ClassVar
 
-from sidecar.consensus import codec, limits
+from sidecar.consensus import codec, limits, lineage
 from sidecar.consensus import history as hist
 from sidecar.consensus.messages import (
-    PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply,
-    Message, Refusal, TermHistory, TimelineHistory, VoteReply, VoteRequest,
+    NO_FENCE, PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply,
+    Message, Refusal, TermHistory, TimelineFence, TimelineHistory, VoteReply, VoteRequest,
 )
 from sidecar.consensus.quorum import quorum_position
 from sidecar.consensus.walbuffer import WalBuffer
 
 MAX_APPEND = 1024 * 1024
+
+
+class FailoverTerm(enum.Enum):
+    """What a term does to the failover fence (consensus/lineage.py)."""
+
+    NONE = "none"  # a primary's term: carries the voters' latest fence on, and stops if it fences this primary
+    END = "end"  # `failover`'s fence term: ends the voters' timeline at the term start, before promoting
+    LIFT = "lift"  # `failover --undo`: lifts the fence of a failover that never promoted
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,7 @@ class ProposerConfig:
     max_inflight: int = 32 * 1024 * 1024
     # Beyond this a lagging safekeeper is fed from the primary's pg_wal instead of memory.
     buffer_limit: int = 64 * 1024 * 1024
+    failover: FailoverTerm = FailoverTerm.NONE
 
 
 # Actions the service executes.
@@ -87,6 +96,19 @@ class FetchWal:
 @dataclass(frozen=True)
 class TermLost:
     term: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class LineageEnded:
+    """A failover ended this primary's timeline and promoted a standby: this primary must never stream again.
+
+    Retrying cannot fix it; rejoining the primary as a standby, or undoing a failover that never
+    promoted, does. Its commits are never acknowledged.
+    """
+
+    term: int
+    fence: TimelineFence
     reason: str
 
 
@@ -183,8 +205,8 @@ class UnexpectedMessage(ProposerEvent):
     message: str  # its type's name
 
 
-Action = (Send | VerifyPrimary | StartStreaming | ReportStatus | FetchWal | TermLost | GreetingsRefused
-          | DropPeer | TermsExhausted | ProposerEvent)
+Action = (Send | VerifyPrimary | StartStreaming | ReportStatus | FetchWal | TermLost | LineageEnded
+          | GreetingsRefused | DropPeer | TermsExhausted | ProposerEvent)
 
 
 class Phase(enum.Enum):
@@ -223,6 +245,7 @@ class Proposer:
         self.peers = {name: PeerState(name) for name in config.peers}
         self.term_start = 0
         self.history: TermHistory = ()
+        self.fence = NO_FENCE  # the fence this term's Elected carries (sets, in a failover's term)
         self.commit_lsn = 0
         self.buffer: WalBuffer | None = None
         self._reported = (0, 0, 0)
@@ -409,6 +432,9 @@ class Proposer:
         probed = {q.name: q.probe for q in self.peers.values() if q.probe is not None}
         if len(probed) < self.config.quorum:
             return []
+        ended = self._lineage_ended(probed)
+        if ended:
+            return ended
         donor, reply, start = self._donor(probed)
         self._checked = None
         self._precheck = (start, reply.tail_lsn, reply.tail_crc)
@@ -421,9 +447,25 @@ class Proposer:
         reply = replies[name]
         return name, reply, reply.flush_lsn or self.config.bootstrap_lsn
 
+    def _lineage_ended(self, replies: dict[str, VoteReply]) -> list[Action]:
+        """Stop, before any promise (or before any Elected), if a failover fenced this primary out."""
+        if self.config.failover is not FailoverTerm.NONE:
+            return []
+        c = self.config
+        fence = lineage.latest(*(r.fence for r in replies.values()))
+        problem = lineage.fenced_out(fence, c.timeline, c.timeline_history)
+        if problem is None:
+            return []
+        self.phase = Phase.STOPPED
+        return [LineageEnded(self.term, fence, problem)]
+
     def _elect(self) -> list[Action]:
         votes = {q.name: q.vote for q in self.peers.values() if q.vote is not None}
+        ended = self._lineage_ended(votes)
+        if ended:
+            return ended
         donor, dv, start = self._donor(votes)
+        self.fence = self._fence_of_term(votes, dv, start)
         self.term_start = start
         self.history = hist.extend(dv.term_history if dv.flush_lsn else (), self.term, start)
         self.phase = Phase.VERIFYING
@@ -432,9 +474,20 @@ class Proposer:
             return actions + self._start_streaming()  # the probe already checked this very log
         return actions + [VerifyPrimary(self.term, start, donor, dv.tail_lsn, dv.tail_crc, dv.timeline_history)]
 
+    def _fence_of_term(self, votes: dict[str, VoteReply], donor: VoteReply, start: int) -> TimelineFence:
+        """The voters' latest fence, carried on; or the one a failover's term sets: the donor's timeline ends at E."""
+        match self.config.failover:
+            case FailoverTerm.END:
+                return TimelineFence(self.term, donor.timeline or self.config.timeline, start)
+            case FailoverTerm.LIFT:
+                return TimelineFence(self.term)
+        return lineage.latest(*(v.fence for v in votes.values()))
+
     def _elected_msg(self, p: PeerState) -> Send:
         c = self.config
-        return Send(p.name, Elected(self.term, self.term_start, self.history, c.timeline, c.timeline_history))
+        # An undo streams for no primary: it names no timeline, and each safekeeper keeps the one it has.
+        timeline, timelines = (0, ()) if c.failover is FailoverTerm.LIFT else (c.timeline, c.timeline_history)
+        return Send(p.name, Elected(self.term, self.term_start, self.history, timeline, timelines, self.fence))
 
     # ---- streaming ------------------------------------------------------------------------
 

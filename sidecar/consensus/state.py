@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sidecar.consensus.messages import TermHistory, TimelineHistory
+from sidecar.consensus.messages import NO_FENCE, TermHistory, TimelineFence, TimelineHistory
 
 
 @dataclass(frozen=True)
@@ -21,3 +21,4 @@ class AcceptorState:
     commit_lsn: int = 0
     backup_lsn: int = 0
     peer_horizon_lsn: int = 0
+    fence: TimelineFence = NO_FENCE  # the highest-term failover fence this safekeeper accepted

@@ -1,10 +1,11 @@
 """`walsidecar failover`: turn a standby into the primary without losing an acknowledged commit.
 
 Five steps, each said as it happens: fence (a new term from a quorum: the old sidecar's next Append
-is refused), recover (voters below the term's start E get the donor's WAL; E is committed), catch up
-the standby to E, check its timeline history and promote it, resume (how to start the sidecar on it).
-A failed step leaves the safekeepers holding every acknowledged commit and the standby a standby:
-the command can be run again.
+is refused, and the old primary's timeline ends at the term's start E, for good: consensus/lineage.py),
+recover (voters below E get the donor's WAL; E is committed), catch up the standby to E, check its
+timeline history and promote it, resume (how to start the sidecar on it). A failed step leaves the
+safekeepers holding every acknowledged commit and the standby a standby: the command can be run
+again, or `failover --undo` gives the old primary its timeline back.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from sidecar.address import Address
 from sidecar.config import FailoverSettings
 from sidecar.consensus import primary_check
 from sidecar.consensus.messages import TimelineHistory
-from sidecar.consensus.proposer import ProposerConfig, VerifyPrimary
+from sidecar.consensus.proposer import FailoverTerm, ProposerConfig, VerifyPrimary
 from sidecar.linkauth import client_security
 from sidecar.lsn import format_lsn, parse_lsn
-from sidecar.ops.probe import redact_dsn
+from sidecar.consensus.messages import InfoReply
+from sidecar.ops.probe import ProbeError, probe_safekeeper, redact_dsn
 from sidecar.pgrepl import history_file_name, parse_timeline_history
 from sidecar.proposer.catchup import DonorReader
 from sidecar.proposer.fence import Fence, FenceError, Fenced
@@ -146,6 +148,9 @@ class Failover:
                     raise FailoverError(f"fence: {e}") from None
                 say(f"2/5 recover: {', '.join(fence.committed_on())} hold the WAL up to E = "
                     f"{format_lsn(fenced.start_lsn)} in term {fenced.term}; E is committed: every reader may have it")
+                say(f"  timeline {fenced.fence.timeline} ends at E for good: from now on no term streams from a "
+                    "primary still on it (the old primary's commits wait and are never acknowledged); "
+                    "`walsidecar failover --undo` lifts this while nothing was promoted")
                 say(f"3/5 catch up: waiting for the standby to replay up to {format_lsn(fenced.start_lsn)}")
                 await self._catch_up(conn, fenced.start_lsn, fence)
                 say("4/5 promote: checking the standby's timeline history against the safekeepers'")
@@ -171,7 +176,58 @@ class Failover:
         return ProposerConfig(proposer_id="walsidecar-failover", peers=s.safekeepers, quorum=s.quorum,
                               system_id=st.system_id, timeline=st.timeline, timeline_history=st.history,
                               wal_seg_size=st.wal_seg_size,
-                              pg_version=st.pg_version, bootstrap_lsn=0)
+                              pg_version=st.pg_version, bootstrap_lsn=0, failover=FailoverTerm.END)
+
+    async def undo(self) -> None:
+        """Lift the fence of a failover that never promoted: the old primary's sidecar may win terms again."""
+        s, say = self.s, self.say
+        info = await self._identity()
+        say(f"walsidecar failover --undo: lifting the fence of the last failover, over {len(s.safekeepers)} "
+            f"safekeepers (quorum {s.quorum})")
+        config = ProposerConfig(proposer_id="walsidecar-failover-undo", peers=s.safekeepers, quorum=s.quorum,
+                                system_id=info.system_id, timeline=info.timeline, wal_seg_size=info.wal_seg_size,
+                                pg_version=info.pg_version, bootstrap_lsn=0, failover=FailoverTerm.LIFT)
+        fence: Fence
+
+        async def precheck(a: VerifyPrimary) -> str | None:
+            """Before any vote: there must be a fence, and nothing may have streamed past it on a new timeline."""
+            ended = fence.probed_fence()
+            if not ended.timeline:
+                return "no failover fence is set on the safekeepers: there is nothing to undo"
+            now = fence.probed_timeline(a.donor)
+            if now and now != ended.timeline:
+                return (f"the safekeepers' WAL goes on on timeline {now}, after the failover of term {ended.term} "
+                        f"ended timeline {ended.timeline}: the promoted standby's sidecar streams; a promoted "
+                        "failover cannot be undone (rejoin the old primary as a standby with pg_rewind)")
+            say(f"  the failover of term {ended.term} ended timeline {ended.timeline} at {format_lsn(ended.lsn)}; "
+                "its WAL was not continued on another timeline")
+            return None
+
+        fence = Fence(config, self.security, precheck=precheck, copy=self.donor.copy, say=say)
+        try:
+            try:
+                fenced = await fence.run(s.timeout)
+            except FenceError as e:
+                raise FailoverError(f"undo: {e}") from None
+        finally:
+            await fence.close()
+        say(f"undone in term {fenced.term}: timeline {fenced.replaced.timeline} no longer ends at "
+            f"{format_lsn(fenced.replaced.lsn)}; the old primary's sidecar streams again once it wins a term. "
+            "Do not promote the standby that failover was for: run failover again for that")
+
+    async def _identity(self) -> InfoReply:
+        """The cluster the safekeepers belong to, from the first that answers (an undo has no standby to ask)."""
+        problems = []
+        for address in self.s.safekeepers:
+            try:
+                info = await probe_safekeeper(address, min(self.s.timeout, 10.0), self.security)
+            except ProbeError as e:
+                problems.append(f"{address}: {e}")
+                continue
+            if info.system_id:
+                return info
+            problems.append(f"{address}: holds no cluster yet")
+        raise FailoverError("no safekeeper says which cluster it holds: " + "; ".join(problems))
 
     def _precheck(self, standby: StandbyState):  # type: ignore[no-untyped-def]
         async def check(a: VerifyPrimary) -> str | None:
@@ -293,9 +349,10 @@ class Failover:
 
 
 def run_failover(s: FailoverSettings) -> int:
-    """0 when the standby is the primary; 1 when a step refused or failed (nothing half done)."""
+    """0 when the standby is the primary (or, with --undo, the fence is lifted); 1 when a step refused or failed."""
+    failover = Failover(s, lambda line: print(line, flush=True))
     try:
-        asyncio.run(Failover(s, lambda line: print(line, flush=True)).run())
+        asyncio.run(failover.undo() if s.undo else failover.run())
     except FailoverError as e:
         print(f"failover stopped: {e}\nnothing was promoted; the safekeepers keep every acknowledged commit: "
               "fix the cause and run failover again", flush=True)

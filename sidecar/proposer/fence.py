@@ -13,8 +13,8 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from sidecar.consensus import codec, limits
-from sidecar.consensus.messages import AppendReply, Message, TimelineHistory
+from sidecar.consensus import codec, limits, lineage
+from sidecar.consensus.messages import AppendReply, Message, TimelineFence, TimelineHistory
 from sidecar.consensus.proposer import (
     DropPeer, ElectionWon, FetchWal, GreetingsRefused, Phase, Proposer, ProposerConfig, ProposerEvent, ReportStatus,
     Send, StartStreaming, TermLost, TermsExhausted, VerifyPrimary,
@@ -43,6 +43,8 @@ class Fenced:
     donor: str
     voters: tuple[str, ...]
     timeline_history: TimelineHistory  # the donor's: the primary's timeline switches up to E
+    fence: TimelineFence  # what this term's Elected set: the timeline it ended at E, or the lift of an undo
+    replaced: TimelineFence  # the voters' latest fence before this term
 
 
 # Checks the donor's log before any vote (failover: does the standby belong to it?); a reason refuses it.
@@ -87,7 +89,17 @@ class Fence:
         core = self.core
         donor_vote = core.peers[self.donor].vote
         history = donor_vote.timeline_history if donor_vote is not None else ()
-        return Fenced(core.term, core.term_start, self.donor, self.voters, history)
+        before = lineage.latest(*(p.vote.fence for p in core.peers.values() if p.vote is not None))
+        return Fenced(core.term, core.term_start, self.donor, self.voters, history, core.fence, before)
+
+    def probed_fence(self) -> TimelineFence:
+        """The latest fence of the safekeepers probed so far (before any vote): what an undo would lift."""
+        return lineage.latest(*(p.probe.fence for p in self.core.peers.values() if p.probe is not None))
+
+    def probed_timeline(self, donor: str) -> int:
+        """The timeline `donor`'s WAL was last written on, from its probe (0: unknown)."""
+        probe = self.core.peers[donor].probe
+        return probe.timeline if probe is not None else 0
 
     def check(self) -> None:
         """FenceError if the term was lost since (another proposer took a higher one): do not promote then."""
@@ -177,9 +189,9 @@ class Fence:
                         # A heartbeat carries the new commit position to every safekeeper now.
                         self._run(self.core.heartbeat())
                 case TermLost():
-                    self._fail(f"another proposer took term {a.term} ({a.reason}): is the old sidecar running "
-                               "against a live primary? Stop that primary (and its sidecar) for good, then run "
-                               "failover again")
+                    self._fail(f"another proposer took term {a.term} ({a.reason}) before this term fenced the old "
+                               "primary's timeline: run failover again (once it fences, the old primary's sidecar "
+                               "can take no term)")
                 case GreetingsRefused():
                     self._fail(actions.refused_text(a, len(self.links), self.config.quorum,
                                "the standby is not of the safekeepers' cluster"))

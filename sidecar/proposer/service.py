@@ -15,8 +15,8 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wai
 from sidecar.consensus import codec, limits, primary_check
 from sidecar.consensus.messages import GreetingReply, Message, Refusal, TimelineHistory
 from sidecar.consensus.proposer import (
-    Action, DropPeer, ElectionWon, FetchWal, GreetingsRefused, Phase, Proposer, ProposerConfig, ProposerEvent, ReportStatus,
-    Send, StartStreaming, TermLost, TermsExhausted, VerifyPrimary,
+    Action, DropPeer, ElectionWon, FetchWal, GreetingsRefused, LineageEnded, Phase, Proposer, ProposerConfig,
+    ProposerEvent, ReportStatus, Send, StartStreaming, TermLost, TermsExhausted, VerifyPrimary,
 )
 from sidecar.linkauth import Security
 from sidecar.lsn import format_lsn, segment_start
@@ -79,6 +79,10 @@ class PrimaryMismatch(Exception):
 
 class SafekeepersRefused(PrimaryMismatch):
     """Too many safekeepers refuse this primary's greeting (another cluster, ...) for a quorum."""
+
+
+class LineageFenced(PrimaryMismatch):
+    """A failover ended this primary's timeline: it must never stream again (its commits stay unacknowledged)."""
 
 
 class ProposerStopped(PrimaryMismatch):
@@ -408,6 +412,11 @@ class ProposerService:
                     for o in self.observers:
                         o.term_lost()
                     self._term_over.set()
+                case LineageEnded():
+                    self.log.critical("a failover promoted a standby: this primary must not take commits again",
+                                      term=a.term, fence_term=a.fence.term, fenced_timeline=a.fence.timeline,
+                                      fence_lsn=format_lsn(a.fence.lsn), reason=a.reason)
+                    self._fatal(LineageFenced(a.reason))
                 case GreetingsRefused():
                     self._fatal(SafekeepersRefused(refused_text(
                         a, len(self.links), self.options.quorum,

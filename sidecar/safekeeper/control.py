@@ -16,13 +16,15 @@ from typing import Any
 
 import google_crc32c
 
-from sidecar.consensus.messages import TermEntry, TimelineEntry
+from sidecar.consensus.messages import TermEntry, TimelineEntry, TimelineFence
 from sidecar.consensus.state import AcceptorState
 from sidecar.safekeeper.storage import write_durably
 
 CONTROL_FILE = "safekeeper.control"
 CONTROL_MAGIC = b"WSKC"
-CONTROL_VERSION = 1
+CONTROL_VERSION = 2  # 2: the failover fence (AcceptorState.fence)
+# Versions this build reads: a version 1 file (the previous release's) has no fence, as if none was set.
+_READS = {1: frozenset({"fence"}), 2: frozenset()}  # version -> the fields it lacks
 _HEADER = struct.Struct("<4sIII")
 _CORRUPT_HINT = "the control file is corrupt; restore it or re-create this safekeeper from its peers"
 _HISTORY_FIELDS = {"term_history": TermEntry, "timeline_history": TimelineEntry}
@@ -53,9 +55,9 @@ def load_control(data_dir: Path) -> ControlData | None:
         raw = path.read_bytes()
     except FileNotFoundError:
         return None
-    body = _unframe(path, raw)
+    version, body = _unframe(path, raw)
     try:
-        return _decode(json.loads(body.decode("utf-8")))
+        return _decode(json.loads(body.decode("utf-8")), _READS[version])
     except (UnicodeDecodeError, json.JSONDecodeError, ValueError, TypeError) as e:
         raise ControlFileError(f"{path}: unreadable contents ({e}): {_CORRUPT_HINT}") from e
 
@@ -76,14 +78,14 @@ def save_control(data_dir: Path, data: ControlData) -> None:
     write_durably(control_path(data_dir), blob)
 
 
-def _unframe(path: Path, raw: bytes) -> bytes:
-    """Check the header and checksum; return the body."""
+def _unframe(path: Path, raw: bytes) -> tuple[int, bytes]:
+    """Check the header and checksum; return the format version and the body."""
     if len(raw) < _HEADER.size:
         raise ControlFileError(f"{path}: truncated ({len(raw)} bytes, header needs {_HEADER.size}): {_CORRUPT_HINT}")
     magic, version, length, crc = _HEADER.unpack_from(raw)
     if magic != CONTROL_MAGIC:
         raise ControlFileError(f"{path}: not a walsidecar control file (magic {magic!r}, expected {CONTROL_MAGIC!r})")
-    if version != CONTROL_VERSION:
+    if version not in _READS:
         raise ControlFileError(
             f"{path}: control file format version {version} is not supported (this build reads version "
             f"{CONTROL_VERSION}); run the walsidecar release that wrote it")
@@ -93,7 +95,7 @@ def _unframe(path: Path, raw: bytes) -> bytes:
         raise ControlFileError(f"{path}: {what}: body is {len(body)} bytes, header says {length}: {_CORRUPT_HINT}")
     if google_crc32c.value(body) != crc:
         raise ControlFileError(f"{path}: checksum mismatch: {_CORRUPT_HINT}")
-    return body
+    return version, body
 
 
 def _encode(data: ControlData) -> dict[str, Any]:
@@ -102,15 +104,17 @@ def _encode(data: ControlData) -> dict[str, Any]:
         value = getattr(data.state, f.name)
         if f.name in _HISTORY_FIELDS:
             value = [list(dataclasses.astuple(entry)) for entry in value]
+        elif f.name == "fence":
+            value = list(dataclasses.astuple(value))
         out[f.name] = value
     return out
 
 
-def _decode(obj: Any) -> ControlData:
+def _decode(obj: Any, lacks: frozenset[str] = frozenset()) -> ControlData:
     """Rebuild ControlData from the JSON body; ValueError/TypeError on any deviation."""
     if not isinstance(obj, dict):
         raise ValueError("body is not a JSON object")
-    names = ["node_id"] + [f.name for f in dataclasses.fields(AcceptorState)]
+    names = ["node_id"] + [f.name for f in dataclasses.fields(AcceptorState) if f.name not in lacks]
     missing, unknown = set(names) - obj.keys(), obj.keys() - set(names)
     if missing or unknown:
         parts = [f"{kind} fields {sorted(keys)}" for kind, keys in (("missing", missing), ("unknown", unknown)) if keys]
@@ -118,7 +122,10 @@ def _decode(obj: Any) -> ControlData:
     values = {}
     for name in names[1:]:
         entry_type = _HISTORY_FIELDS.get(name)
-        values[name] = _history(name, obj[name], entry_type) if entry_type else _uint(name, obj[name])
+        if name == "fence":
+            values[name] = _fence(obj[name])
+        else:
+            values[name] = _history(name, obj[name], entry_type) if entry_type else _uint(name, obj[name])
     return ControlData(node_id=_uint("node_id", obj["node_id"]), state=AcceptorState(**values))
 
 
@@ -131,6 +138,12 @@ def _history(name: str, value: Any, entry_type: type) -> tuple[Any, ...]:
             raise ValueError(f"{name} entry {item!r} is not a pair")
         entries.append(entry_type(_uint(name, item[0]), _uint(name, item[1])))
     return tuple(entries)
+
+
+def _fence(value: Any) -> TimelineFence:
+    if not isinstance(value, list) or len(value) != 3:
+        raise ValueError(f"fence {value!r} is not [term, timeline, lsn]")
+    return TimelineFence(*(_uint("fence", v) for v in value))
 
 
 def _uint(name: str, value: Any) -> int:

@@ -37,6 +37,10 @@ was configured with):
    changes: it follows from 5 (both would equal `committed`), and is checked as such. Bytes past a
    reader's last complete record are not a record: a new term may cut them (a torn tail the
    primary rewrote) and the reader re-requests them from its last record end, as a standby does.
+7. A failover is final: once a failover promoted a standby after its fence term ended timeline T at
+   E, no primary still on T (or on a timeline that left T below E) has a position above E reported
+   as flushed, in any term: the old primary, alive or brought back, never has another commit
+   acknowledged.
 4. Reports to the primary, per replication stream: the flush position never decreases,
    never exceeds the WAL the stream received, and never exceeds the Q-th highest position
    that safekeepers really had fsynced while in the proposer's term (positions below the
@@ -49,7 +53,8 @@ import bisect
 import itertools
 
 from sidecar.consensus import history as hist
-from sidecar.consensus.messages import ElectedReply, GreetingReply, Message, VoteReply
+from sidecar.consensus import lineage
+from sidecar.consensus.messages import ElectedReply, GreetingReply, Message, TimelineFence, VoteReply
 from sidecar.consensus.proposer import Proposer, ReportStatus
 from sidecar.consensus.quorum import majority
 from sidecar.sim.nodes import Service, SimSafekeeper
@@ -87,6 +92,7 @@ class Checker:
         # checked): compared once acknowledged WAL covers them, so invariant 6 stands on its own.
         self.read_ahead: list[tuple[str, int, bytes]] = []
         self._seen: tuple[object, ...] = ()
+        self.fences: list[tuple[TimelineFence, str]] = []  # failovers that promoted: (the fence, the new primary)
         self._pair_versions: dict[tuple[int, int], tuple[int, int]] = {}
 
     @property
@@ -161,6 +167,18 @@ class Checker:
         if st.flush_lsn > stream.pos:
             self._fail("4 no acknowledgement beyond the WAL received",
                        f"{svc.label} reported flush {pos(st.flush_lsn)}, received only {pos(stream.pos)}")
+        self._flushed_by_quorum(svc, core, st)
+        for fence, promoted in self.fences:
+            pg = svc.primary
+            if st.flush_lsn > fence.lsn and lineage.fenced_out(fence, pg.timeline, pg.history) is not None:
+                self._fail("7 a failover is final",
+                           f"{svc.label} (term {core.term}) reported flush {pos(st.flush_lsn)} to {pg.name} "
+                           f"(timeline {pg.timeline}) after the failover of term {fence.term} ended timeline "
+                           f"{fence.timeline} at {pos(fence.lsn)} and promoted {promoted}")
+        if st.flush_lsn:
+            self._acknowledge(svc.primary, st.flush_lsn, svc.label)
+
+    def _flushed_by_quorum(self, svc: Service, core: Proposer, st: ReportStatus) -> None:
         per = self.in_term.get(core.term, {})
         truth = sorted((v if v >= core.term_start else 0 for v in per.values()), reverse=True)
         truth += [0] * (len(self.safekeepers) - len(truth))
@@ -172,8 +190,22 @@ class Checker:
         if st.apply_lsn > truth[-1]:
             self._fail("4 apply position was flushed by every safekeeper in the term",
                        f"{svc.label} reported apply {pos(st.apply_lsn)}; the lowest in-term flush is {pos(truth[-1])}")
-        if st.flush_lsn:
-            self._acknowledge(svc.primary, st.flush_lsn, svc.label)
+
+    def failover_committed(self, svc: Service, core: Proposer, st: ReportStatus, holder: Disk | None) -> None:
+        """A failover's term committed up to `st.flush_lsn` (at most E): that WAL is acknowledged, read from
+        `holder`, a safekeeper's disk in the term (no primary is told; readers may have it)."""
+        self._flushed_by_quorum(svc, core, st)
+        if holder is None or holder.start is None or holder.start > self.committed_end:
+            return
+        _, ends = holder.chain()
+        k = bisect.bisect_right(ends, min(st.flush_lsn, holder.durable))
+        if k and ends[k - 1] > self.committed_end:
+            self.committed += holder.read(self.committed_end, ends[k - 1])
+            self._check_read_ahead()
+
+    def failed_over(self, fence: TimelineFence, promoted: str) -> None:
+        """A failover promoted `promoted` after `fence`: its old lineage must never be acknowledged again."""
+        self.fences.append((fence, promoted))
 
     def _acknowledge(self, primary: Primary, flush: int, who: str) -> None:
         end = primary.record_end_at_or_below(flush)

@@ -107,3 +107,7 @@ class Service:
     reports: list[ReportStatus] = field(default_factory=list)
     checks: list[VerifyPrimary] = field(default_factory=list)
     fetched: list[FetchWal] = field(default_factory=list)
+    # A `walsidecar failover` (sim/failovers.py): its core runs a fence term for the standby `primary`,
+    # streams nothing, recovers voters from `donor`, and is not restarted when its term ends.
+    fence: bool = False
+    donor: str = ""

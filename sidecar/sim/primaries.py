@@ -28,12 +28,12 @@ class Primaries:
     def restore(self, at: int) -> Primary:
         """Replace the current primary by a copy of its WAL up to the record end `at`."""
         old = self.current
-        new = self._take_over(old.fork(f"pg{len(self.all) + 1}", at, old.timeline, old.history))
+        new = self.take_over(old.fork(f"pg{len(self.all) + 1}", at, old.timeline, old.history))
         old.alive = False
         self._gone(old)
         return new
 
-    def _take_over(self, new: Primary) -> Primary:
+    def take_over(self, new: Primary) -> Primary:
         """`new` (a promoted standby, a restored copy) becomes the current primary."""
         self.all.append(new)
         self.current = new
@@ -97,7 +97,7 @@ class Primaries:
         at = self._standby_point(pg)
         tli = max(p.timeline for p in self.all) + 1
         history = pg.history + (TimelineEntry(pg.timeline, at),)
-        new = self._take_over(pg.fork(f"pg{len(self.all) + 1}", at, tli, history))
+        new = self.take_over(pg.fork(f"pg{len(self.all) + 1}", at, tli, history))
         self.ctx.count("standbys promoted")
         split = self.ctx.rng.random() < 0.3
         self.ctx.event(new.name, "promoted", f"from={pg.name}", f"at={pos(at)}", f"timeline={tli}",
@@ -112,7 +112,7 @@ class Primaries:
         if not pg.alive:
             return False
         at = self._standby_point(pg)
-        new = self._take_over(pg.fork(f"pg{len(self.all) + 1}", at, pg.timeline, pg.history))
+        new = self.take_over(pg.fork(f"pg{len(self.all) + 1}", at, pg.timeline, pg.history))
         pg.alive = False
         self.ctx.count("primaries restored from a copy")
         self.ctx.event(new.name, "restored from a copy of", pg.name, f"at={pos(at)}")

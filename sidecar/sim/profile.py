@@ -22,6 +22,7 @@ class SimConfig:
     # (Acceptor.amnesic_peers); False shows what happens without that rule.
     amnesia_rule: bool = True
     disk_losses: float | None = None  # weight of losing a safekeeper's disk; None: drawn from the seed
+    failovers: float | None = None  # weight of starting `walsidecar failover`; None: drawn from the seed
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class Profile:
     rogues: float  # weight of hostile connections (term hijacks, cuts below commit, read-only writers)
     liars: float  # weight of a safekeeper reply claiming a flush it never made
     disk_losses: float  # weight of a safekeeper's state and WAL wiped, restarted with the same id
+    failovers: float  # weight of a `walsidecar failover` to a standby, the old primary often left alive
 
     @staticmethod
     def draw(rng: random.Random, cfg: SimConfig) -> Profile:
@@ -52,4 +54,5 @@ class Profile:
             rogues=rng.choice((0.0, 0.3, 1.0)),
             liars=rng.choice((0.0, 0.2, 1.0)),
             disk_losses=rng.choice((0.0, 0.1, 0.4)) if cfg.disk_losses is None else cfg.disk_losses,
+            failovers=rng.choice((0.0, 0.05, 0.3)) if cfg.failovers is None else cfg.failovers,
         )

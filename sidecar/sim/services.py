@@ -14,6 +14,7 @@ from sidecar.consensus.proposer import (
     ElectionWon,
     FetchWal,
     GreetingsRefused,
+    LineageEnded,
     Proposer,
     ProposerConfig,
     ProposerEvent,
@@ -47,7 +48,7 @@ class Services:
         self.primaries = primaries
         self.all = services
 
-    def _config(self, primary: Primary, svc: Service) -> ProposerConfig:
+    def config(self, primary: Primary, svc: Service) -> ProposerConfig:
         p = self.ctx.profile
         return ProposerConfig(
             proposer_id=svc.name, peers=tuple(sk.name for sk in self.safekeepers),
@@ -66,13 +67,19 @@ class Services:
                     if c is not None and c.prop_open and not c.lingering:
                         c.to_sk.append(a.message)
                 case ReportStatus():
-                    if svc.stream is not None and core is not None:
+                    if svc.fence and core is not None:
+                        holder = self.holder(core.term, a.flush_lsn)
+                        self.checker.failover_committed(svc, core, a, holder.disk if holder else None)
+                    elif svc.stream is not None and core is not None:
                         self.ctx.count("reports")
                         svc.reports.append(a)
                         self.checker.reported(svc, core, a)
                 case StartStreaming():
                     assert core is not None
-                    self._start_stream(svc, core, a.start_lsn)
+                    if svc.fence:  # a failover streams no WAL: its Elected went out with this action
+                        self.ctx.event(svc.label, "fences", f"E={pos(a.start_lsn)}")
+                    else:
+                        self._start_stream(svc, core, a.start_lsn)
                 case VerifyPrimary():
                     assert core is not None
                     svc.verifies.append((core, a))
@@ -86,8 +93,14 @@ class Services:
                     svc.last_term = max(svc.last_term, a.term)
                     self.ctx.event(svc.label, "term lost", a.reason)
                     lost = True
+                case ElectionWon() if svc.fence:
+                    svc.donor = a.donor
+                    self.ctx.event(svc.label, a.name, *(f"{k}={v}" for k, v in a.fields().items()))
                 case GreetingsRefused():
                     refused = True
+                case LineageEnded():
+                    self.ctx.count("primaries fenced out by a failover")
+                    self.stop(svc, "exits: a failover ended its primary's timeline")
                 case DropPeer():
                     # The service logs the protocol error and closes that link; it reconnects later.
                     self.ctx.count("links dropped by the proposer")
@@ -107,6 +120,8 @@ class Services:
         if refused and svc.alive:
             self.ctx.count("proposers stopped by refused greetings")
             self.stop(svc, "exits: safekeepers refuse its greeting")
+        elif lost and svc.fence and svc.alive:
+            self.stop(svc, "failover stops: its fence term was lost (run it again)")
         elif lost and svc.core is core:
             self.end_term(svc)
 
@@ -148,7 +163,7 @@ class Services:
             svc.primary = rng.choice(live)
         svc.attempts += 1
         svc.label = f"{svc.name}.{svc.attempts}"
-        svc.core = Proposer(self._config(svc.primary, svc), min_term=svc.last_term)
+        svc.core = Proposer(self.config(svc.primary, svc), min_term=svc.last_term)
         self.ctx.event(svc.label, "new term attempt", f"primary={svc.primary.name}", f"min_term={svc.last_term}")
         for name, c in svc.links.items():
             if c is not None:  # a link whose close the service has not noticed yet
@@ -190,6 +205,17 @@ class Services:
         for c in svc.links.values():
             if c is not None:
                 self.net.close_prop_end(c, notify=False, lose=True)
+
+    def holder(self, term: int, end: int) -> SimSafekeeper | None:
+        """A safekeeper holding WAL up to `end` written in `term`, from BOOT: where a failover reads it."""
+        for sk in self.safekeepers:
+            acc = sk.acceptor
+            if acc is None or sk.disk.start != BOOT or acc.flush_lsn < end:
+                continue
+            th = acc.state.term_history
+            if th and th[-1].term == term:
+                return sk
+        return None
 
     def send_wal(self, svc: Service, upto: int) -> None:
         st, pg, core = svc.stream, svc.primary, svc.core
@@ -251,13 +277,13 @@ class Services:
         return True
 
     def restart(self) -> bool:
-        if any(svc.alive for svc in self.all) or not self.primaries.live():
+        if any(svc.alive and not svc.fence for svc in self.all) or not self.primaries.live():
             return False
         self.start()
         return True
 
     def start_rival(self) -> bool:
-        if sum(svc.alive for svc in self.all) != 1 or not self.primaries.live():
+        if sum(svc.alive and not svc.fence for svc in self.all) != 1 or not self.primaries.live():
             return False
         self.ctx.count("rival proposers")
         self.start()
@@ -297,7 +323,7 @@ class Services:
         core, a = svc.verifies.pop(0)
         if core is not svc.core:
             return True
-        refused = check_primary(svc.primary, a)
+        refused = check_standby(svc.primary, a) if svc.fence else check_primary(svc.primary, a)
         if refused is None:
             self.ctx.event(svc.label, "primary verified", svc.primary.name, f"E={pos(a.start_lsn)}")
             self.run(svc, core.primary_verified())
@@ -342,12 +368,36 @@ class Services:
             return True
         lsn = f.pos
         f.pos = min(f.end, lsn + rng.randint(1, 800))
-        self.run(svc, core.catchup_data(name, lsn, svc.primary.read(lsn, f.pos)))
+        if svc.fence:  # a failover reads the donor's WAL in its term, from the donor's reader port
+            donor = self.by_name[svc.donor]
+            th = donor.acceptor.state.term_history if donor.acceptor is not None else ()
+            if donor.acceptor is None or not th or th[-1].term != core.term or donor.disk.start is None \
+                    or not donor.disk.start <= lsn <= f.pos <= donor.acceptor.flush_lsn:
+                self.ctx.event(svc.label, "catch-up from the donor fails", name)
+                del svc.fetches[name]
+                c = svc.links.get(name)
+                if c is not None:
+                    self.net.close_prop_end(c, notify=True)
+                return True
+            data = donor.disk.read(lsn, f.pos)
+        else:
+            data = svc.primary.read(lsn, f.pos)
+        self.run(svc, core.catchup_data(name, lsn, data))
         if f.pos >= f.end and svc.fetches.get(name) is f:
             del svc.fetches[name]
             if svc.core is core:
                 self.run(svc, core.catchup_done(name))
         return True
+
+
+def check_standby(standby: Primary, a: VerifyPrimary) -> tuple[str, str] | None:
+    """A failover's check before any vote (ops/failover.py lineage_problem): the standby follows the donor's timelines."""
+    if a.start_lsn == 0:
+        return "empty", "the safekeepers hold no WAL"
+    if primary_check.switches_below(standby.history, a.start_lsn) != \
+            primary_check.switches_below(a.timeline_history, a.start_lsn):
+        return "history", "the standby follows another primary's WAL"
+    return None
 
 
 def check_primary(primary: Primary, a: VerifyPrimary) -> tuple[str, str] | None:

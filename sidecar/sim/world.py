@@ -13,6 +13,7 @@ import bisect
 
 from sidecar.sim.checker import Checker
 from sidecar.sim.context import Context
+from sidecar.sim.failovers import Failovers
 from sidecar.sim.hostile import Hostile
 from sidecar.sim.network import Network
 from sidecar.sim.nodes import Service, SimSafekeeper
@@ -52,6 +53,7 @@ class World:
         self.svcs = Services(ctx, self.checker, self.net, self.safekeepers, self.pgs, self.services)
         self.hostile = Hostile(ctx, self.net, self.sks, self.services)
         self.readers = Readers(ctx, self.checker, self.safekeepers)
+        self.failovers = Failovers(ctx, self.checker, self.safekeepers, self.pgs, self.svcs)
         self._handlers, self._weights = self._schedule()
         if not scripted:
             self.svcs.start()
@@ -70,6 +72,7 @@ class World:
     def _schedule(self) -> tuple[list, list[float]]:
         c, p = self.profile.chaos, self.profile
         sks, svcs, pgs, net, hostile, readers = self.sks, self.svcs, self.pgs, self.net, self.hostile, self.readers
+        fails = self.failovers
         table = [
             (30, sks.deliver), (30, svcs.deliver), (8, sks.fsync),
             (10, pgs.write), (8, pgs.flush), (14, svcs.stream_piece),
@@ -83,6 +86,7 @@ class World:
             (p.rogues * c, hostile.rogue), (p.liars * c, hostile.lie),
             (2, readers.connect), (8, readers.read),
             (p.disk_losses * c, sks.lose_disk), (3, sks.learn_terms),
+            (p.failovers * c, fails.start), (3, fails.promote),
         ]
         weights, total = [], 0.0
         for w, _ in table:

@@ -678,4 +678,4 @@ def test_protocol_version_1_peers_are_told_apart() -> None:
     rejected_everywhere(frame_of("I", v1_info), "protocol version 1 .*upgrade it")
     v1_greeting = struct.pack(">IQIIIH", 1, 1, 1, 1 << 24, 15, 1) + b"p"
     msg = decode(ord("g"), v1_greeting)
-    assert isinstance(msg, Greeting) and msg.protocol_version == 1 and PROTOCOL_VERSION == 2
+    assert isinstance(msg, Greeting) and msg.protocol_version == 1 and PROTOCOL_VERSION == 3

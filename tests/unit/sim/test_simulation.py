@@ -309,3 +309,16 @@ def test_a_lost_disk_votes_twice_without_the_amnesia_rule() -> None:
 def test_lost_disks_with_the_amnesia_rule_are_safe() -> None:
     out = first_violation(range(150), SimConfig(disk_losses=1.0))
     assert out is None, report_failure(out, SimConfig())
+
+
+def test_a_failover_that_does_not_end_the_old_timeline_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the fence rule (consensus/lineage.py), the old primary's sidecar, still alive after a failover
+    promoted a standby, wins a later term and has commits acknowledged: invariant 7 finds it."""
+    from types import SimpleNamespace
+
+    from sidecar.consensus import lineage
+
+    no_fence = SimpleNamespace(latest=lineage.latest, fenced_out=lambda fence, timeline, history: None)
+    monkeypatch.setattr(acceptor_mod, "lineage", no_fence)
+    monkeypatch.setattr(proposer_mod, "lineage", no_fence)
+    assert _found(300, SimConfig(failovers=0.3)).invariant.startswith("7 ")
