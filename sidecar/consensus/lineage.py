@@ -33,7 +33,7 @@ def fenced_out(fence: TimelineFence, timeline: int, history: TimelineHistory) ->
         return None
     where = "is still on it" if timeline == fence.timeline else \
         f"is on timeline {timeline}, which does not descend from the standby promoted there"
-    return (f"a failover in term {fence.term} ended timeline {fence.timeline} at {format_lsn(fence.lsn)} and "
-            f"promoted a standby; this primary {where}: it must not take commits again. Rejoin it as a standby "
+    return (f"a failover in term {fence.term} ended timeline {fence.timeline} at {format_lsn(fence.lsn)} to "
+            f"promote a standby; this primary {where}: it must not take commits again. Rejoin it as a standby "
             "of the new primary (pg_rewind), or, if that failover never promoted, undo it with "
             "`walsidecar failover --undo`")

@@ -413,7 +413,7 @@ class ProposerService:
                         o.term_lost()
                     self._term_over.set()
                 case LineageEnded():
-                    self.log.critical("a failover promoted a standby: this primary must not take commits again",
+                    self.log.critical("a failover ended this primary's timeline: it must not take commits again",
                                       term=a.term, fence_term=a.fence.term, fenced_timeline=a.fence.timeline,
                                       fence_lsn=format_lsn(a.fence.lsn), reason=a.reason)
                     self._fatal(LineageFenced(a.reason))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 from pathlib import Path
 
 import psycopg
@@ -34,6 +35,13 @@ def failover(d: Deployment, standby: Standby, *extra: str) -> tuple[int, str]:
                       timeout=180)
     print(proc.stdout, proc.stderr)
     return proc.returncode, proc.stdout
+
+
+def undo(d: Deployment) -> subprocess.CompletedProcess[str]:
+    proc = walsidecar("failover", "--undo", "--safekeepers", ",".join(d.addresses), "--reader-passfile",
+                      str(d.reader_passfile), "--timeout", "30", *d.tls("proposer"), timeout=120)
+    print(proc.stdout, proc.stderr)
+    return proc
 
 
 def rows(dsn: str, ids: list[int]) -> int:
@@ -133,5 +141,50 @@ def test_failover_promotes_the_standby_with_every_acknowledged_commit(deployment
         assert "primary lineage" in check.stdout and "pg_rewind" in check.stdout, check.stdout
         d.pg.stop("immediate")
         thread.join(timeout=30)
+    finally:
+        standby.close()
+
+
+def test_a_fenced_old_primary_gets_nothing_acknowledged_until_failover_undo(deployment: Deployment,
+                                                                           test_dir: Path) -> None:
+    """The fence ends the old primary's timeline for good, even if failover stops before promoting and the old
+    primary and its sidecar never went down: its sidecar exits, its commits wait; `failover --undo` gives the
+    timeline back. (Before the fence was durable, the old sidecar won the next term and went on acknowledging.)"""
+    d = deployment
+    standby = add_standby(d, test_dir)
+    try:
+        writer = Writer(d.pg.dsn())
+        writer.start()
+        wait_for(lambda: len(writer.acked) >= 100, timeout=60, what="acknowledged writes")
+        acked = writer.stop()
+        # A standby cut off from the safekeepers: failover fences, then stops before promoting it.
+        standby.server.set({"primary_conninfo": f"host=127.0.0.1 port={free_port()} connect_timeout=2",
+                            "restore_command": ""})
+        standby.server.reload()
+        code, out = failover(d, standby, "--catchup-timeout", "2")
+        assert code == 1 and "not promoting" in out, out
+        assert "ends at E for good" in out, out
+        old_sidecar = d.members["proposer"]
+        wait_for(lambda: not old_sidecar.running, timeout=60, what="the old primary's sidecar to stop")
+        log = old_sidecar.log_path.read_text()
+        assert "a failover ended this primary's timeline: it must not take commits again" in log, log[-3000:]
+        assert "Traceback" not in log
+        # Its commits wait: nothing is acknowledged on a fenced timeline.
+        thread, result = start_commit(d.pg.dsn(), "INSERT INTO load VALUES (-5, 'while fenced')")
+        wait_for(lambda: syncrep_waiters(d) >= 1, timeout=30, what="a commit on the fenced primary to wait")
+        d.start("proposer")
+        wait_for(lambda: not d.members["proposer"].running, timeout=60,
+                 what="a restarted sidecar on the fenced primary to stop again")
+        assert not result
+
+        proc = undo(d)
+        assert proc.returncode == 0 and "undone in term" in proc.stdout, proc.stdout
+        d.start("proposer")
+        thread.join(timeout=60)
+        assert result.get("done"), result
+        assert rows(d.pg.dsn(), acked) == len(acked)
+        # A second undo has nothing to lift, and says so.
+        proc = undo(d)
+        assert proc.returncode == 1 and "nothing to undo" in proc.stdout, proc.stdout
     finally:
         standby.close()
