@@ -127,7 +127,7 @@ class Acceptor:
         return InfoReply(self.node_id, s.system_id, s.wal_seg_size, s.pg_version, s.timeline, s.term, last_log_term,
                          self.flush_lsn, s.commit_lsn, proposer_connected=self.owner is not None,
                          reader_port=self.reader_port, backup_lsn=s.backup_lsn,
-                         archive_mismatch=self.archive_mismatch)
+                         archive_mismatch=self.archive_mismatch, fence=s.fence)
 
     @property
     def amnesic(self) -> bool:

@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 from sidecar.consensus import limits
 from sidecar.consensus.limits import MAX_LSN, MAX_TERM
 from sidecar.consensus.messages import (
+    NO_FENCE,
     PROTOCOL_VERSION,
     Append,
     AppendReply,
@@ -228,6 +229,7 @@ def _check_info_reply(m: InfoReply) -> None:
     for slot in m.slots:
         limits.check_lsn(slot.wal_bytes, "slot WAL held")
     limits.check_object_name(m.archive_mismatch)
+    limits.check_fence(m.fence, limits.MAX_TERM)
 
 
 def _check_auth_challenge(m: AuthChallenge) -> None:
@@ -375,10 +377,10 @@ def _encode_info_reply(m: InfoReply) -> bytes:
     body = _INFO_REPLY.pack(m.node_id, m.system_id, m.wal_seg_size, m.pg_version, m.timeline, m.term,
                             m.last_log_term, m.flush_lsn, m.commit_lsn, 1 if m.proposer_connected else 0,
                             m.reader_port, m.backup_lsn)
-    if m.slot_wal_limit or m.slots or m.archive_mismatch:  # without them, the body an older safekeeper sends
+    if m.slot_wal_limit or m.slots or m.archive_mismatch or m.fence != NO_FENCE:  # without them, the shortest body
         body += _INFO_SLOTS.pack(m.slot_wal_limit, len(m.slots)) + b"".join(
             _INFO_SLOT.pack(h.wal_bytes, 1 if h.invalidated else 0) + _blob(_utf8(h.name, "slot name"))
-            for h in m.slots) + _blob(_utf8(m.archive_mismatch, "archive mismatch"))
+            for h in m.slots) + _fence_bytes(m.fence) + _blob(_utf8(m.archive_mismatch, "archive mismatch"))
     return _framed(TAG_INFO_REPLY, body)
 
 
@@ -620,7 +622,7 @@ def _decode_info_reply(body: Body) -> InfoReply:
                             "upgrade it to this release")
     _need_at_least(body, _INFO_REPLY.size, "InfoReply")
     *fields, connected, reader_port, backup = _INFO_REPLY.unpack_from(body)
-    limit, slots, mismatch = 0, [], ""
+    limit, slots, mismatch, fence = 0, [], "", NO_FENCE
     if len(body) > _INFO_REPLY.size:
         _need_at_least(body, _INFO_REPLY.size + _INFO_SLOTS.size, "InfoReply")
         limit, count = _INFO_SLOTS.unpack_from(body, _INFO_REPLY.size)
@@ -639,16 +641,17 @@ def _decode_info_reply(body: Body) -> InfoReply:
                 raise ProtocolError(f"InfoReply: slot name is not UTF-8 ({e})") from None
             slots.append(SlotHold(name, held, _bool(invalidated, "invalidated", "InfoReply")))
             at += length
+        fence, at = _fence(body, at, "InfoReply")
         _need_at_least(body, at + _U16.size, "InfoReply")
         (length,) = _U16.unpack_from(body, at)
         mismatch = _text(body, at + _U16.size, length, "archive mismatch", "InfoReply")
-        if not (limit or slots or mismatch):
+        if not (limit or slots or mismatch or fence != NO_FENCE):
             raise ProtocolError("InfoReply: an empty report is sent as none")  # one encoding per message
     else:
         _need_exact(body, _INFO_REPLY.size, "InfoReply")
     m = InfoReply(*fields, proposer_connected=_bool(connected, "proposer_connected", "InfoReply"),
                   reader_port=reader_port, backup_lsn=backup, slot_wal_limit=limit, slots=tuple(slots),
-                  archive_mismatch=mismatch)
+                  archive_mismatch=mismatch, fence=fence)
     _check_info_reply(m)
     return m
 
@@ -674,6 +677,8 @@ def _decode_auth_challenge(body: Body) -> AuthChallenge:
         m = AuthChallenge(bytes(body))
     else:
         (cert,) = _blobs(body, limits.AUTH_NONCE, 1, "AuthChallenge")
+        if not cert:
+            raise ProtocolError("AuthChallenge: no certificate is sent as none")  # one encoding per message
         m = AuthChallenge(bytes(body[:limits.AUTH_NONCE]), cert)
     _check_auth_challenge(m)
     return m

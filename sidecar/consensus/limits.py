@@ -100,6 +100,8 @@ def check_fence(fence: TimelineFence, term: int) -> TimelineFence:
     check_lsn(fence.lsn, "fence LSN")
     if not fence.timeline and fence.lsn:
         raise LimitError("a fence that ends no timeline has no LSN")
+    if not fence.term and fence.timeline:
+        raise LimitError("a fence that ends a timeline was set in a term")
     return fence
 
 

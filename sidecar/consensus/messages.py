@@ -170,6 +170,7 @@ class InfoReply:
     slot_wal_limit: int = 0
     slots: tuple[SlotHold, ...] = ()
     archive_mismatch: str = ""  # an archived object that is not this safekeeper's WAL of its segment ("": none)
+    fence: TimelineFence = NO_FENCE  # the failover fence it holds (consensus/lineage.py)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import psycopg
 
 from sidecar.broker import STALE_AFTER, Broker, BrokerError, read_clusters
 from sidecar.config import CheckSettings
+from sidecar.consensus import lineage
 from sidecar.consensus.messages import InfoReply
 from sidecar.lsn import format_lsn, parse_lsn
 from sidecar.ops.probe import ProbeError, connect, fetch_status, probe_safekeeper, redact_dsn
@@ -407,7 +408,14 @@ class Checker:
                   "pg_rewind --target-pgdata=PGDATA --source-server='NEW_PRIMARY_DSN', then touch "
                   "PGDATA/standby.signal, set primary_conninfo to a safekeeper's reader port (or restore_command = "
                   "'walsidecar restore-wal %f %p --config F') and start it")
-        if theirs > timeline:
+        fence = lineage.latest(*(r.fence for r in replies))
+        if fence.timeline == timeline:
+            self.add(_fail("primary lineage", f"the failover of term {fence.term} ended this server's timeline "
+                                              f"{timeline} at {format_lsn(fence.lsn)} to promote a standby: this is "
+                                              "the old primary; its sidecar is refused and its commits wait",
+                           rejoin + "; or, if that failover never promoted, undo it: "
+                           + self.command("failover", "--undo", "--safekeepers", ",".join(self.s.safekeepers))))
+        elif theirs > timeline:
             self.add(_fail("primary lineage", f"this server is on timeline {timeline}, the safekeepers' WAL on "
                                               f"timeline {theirs}: a standby was promoted (walsidecar failover) and "
                                               "this is the old primary; its sidecar is refused", rejoin))

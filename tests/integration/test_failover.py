@@ -169,6 +169,9 @@ def test_a_fenced_old_primary_gets_nothing_acknowledged_until_failover_undo(depl
         log = old_sidecar.log_path.read_text()
         assert "a failover ended this primary's timeline: it must not take commits again" in log, log[-3000:]
         assert "Traceback" not in log
+        # `check` on it names the failover that ended its timeline, and the undo.
+        check = walsidecar("check", "--pg-dsn", d.pg.dsn(), "--safekeepers", ",".join(d.addresses), *d.tls("client"))
+        assert "ended this server's timeline 1" in check.stdout and "failover --undo" in check.stdout, check.stdout
         # Its commits wait: nothing is acknowledged on a fenced timeline.
         thread, result = start_commit(d.pg.dsn(), "INSERT INTO load VALUES (-5, 'while fenced')")
         wait_for(lambda: syncrep_waiters(d) >= 1, timeout=30, what="a commit on the fenced primary to wait")
