@@ -9,7 +9,10 @@ primary, or a partition (one or two safekeepers' links taken down, then brought 
 waits for commits to flow again. A failover round kills the primary with kill -9, runs `walsidecar
 failover` on the standby (which streams from safekeeper1's reader port), starts the sidecar on the new
 primary and a new standby from a base backup of it, and times the primary's death to the next
-acknowledged commit. With partitions, each safekeeper runs as a separate host in a
+acknowledged commit. An archive-corruption round (the safekeepers then archive to a file:// directory)
+plants a same-size object of wrong bytes under the name of the segment the primary is writing, before
+it can be uploaded, and flips a byte in a segment already archived; each must be named (`check`,
+`verify-archive`), and no safekeeper may remove a segment whose archived object is not its WAL. With partitions, each safekeeper runs as a separate host in a
 network namespace of its own (tests/support/netns.py), reached over a veth link that is really cut.
 At the end every acknowledged key must be in the table and every safekeeper's WAL must equal the
 primary's byte for byte.
@@ -48,15 +51,17 @@ from tenacity import Retrying, retry_if_exception_type, wait_exponential  # noqa
 from sidecar.deployment import DeploymentError, LocalDeployment, MemberExited, Standby, free_port  # noqa: E402
 from sidecar.pgcluster import LocalCluster  # noqa: E402
 from sidecar.processes import sidecar_argv  # noqa: E402
-from sidecar.lsn import DEFAULT_SEGMENT_SIZE, format_lsn, parse_lsn, segment_file_name  # noqa: E402
+from sidecar.lsn import DEFAULT_SEGMENT_SIZE, format_lsn, parse_lsn, parse_segment_file_name, segment_file_name  # noqa: E402
 from sidecar.safekeeper.control import load_control  # noqa: E402
+from sidecar.wal.format import WalFormatError  # noqa: E402
+from sidecar.wal.verify import check_segment_wal  # noqa: E402
 
 APP = "walsidecar"
 SAFEKEEPERS = 3
 KEY_STRIDE = 10**12  # writer w inserts keys (w + 1) * KEY_STRIDE + 1, + 2, ...
 PROGRESS_WRITES = 50  # acknowledged writes that prove commits flow
 ACTIONS = ("safekeeper", "sidecar", "primary")  # the default kinds of round
-KINDS = (*ACTIONS, "partition", "failover")
+KINDS = (*ACTIONS, "partition", "failover", "archive-corruption")
 PARTITION_HOLD = (1.0, 4.0)  # seconds two safekeepers stay cut off, while no commit may be acknowledged
 T = TypeVar("T")
 
@@ -79,6 +84,9 @@ class Summary:
     primary_crashes: int = 0
     partitions: int = 0
     failovers: int = 0
+    archive_plants: int = 0  # same-size objects of wrong bytes put under a segment's name before its upload
+    archive_flips: int = 0  # bytes flipped in objects already archived
+    unverified_removals: int = 0  # segments removed from a safekeeper while the archive lacks their WAL
     failover_seconds: list[float] = field(default_factory=list)  # primary's death to the next acknowledged commit
     acknowledged: int = 0
     lost: int = 0
@@ -91,16 +99,24 @@ class Summary:
     data_dir: str = ""
     lost_keys: list[int] = field(default_factory=list)
     mismatches: list[str] = field(default_factory=list)
+    unverified: list[str] = field(default_factory=list)
 
     def line(self) -> str:
         """The one-line summary printed last."""
         return (f"summary: rounds={self.rounds} safekeeper_kills={self.safekeeper_kills} "
                 f"sidecar_kills={self.sidecar_kills} primary_crashes={self.primary_crashes} "
                 f"partitions={self.partitions} failovers={self.failovers}{self._failover_times()} "
+                f"{self._archive_counts()}"
                 f"acknowledged={self.acknowledged} lost={self.lost} wal_mismatches={self.wal_mismatches} "
                 f"unknown={self.unknown} unsafe_acks={self.unsafe_acks} seconds={self.seconds:.1f} "
                 f"seed={self.seed} kinds={self.kinds} result={self.result}")
 
+
+    def _archive_counts(self) -> str:
+        if "archive-corruption" not in self.kinds.split(","):
+            return ""
+        return f"archive_plants={self.archive_plants} archive_flips={self.archive_flips} " \
+               f"unverified_removals={self.unverified_removals} "
 
     def _failover_times(self) -> str:
         if not self.failover_seconds:
@@ -140,6 +156,17 @@ def read_wal(directory: Path, start: int, end: int, seg_size: int = DEFAULT_SEGM
         pos += len(chunk)
 
 
+def first_held(directory: Path, seg_size: int = DEFAULT_SEGMENT_SIZE) -> int:
+    """Start of the lowest timeline-1 segment in a safekeeper's WAL directory (0 when it holds none)."""
+    segnos = []
+    for path in directory.glob("00000001*"):
+        try:
+            segnos.append(parse_segment_file_name(path.name, seg_size)[1])
+        except ValueError:
+            continue
+    return min(segnos) * seg_size if segnos else 0
+
+
 def first_difference(ours: Path, theirs: Path, start: int, end: int) -> int | None:
     """First LSN in [start, end) where the two WAL directories differ (or one ends), or None."""
     pos = start
@@ -162,11 +189,16 @@ class Deployment(LocalDeployment):
     """
 
     def __init__(self, base: Path, hosts: netns.Hosts | None = None, standby: bool = False,
-                 link_security: str = "tls") -> None:
+                 link_security: str = "tls", archive: bool = False) -> None:
         taken: set[int] = set()
         places = {f"safekeeper{h.index}": h for h in hosts} if hosts is not None else None
+        # With an archive the safekeepers remove WAL below backup_lsn: what archive-corruption rounds test.
+        # A short takeover: a killed safekeeper 1 (the uploader by rank) leaves no long gap in a mixed run.
+        self.archive_dir = base / "archive" if archive else None
+        extra = {f"safekeeper{i}": ["--archive", f"file://{self.archive_dir}", "--archive-takeover", "5"]
+                 for i in range(1, SAFEKEEPERS + 1)} if archive else None
         super().__init__(base, safekeepers=SAFEKEEPERS, places=places, pick_port=lambda: pick_port(taken),
-                         link_security=link_security)
+                         link_security=link_security, extra=extra)
         self.hosts = hosts
         if standby:  # for failover rounds: a standby streaming from safekeeper1's reader port
             self.add(Standby(self, LocalCluster(base / "standby", pick_port(taken), log_file=base / "standby.log")))
@@ -227,7 +259,8 @@ class Deployment(LocalDeployment):
             if control is None or not control.state.term_history:
                 bad.append(f"safekeeper {i} has no term history")
                 continue
-            start = control.state.term_history[0].start_lsn
+            # What the safekeeper removed (below its backup_lsn) is compared in the archive instead.
+            start = max(control.state.term_history[0].start_lsn, first_held(self.sk_dir(i) / "wal"))
             diff = first_difference(self.sk_dir(i) / "wal", self.pg.pg_wal_dir, start, end)
             if diff is not None:
                 bad.append(f"safekeeper {i} differs from the primary at {format_lsn(diff)} "
@@ -339,6 +372,7 @@ class Chaos:
         self.rng = random.Random(summary.seed)
         self.round_timeout = round_timeout
         self.writers = [Writer(i, deployment.dsn()) for i in range(writers)]
+        self.flipped: dict[str, int] = {}  # archived objects with a flipped bit: name -> offset
 
     def acked(self) -> int:
         return sum(len(w.acked) for w in self.writers)
@@ -421,6 +455,8 @@ class Chaos:
             what = self.partition(n)
         elif action == "failover":
             what = self.failover(n)
+        elif action == "archive-corruption":
+            what = self.archive_corruption(n)
         else:
             what = "immediate stop of the primary"
             d.kill("primary")
@@ -523,6 +559,174 @@ class Chaos:
         return f"kill -9 of the primary and failover to the standby ({s.failover_seconds[-1]:.2f}s to the next " \
                "acknowledged commit)"
 
+    # ---- archive corruption
+
+    def archive_corruption(self, n: int) -> str:
+        """A planted object before its segment's upload, then a byte flipped in an archived one; returns what was done."""
+        planted = self.plant_before_upload(n)
+        flipped = self.flip_archived(n)
+        return f"planted a wrong {planted} before its upload" + (f", flipped a byte in the archived {flipped}"
+                                                                   if flipped else "")
+
+    def walsidecar(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(sidecar_argv(*args), capture_output=True, text=True, timeout=self.round_timeout,
+                              stdin=subprocess.DEVNULL)
+
+    def archive_wal(self) -> Path:
+        """Where the safekeepers put segments: <archive>/<cluster>/<system id>/wal, the cluster named by the id."""
+        assert self.d.archive_dir is not None, "archive-corruption rounds need the deployment's archive"
+        control = load_control(self.d.sk_dir(1))
+        if control is None or not control.state.system_id:
+            raise ChaosFailure("safekeeper 1 has no system id yet")
+        sysid = str(control.state.system_id)
+        return self.d.archive_dir / sysid / sysid / "wal"
+
+    def backup_lsns(self) -> list[int]:
+        return [c.state.backup_lsn if (c := load_control(self.d.sk_dir(i))) is not None else 0
+                for i in range(1, SAFEKEEPERS + 1)]
+
+    def archive_failures(self, name: str) -> list[str]:
+        """`walsidecar check`'s FAILED archive lines naming `name`."""
+        d = self.d
+        out = self.walsidecar("check", "--pg-dsn", d.dsn(), "--safekeepers", ",".join(d.addresses),
+                              *d.link_args("check", "client"))
+        return [line for line in out.stdout.splitlines() if "FAILED" in line and "archive" in line and name in line]
+
+    def plant_before_upload(self, n: int) -> str:
+        """Put random bytes of a segment's size under the name of the segment the primary writes now; once it is
+        committed whole, every safekeeper must find the object is not its WAL, say so, and keep the segment.
+        Then the operator's repair (the object moved aside) must let the checked segment go up in its place."""
+        d, s, seg = self.d, self.summary, DEFAULT_SEGMENT_SIZE
+        wal = self.archive_wal()
+        wal.mkdir(parents=True, exist_ok=True)
+        tmp = wal / ".chaos-planted"
+        tmp.write_bytes(self.rng.randbytes(seg))
+        for _ in range(10):
+            # + 1: at a segment's very end (just after a switch) pg_walfile_name names the finished one.
+            name = self.wait(lambda: (r := d.query("SELECT pg_walfile_name(pg_current_wal_insert_lsn() + 1)"))
+                             and r[0][0], self.round_timeout, "the primary to answer")
+            target = wal / name
+            try:
+                os.link(tmp, target)  # whole at once, and never over an object already there
+                break
+            except FileExistsError:  # the segment was finished and uploaded meanwhile: take the next one
+                continue
+        else:
+            raise ChaosFailure("the segment the primary writes was archived each time before it could be planted")
+        tmp.unlink()
+        segno = parse_segment_file_name(name, seg)[1]
+        s.archive_plants += 1
+        for i in range(1, SAFEKEEPERS + 1):
+            d.mark(f"safekeeper{i}", f"round {n}: planted a wrong {name} in the archive")
+        # Commits go on after the switch, so the commit position passes the planted segment's end.
+        self.wait(lambda: d.query("SELECT pg_switch_wal()") is not None, self.round_timeout, "pg_switch_wal()")
+        failed = self.wait(lambda: len(lines := self.archive_failures(name)) == SAFEKEEPERS and lines,
+                           self.round_timeout, f"walsidecar check to name the planted {name} for every safekeeper")
+        gaps = self.walsidecar("verify-archive", str(wal), "--gaps-only", "--safekeepers", ",".join(d.addresses),
+                               *d.link_args("verify-archive", "client"))
+        if gaps.returncode != 1 or name not in gaps.stdout:
+            raise ChaosFailure(f"verify-archive --safekeepers did not name the planted {name} (exit "
+                               f"{gaps.returncode}): {gaps.stdout[-2000:]}{gaps.stderr[-2000:]}")
+        # What a safekeeper must not do: count the planted object as its segment and remove its own copy.
+        for i, backup in enumerate(self.backup_lsns(), 1):
+            if backup > segno * seg or not (d.sk_dir(i) / "wal" / name).exists():
+                s.unverified.append(f"safekeeper {i}: backup_lsn {format_lsn(backup)} with the planted {name} in the "
+                                    "archive" + ("" if (d.sk_dir(i) / "wal" / name).exists() else ", segment removed"))
+                s.unverified_removals = len(s.unverified)
+                raise ChaosFailure(f"round {n}: {s.unverified[-1]}; check said: {failed[0]}")
+        aside = d.base / "set-aside"
+        aside.mkdir(exist_ok=True)
+        os.rename(target, aside / f"{name}.round-{n}")  # the repair docs/operations.md gives
+        end = (segno + 1) * seg
+        self.wait(lambda: min(self.backup_lsns()) >= end, self.round_timeout,
+                  f"every safekeeper to archive past {name} ({format_lsn(end)}) once the planted object is set aside")
+        if target.read_bytes() != (d.pg.pg_wal_dir / name).read_bytes():
+            raise ChaosFailure(f"the archived {name} differs from the primary's after the repair")
+        return name
+
+    def flip_archived(self, n: int) -> str | None:
+        """Flip one bit of a segment every safekeeper counts as archived (checked first against the primary's copy),
+        where the WAL checks can see it. The flipped objects stay until the end of the run (verify_flips)."""
+        d, s, seg = self.d, self.summary, DEFAULT_SEGMENT_SIZE
+        backup = min(self.backup_lsns())
+        if backup < 2 * seg:
+            return None
+        wal = self.archive_wal()
+        archived = sorted(p.name for p in wal.glob("00000001" + "[0-9A-F]" * 16)
+                          if parse_segment_file_name(p.name, seg)[1] < backup // seg and p.name not in self.flipped)
+        if not archived:
+            return None
+        name = self.rng.choice(archived)
+        segno = parse_segment_file_name(name, seg)[1]
+        target = wal / name
+        good = (d.pg.pg_wal_dir / name).read_bytes()
+        data = target.read_bytes()
+        if data != good:
+            s.unverified.append(f"{name} below every safekeeper's backup_lsn {format_lsn(backup)} is not the "
+                                "primary's WAL")
+            s.unverified_removals = len(s.unverified)
+            raise ChaosFailure(f"round {n}: {s.unverified[-1]}")
+        # A flip in the zeros after a WAL switch or in alignment padding changes no record: PostgreSQL would
+        # replay such an object as well. Pick a byte the WAL checks (restore-wal's, verify-archive's) cover.
+        end = len(data.rstrip(b"\0"))
+        for _ in range(1000):
+            offset, bit = self.rng.randrange(end), 1 << self.rng.randrange(8)
+            bad = bytearray(data)
+            bad[offset] ^= bit
+            try:
+                check_segment_wal(bytes(bad), segno * seg, seg, system_id=None, timeline=1)
+            except WalFormatError:
+                break
+        else:
+            raise ChaosFailure(f"no flipped byte of {name} fails the WAL checks")
+        with target.open("r+b") as f:
+            f.seek(offset)
+            f.write(bytes([bad[offset]]))
+            f.flush()
+            os.fsync(f.fileno())
+        s.archive_flips += 1
+        self.flipped[name] = offset
+        d.mark("safekeeper1", f"round {n}: flipped bit {bit:#x} at offset {offset} of the archived {name}")
+        return name
+
+    def verify_flips(self) -> None:
+        """verify-archive must name every flipped object; then the operator puts the primary's copies back, so
+        that the final check finds the archive whole. (Once, at the end: it runs Spark, which takes a while.)"""
+        d, wal = self.d, self.archive_wal()
+        out = self.walsidecar("verify-archive", str(wal), "--no-progress", "--master", "local[1]")
+        missed = [f"{name} (offset {offset})" for name, offset in self.flipped.items() if name not in out.stdout]
+        if out.returncode != 1 or missed:
+            raise ChaosFailure(f"verify-archive exited {out.returncode} and did not name the flipped "
+                               f"{', '.join(missed)}: {out.stdout[-3000:]}{out.stderr[-2000:]}")
+        print(f"verify-archive named the {len(self.flipped)} flipped object(s): "
+              + "; ".join(line.strip() for line in out.stdout.splitlines() if "FAILED" in line or "also" in line),
+              flush=True)
+        for name in self.flipped:
+            tmp = wal / f".chaos-{name}"
+            tmp.write_bytes((d.pg.pg_wal_dir / name).read_bytes())
+            os.replace(tmp, wal / name)
+
+    def removed_without_copy(self, end: int) -> list[str]:
+        """Segments below `end` some safekeeper removed while the archive lacks them or holds other bytes than
+        the primary's (which keeps every segment of the run: the chaos_keep slot)."""
+        d, seg = self.d, DEFAULT_SEGMENT_SIZE
+        wal = self.archive_wal()
+        bad = []
+        for i in range(1, SAFEKEEPERS + 1):
+            control = load_control(d.sk_dir(i))
+            if control is None or not control.state.term_history:
+                continue
+            for segno in range(control.state.term_history[0].start_lsn // seg, end // seg):
+                name = segment_file_name(1, segno, seg)
+                if (d.sk_dir(i) / "wal" / name).exists():
+                    continue
+                obj = wal / name
+                if not obj.exists():
+                    bad.append(f"safekeeper {i} removed {name}, which the archive lacks")
+                elif obj.read_bytes() != (d.pg.pg_wal_dir / name).read_bytes():
+                    bad.append(f"safekeeper {i} removed {name}, whose archived object is not the primary's WAL")
+        return bad
+
     @staticmethod
     def standby_replays(standby: Standby) -> bool:
         try:
@@ -555,6 +759,13 @@ class Chaos:
         lost = sorted(acked - present)
         s.lost, s.lost_keys = len(lost), lost[:20]
         s.mismatches += d.wal_mismatches(end) if not s.failovers else []
+        if d.archive_dir is not None and not s.failovers:
+            if self.flipped:
+                self.verify_flips()
+            s.unverified += self.removed_without_copy(end)
+            s.unverified_removals = len(s.unverified)
+            for u in s.unverified:
+                print(f"REMOVED WITHOUT A VERIFIED COPY: {u}", file=sys.stderr)
         s.wal_mismatches = len(s.mismatches)
         if not s.mismatches:
             print(f"every safekeeper's WAL equals the primary's up to the commit LSN {format_lsn(end)}; "
@@ -632,10 +843,12 @@ def main(rounds: int, seed: int | None, base_dir: Path | None, writers: int, rou
             hosts = netns.Hosts(SAFEKEEPERS)
             print("chaos: safekeepers run in network namespaces at "
                   + ", ".join(f"{h.namespace} ({h.address})" for h in hosts), flush=True)
-        d = Deployment(base, hosts, standby="failover" in chosen, link_security=link_security)
+        d = Deployment(base, hosts, standby="failover" in chosen, link_security=link_security,
+                       archive="archive-corruption" in chosen)
         chaos = Chaos(d, summary, rounds, writers, round_timeout, chosen)
         chaos.run()
-        ok = summary.lost == 0 and summary.wal_mismatches == 0 and summary.unsafe_acks == 0
+        ok = summary.lost == 0 and summary.wal_mismatches == 0 and summary.unsafe_acks == 0 \
+            and summary.unverified_removals == 0
         summary.result = "ok" if ok else "fail"
         code = 0 if ok else 1
     except ChaosFailure as e:

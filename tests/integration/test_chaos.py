@@ -22,10 +22,10 @@ CHAOS = Path(__file__).resolve().parents[2] / "scripts" / "chaos.py"
 needs_netns = pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))
 
 
-def run_chaos(base: Path, *args: str) -> dict[str, str]:
+def run_chaos(base: Path, *args: str, timeout: float = 240) -> dict[str, str]:
     """Run 6 rounds of chaos.py; the fields of its summary line, after checking it passed."""
     out = subprocess.run([sys.executable, str(CHAOS), "--rounds", "6", "--dir", str(base), *args],
-                         check=False, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+                         check=False, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     report = f"stdout:\n{out.stdout}\nstderr:\n{out.stderr[-6000:]}"
     assert out.returncode == 0, report
     summary = out.stdout.strip().splitlines()[-1]
@@ -41,6 +41,19 @@ def run_chaos(base: Path, *args: str) -> dict[str, str]:
 
 def test_no_acknowledged_write_is_lost_under_chaos(test_dir: Path) -> None:
     run_chaos(test_dir / "chaos", "--seed", "1")
+
+
+@pytest.mark.timeout(480)  # verify-archive runs Spark at the end
+def test_a_corrupt_archive_is_named_and_no_safekeeper_removes_what_it_does_not_hold(test_dir: Path) -> None:
+    # Each archive-corruption round plants a same-size object of random bytes under the name of the segment
+    # the primary writes (every safekeeper must name it, keep that segment and, once it is set aside, upload
+    # the right one) and flips a bit in an archived object (verify-archive must name it at the end); the run
+    # then checks every segment a safekeeper removed against the primary's copy in the archive.
+    fields = run_chaos(test_dir / "chaos", "--seed", "3", "--writers", "2",
+                       "--kinds", "safekeeper,sidecar,archive-corruption", timeout=420)
+    assert int(fields["archive_plants"]) >= 1 and int(fields["archive_flips"]) >= 1, fields
+    assert fields["unverified_removals"] == "0", fields
+    assert int(fields["safekeeper_kills"]) + int(fields["sidecar_kills"]) >= 1, fields
 
 
 @needs_netns
