@@ -620,20 +620,19 @@ class Chaos:
             d.mark(f"safekeeper{i}", f"round {n}: planted a wrong {name} in the archive")
         # Commits go on after the switch, so the commit position passes the planted segment's end.
         self.wait(lambda: d.query("SELECT pg_switch_wal()") is not None, self.round_timeout, "pg_switch_wal()")
-        failed = self.wait(lambda: len(lines := self.archive_failures(name)) == SAFEKEEPERS and lines,
-                           self.round_timeout, f"walsidecar check to name the planted {name} for every safekeeper")
+        try:
+            failed = self.wait(lambda: len(lines := self.archive_failures(name)) == SAFEKEEPERS and lines,
+                               self.round_timeout, f"walsidecar check to name the planted {name} for every safekeeper")
+        except ChaosFailure:
+            self.count_adopted(name, segno)  # say also whether they took it for their WAL
+            raise
         gaps = self.walsidecar("verify-archive", str(wal), "--gaps-only", "--safekeepers", ",".join(d.addresses),
                                *d.link_args("verify-archive", "client"))
         if gaps.returncode != 1 or name not in gaps.stdout:
             raise ChaosFailure(f"verify-archive --safekeepers did not name the planted {name} (exit "
                                f"{gaps.returncode}): {gaps.stdout[-2000:]}{gaps.stderr[-2000:]}")
-        # What a safekeeper must not do: count the planted object as its segment and remove its own copy.
-        for i, backup in enumerate(self.backup_lsns(), 1):
-            if backup > segno * seg or not (d.sk_dir(i) / "wal" / name).exists():
-                s.unverified.append(f"safekeeper {i}: backup_lsn {format_lsn(backup)} with the planted {name} in the "
-                                    "archive" + ("" if (d.sk_dir(i) / "wal" / name).exists() else ", segment removed"))
-                s.unverified_removals = len(s.unverified)
-                raise ChaosFailure(f"round {n}: {s.unverified[-1]}; check said: {failed[0]}")
+        if self.count_adopted(name, segno):
+            raise ChaosFailure(f"round {n}: {s.unverified[-1]}; check said: {failed[0]}")
         aside = d.base / "set-aside"
         aside.mkdir(exist_ok=True)
         os.rename(target, aside / f"{name}.round-{n}")  # the repair docs/operations.md gives
@@ -643,6 +642,19 @@ class Chaos:
         if target.read_bytes() != (d.pg.pg_wal_dir / name).read_bytes():
             raise ChaosFailure(f"the archived {name} differs from the primary's after the repair")
         return name
+
+    def count_adopted(self, name: str, segno: int) -> bool:
+        """What a safekeeper must not do: count the planted object as its segment (backup_lsn past it) or
+        remove its own copy. Counted in unverified_removals; True if any did."""
+        d, s, seg = self.d, self.summary, DEFAULT_SEGMENT_SIZE
+        before = len(s.unverified)
+        for i, backup in enumerate(self.backup_lsns(), 1):
+            held = (d.sk_dir(i) / "wal" / name).exists()
+            if backup > segno * seg or not held:
+                s.unverified.append(f"safekeeper {i}: backup_lsn {format_lsn(backup)} with the planted {name} in the "
+                                    "archive" + ("" if held else ", segment removed"))
+        s.unverified_removals = len(s.unverified)
+        return len(s.unverified) > before
 
     def flip_archived(self, n: int) -> str | None:
         """Flip one bit of a segment every safekeeper counts as archived (checked first against the primary's copy),
