@@ -62,6 +62,8 @@ KEY_STRIDE = 10**12  # writer w inserts keys (w + 1) * KEY_STRIDE + 1, + 2, ...
 PROGRESS_WRITES = 50  # acknowledged writes that prove commits flow
 ACTIONS = ("safekeeper", "sidecar", "primary")  # the default kinds of round
 KINDS = (*ACTIONS, "partition", "failover", "archive-corruption")
+# Seconds verify-archive (Spark, started once at the end) may take: a minute or two on a loaded 2-core machine.
+VERIFY_TIMEOUT = 900
 PARTITION_HOLD = (1.0, 4.0)  # seconds two safekeepers stay cut off, while no commit may be acknowledged
 T = TypeVar("T")
 
@@ -568,9 +570,9 @@ class Chaos:
         return f"planted a wrong {planted} before its upload" + (f", flipped a byte in the archived {flipped}"
                                                                    if flipped else "")
 
-    def walsidecar(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(sidecar_argv(*args), capture_output=True, text=True, timeout=self.round_timeout,
-                              stdin=subprocess.DEVNULL)
+    def walsidecar(self, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(sidecar_argv(*args), capture_output=True, text=True,
+                              timeout=timeout or self.round_timeout, stdin=subprocess.DEVNULL)
 
     def archive_wal(self) -> Path:
         """Where the safekeepers put segments: <archive>/<cluster>/<system id>/wal, the cluster named by the id."""
@@ -709,7 +711,7 @@ class Chaos:
         # verify-archive names 20 problems at most: a range of segments holding 20 of the flipped ones at a time.
         for chunk in (names[i:i + 20] for i in range(0, len(names), 20)):
             out = self.walsidecar("verify-archive", str(wal), "--first", chunk[0], "--last", chunk[-1],
-                                  "--no-progress", "--master", "local[1]")
+                                  "--no-progress", "--master", "local[1]", timeout=VERIFY_TIMEOUT)
             missed = [f"{name} (offset {self.flipped[name]})" for name in chunk if name not in out.stdout]
             if out.returncode != 1 or missed:
                 raise ChaosFailure(f"verify-archive exited {out.returncode} and did not name the flipped "
