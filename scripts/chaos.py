@@ -829,9 +829,11 @@ def main(rounds: int, seed: int | None, base_dir: Path | None, writers: int, rou
          kinds: str, keep: bool, link_security: str, json_file: Path | None) -> None:
     """Kill safekeepers, the sidecar and the primary, and cut safekeepers off the network, at random
     while writers commit, then check that no acknowledged write was lost and that every safekeeper's
-    WAL equals the primary's.
+    WAL equals the primary's. With archive-corruption rounds, also that no safekeeper removed a segment
+    whose WAL the archive does not hold.
 
-    Exits 0 when every check passed, 1 on a lost write, a WAL mismatch or a failed round.
+    Exits 0 when every check passed, 1 on a lost write, a WAL mismatch, a segment removed without its
+    archived copy or a failed round.
     """
     chosen = parse_kinds(kinds)
     partitions = "partition" in chosen
