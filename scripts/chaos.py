@@ -20,9 +20,11 @@ primary's byte for byte.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -44,7 +46,7 @@ sys.path.insert(0, str(REPO / "tests"))  # netns.py
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
 
 import click  # noqa: E402
-from support import netns  # noqa: E402
+from support import netns, s3  # noqa: E402
 import psycopg  # noqa: E402
 from tenacity import Retrying, retry_if_exception_type, wait_exponential  # noqa: E402
 
@@ -52,6 +54,7 @@ from sidecar.deployment import DeploymentError, LocalDeployment, MemberExited, S
 from sidecar.pgcluster import LocalCluster  # noqa: E402
 from sidecar.processes import sidecar_argv  # noqa: E402
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE, format_lsn, parse_lsn, parse_segment_file_name, segment_file_name  # noqa: E402
+from sidecar.objectstore import ObjectConflict, Storage, open_storage  # noqa: E402
 from sidecar.safekeeper.control import load_control  # noqa: E402
 from sidecar.wal.format import WalFormatError  # noqa: E402
 from sidecar.wal.verify import check_segment_wal  # noqa: E402
@@ -66,6 +69,7 @@ KINDS = (*ACTIONS, "partition", "failover", "archive-corruption")
 VERIFY_TIMEOUT = 900
 PARTITION_HOLD = (1.0, 4.0)  # seconds two safekeepers stay cut off, while no commit may be acknowledged
 T = TypeVar("T")
+SEGMENT_NAME = re.compile(r"[0-9A-F]{24}")
 
 
 class ChaosFailure(Exception):
@@ -191,13 +195,14 @@ class Deployment(LocalDeployment):
     """
 
     def __init__(self, base: Path, hosts: netns.Hosts | None = None, standby: bool = False,
-                 link_security: str = "tls", archive: bool = False) -> None:
+                 link_security: str = "tls", archive: str | None = None, s3_endpoint: str | None = None) -> None:
         taken: set[int] = set()
         places = {f"safekeeper{h.index}": h for h in hosts} if hosts is not None else None
-        # With an archive the safekeepers remove WAL below backup_lsn: what archive-corruption rounds test.
-        # A short takeover: a killed safekeeper 1 (the uploader by rank) leaves no long gap in a mixed run.
-        self.archive_dir = base / "archive" if archive else None
-        extra = {f"safekeeper{i}": ["--archive", f"file://{self.archive_dir}", "--archive-takeover", "5"]
+        # With an archive (a URL) the safekeepers remove WAL below backup_lsn: what archive-corruption rounds
+        # test. A short takeover: a killed safekeeper 1 (the uploader by rank) leaves no long gap in a mixed run.
+        self.archive, self.s3_endpoint = archive, s3_endpoint
+        endpoint = ["--s3-endpoint", s3_endpoint] if s3_endpoint else []
+        extra = {f"safekeeper{i}": ["--archive", archive, *endpoint, "--archive-takeover", "5"]
                  for i in range(1, SAFEKEEPERS + 1)} if archive else None
         super().__init__(base, safekeepers=SAFEKEEPERS, places=places, pick_port=lambda: pick_port(taken),
                          link_security=link_security, extra=extra)
@@ -574,14 +579,21 @@ class Chaos:
         return subprocess.run(sidecar_argv(*args), capture_output=True, text=True,
                               timeout=timeout or self.round_timeout, stdin=subprocess.DEVNULL)
 
-    def archive_wal(self) -> Path:
+    def archive_wal(self) -> Storage:
         """Where the safekeepers put segments: <archive>/<cluster>/<system id>/wal, the cluster named by the id."""
-        assert self.d.archive_dir is not None, "archive-corruption rounds need the deployment's archive"
+        assert self.d.archive is not None, "archive-corruption rounds need the deployment's archive"
         control = load_control(self.d.sk_dir(1))
         if control is None or not control.state.system_id:
             raise ChaosFailure("safekeeper 1 has no system id yet")
         sysid = str(control.state.system_id)
-        return self.d.archive_dir / sysid / sysid / "wal"
+        return open_storage(self.d.archive, s3_endpoint=self.d.s3_endpoint).child(f"{sysid}/{sysid}/wal")
+
+    def archive_args(self, wal: Storage) -> list[str]:
+        """The archive as verify-archive's SOURCE (and its endpoint)."""
+        return [wal.location, *(["--s3-endpoint", self.d.s3_endpoint] if self.d.s3_endpoint else [])]
+
+    def archived(self, wal: Storage, name: str) -> bytes | None:
+        return wal.read(name) if wal.head(name) is not None else None
 
     def backup_lsns(self) -> list[int]:
         return [c.state.backup_lsn if (c := load_control(self.d.sk_dir(i))) is not None else 0
@@ -600,22 +612,19 @@ class Chaos:
         Then the operator's repair (the object moved aside) must let the checked segment go up in its place."""
         d, s, seg = self.d, self.summary, DEFAULT_SEGMENT_SIZE
         wal = self.archive_wal()
-        wal.mkdir(parents=True, exist_ok=True)
-        tmp = wal / ".chaos-planted"
-        tmp.write_bytes(self.rng.randbytes(seg))
+        planted = self.rng.randbytes(seg)
         for _ in range(10):
             # + 1: at a segment's very end (just after a switch) pg_walfile_name names the finished one.
             name = self.wait(lambda: (r := d.query("SELECT pg_walfile_name(pg_current_wal_insert_lsn() + 1)"))
                              and r[0][0], self.round_timeout, "the primary to answer")
-            target = wal / name
             try:
-                os.link(tmp, target)  # whole at once, and never over an object already there
-                break
-            except FileExistsError:  # the segment was finished and uploaded meanwhile: take the next one
+                # As the safekeepers write: whole at once, and never over an object already there.
+                if wal.put(name, planted):
+                    break
+            except ObjectConflict:  # the segment was finished and uploaded meanwhile: take the next one
                 continue
         else:
             raise ChaosFailure("the segment the primary writes was archived each time before it could be planted")
-        tmp.unlink()
         segno = parse_segment_file_name(name, seg)[1]
         s.archive_plants += 1
         for i in range(1, SAFEKEEPERS + 1):
@@ -628,7 +637,7 @@ class Chaos:
         except ChaosFailure:
             self.count_adopted(name, segno)  # say also whether they took it for their WAL
             raise
-        gaps = self.walsidecar("verify-archive", str(wal), "--gaps-only", "--safekeepers", ",".join(d.addresses),
+        gaps = self.walsidecar("verify-archive", *self.archive_args(wal), "--gaps-only", "--safekeepers", ",".join(d.addresses),
                                *d.link_args("verify-archive", "client"))
         if gaps.returncode != 1 or name not in gaps.stdout:
             raise ChaosFailure(f"verify-archive --safekeepers did not name the planted {name} (exit "
@@ -637,11 +646,13 @@ class Chaos:
             raise ChaosFailure(f"round {n}: {s.unverified[-1]}; check said: {failed[0]}")
         aside = d.base / "set-aside"
         aside.mkdir(exist_ok=True)
-        os.rename(target, aside / f"{name}.round-{n}")  # the repair docs/operations.md gives
+        # The repair docs/operations.md gives: the object moved out of the archive.
+        (aside / f"{name}.round-{n}").write_bytes(wal.read(name))
+        wal.delete(name)
         end = (segno + 1) * seg
         self.wait(lambda: min(self.backup_lsns()) >= end, self.round_timeout,
                   f"every safekeeper to archive past {name} ({format_lsn(end)}) once the planted object is set aside")
-        if target.read_bytes() != (d.pg.pg_wal_dir / name).read_bytes():
+        if self.archived(wal, name) != (d.pg.pg_wal_dir / name).read_bytes():
             raise ChaosFailure(f"the archived {name} differs from the primary's after the repair")
         return name
 
@@ -666,15 +677,14 @@ class Chaos:
         if backup < 2 * seg:
             return None
         wal = self.archive_wal()
-        archived = sorted(p.name for p in wal.glob("00000001" + "[0-9A-F]" * 16)
-                          if parse_segment_file_name(p.name, seg)[1] < backup // seg and p.name not in self.flipped)
+        archived = sorted(k for k in wal.list_files() if SEGMENT_NAME.fullmatch(k) and k.startswith("00000001")
+                          and parse_segment_file_name(k, seg)[1] < backup // seg and k not in self.flipped)
         if not archived:
             return None
         name = self.rng.choice(archived)
         segno = parse_segment_file_name(name, seg)[1]
-        target = wal / name
         good = (d.pg.pg_wal_dir / name).read_bytes()
-        data = target.read_bytes()
+        data = wal.read(name)
         if data != good:
             s.unverified.append(f"{name} below every safekeeper's backup_lsn {format_lsn(backup)} is not the "
                                 "primary's WAL")
@@ -693,11 +703,7 @@ class Chaos:
                 break
         else:
             raise ChaosFailure(f"no flipped byte of {name} fails the WAL checks")
-        with target.open("r+b") as f:
-            f.seek(offset)
-            f.write(bytes([bad[offset]]))
-            f.flush()
-            os.fsync(f.fileno())
+        wal.replace(name, bytes(bad))
         s.archive_flips += 1
         self.flipped[name] = offset
         d.mark("safekeeper1", f"round {n}: flipped bit {bit:#x} at offset {offset} of the archived {name}")
@@ -710,7 +716,7 @@ class Chaos:
         names = sorted(self.flipped)
         # verify-archive names 20 problems at most: a range of segments holding 20 of the flipped ones at a time.
         for chunk in (names[i:i + 20] for i in range(0, len(names), 20)):
-            out = self.walsidecar("verify-archive", str(wal), "--first", chunk[0], "--last", chunk[-1],
+            out = self.walsidecar("verify-archive", *self.archive_args(wal), "--first", chunk[0], "--last", chunk[-1],
                                   "--no-progress", "--master", "local[1]", timeout=VERIFY_TIMEOUT)
             missed = [f"{name} (offset {self.flipped[name]})" for name in chunk if name not in out.stdout]
             if out.returncode != 1 or missed:
@@ -720,9 +726,7 @@ class Chaos:
                   + "; ".join(line.strip() for line in out.stdout.splitlines() if "FAILED" in line or "also" in line),
                   flush=True)
         for name in self.flipped:
-            tmp = wal / f".chaos-{name}"
-            tmp.write_bytes((d.pg.pg_wal_dir / name).read_bytes())
-            os.replace(tmp, wal / name)
+            wal.replace(name, (d.pg.pg_wal_dir / name).read_bytes())
 
     def removed_without_copy(self, end: int) -> list[str]:
         """Segments below `end` some safekeeper removed while the archive lacks them or holds other bytes than
@@ -738,10 +742,10 @@ class Chaos:
                 name = segment_file_name(1, segno, seg)
                 if (d.sk_dir(i) / "wal" / name).exists():
                     continue
-                obj = wal / name
-                if not obj.exists():
+                obj = self.archived(wal, name)
+                if obj is None:
                     bad.append(f"safekeeper {i} removed {name}, which the archive lacks")
-                elif obj.read_bytes() != (d.pg.pg_wal_dir / name).read_bytes():
+                elif obj != (d.pg.pg_wal_dir / name).read_bytes():
                     bad.append(f"safekeeper {i} removed {name}, whose archived object is not the primary's WAL")
         return bad
 
@@ -777,7 +781,7 @@ class Chaos:
         lost = sorted(acked - present)
         s.lost, s.lost_keys = len(lost), lost[:20]
         s.mismatches += d.wal_mismatches(end) if not s.failovers else []
-        if d.archive_dir is not None and not s.failovers:
+        if d.archive is not None and not s.failovers:
             if self.flipped:
                 self.verify_flips()
             s.unverified += self.removed_without_copy(end)
@@ -823,10 +827,13 @@ def _raise_interrupted(signum: int, frame: object) -> None:
 @click.option("--link-security", type=click.Choice(["tls", "auth-only"]), default="tls", show_default=True,
               help="The safekeeper links: TLS, or auth-only (certificates checked, no encryption), whose "
                    "streams a safekeeper serves in a thread of its own (safekeeper/streamthread.py).")
+@click.option("--archive-store", type=click.Choice(["file", "s3"]), default="file", show_default=True,
+              help="With archive-corruption rounds: the safekeepers' archive, a file:// directory under the run's, or "
+                   "a bucket of a moto_server this script starts on 127.0.0.1.")
 @click.option("--json", "json_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the summary as JSON to this file.")
 def main(rounds: int, seed: int | None, base_dir: Path | None, writers: int, round_timeout: float,
-         kinds: str, keep: bool, link_security: str, json_file: Path | None) -> None:
+         kinds: str, keep: bool, link_security: str, archive_store: str, json_file: Path | None) -> None:
     """Kill safekeepers, the sidecar and the primary, and cut safekeepers off the network, at random
     while writers commit, then check that no acknowledged write was lost and that every safekeeper's
     WAL equals the primary's. With archive-corruption rounds, also that no safekeeper removed a segment
@@ -858,13 +865,24 @@ def main(rounds: int, seed: int | None, base_dir: Path | None, writers: int, rou
     old_term = signal.signal(signal.SIGTERM, _raise_interrupted)
     code = 1
     hosts: netns.Hosts | None = None
+    servers = contextlib.ExitStack()  # moto_server, stopped by its PID however the run ends
     try:
         if partitions:
             hosts = netns.Hosts(SAFEKEEPERS)
             print("chaos: safekeepers run in network namespaces at "
                   + ", ".join(f"{h.namespace} ({h.address})" for h in hosts), flush=True)
+        archive, endpoint = None, None
+        if "archive-corruption" in chosen and archive_store == "s3":
+            os.environ.update(s3.AWS_ENV)  # dummy credentials, inherited by the safekeepers and the tools
+            os.environ.pop("AWS_ENDPOINT_URL", None)
+            endpoint = servers.enter_context(s3.moto_server(base))
+            s3.make_bucket(endpoint, "chaos")
+            archive = "s3://chaos/archive"
+            print(f"chaos: the archive is s3://chaos/archive at {endpoint} (moto_server)", flush=True)
+        elif "archive-corruption" in chosen:
+            archive = f"file://{base / 'archive'}"
         d = Deployment(base, hosts, standby="failover" in chosen, link_security=link_security,
-                       archive="archive-corruption" in chosen)
+                       archive=archive, s3_endpoint=endpoint)
         chaos = Chaos(d, summary, rounds, writers, round_timeout, chosen)
         chaos.run()
         ok = summary.lost == 0 and summary.wal_mismatches == 0 and summary.unsafe_acks == 0 \
@@ -896,6 +914,7 @@ def main(rounds: int, seed: int | None, base_dir: Path | None, writers: int, rou
             summary.unknown = summary.unknown or chaos.unknown()
         if d is not None:
             d.close()
+        servers.close()
         if hosts is not None:
             hosts.close()  # again, in case the deployment was never made
         signal.signal(signal.SIGINT, old_int)
