@@ -9,10 +9,11 @@ primary, or a partition (one or two safekeepers' links taken down, then brought 
 waits for commits to flow again. A failover round kills the primary with kill -9, runs `walsidecar
 failover` on the standby (which streams from safekeeper1's reader port), starts the sidecar on the new
 primary and a new standby from a base backup of it, and times the primary's death to the next
-acknowledged commit. An archive-corruption round (the safekeepers then archive to a file:// directory)
-plants a same-size object of wrong bytes under the name of the segment the primary is writing, before
-it can be uploaded, and flips a byte in a segment already archived; each must be named (`check`,
-`verify-archive`), and no safekeeper may remove a segment whose archived object is not its WAL. With partitions, each safekeeper runs as a separate host in a
+acknowledged commit. An archive-corruption round (the safekeepers then archive to a file:// directory,
+or to S3 on a moto_server) plants a same-size object of wrong bytes under the name of the segment the
+primary is writing, before it can be uploaded, and flips a byte in a segment already archived; each
+must be named (`check`, `verify-archive`), and no safekeeper may remove a segment whose archived
+object is not its WAL. With partitions, each safekeeper runs as a separate host in a
 network namespace of its own (tests/support/netns.py), reached over a veth link that is really cut.
 At the end every acknowledged key must be in the table and every safekeeper's WAL must equal the
 primary's byte for byte.
@@ -266,8 +267,9 @@ class Deployment(LocalDeployment):
             if control is None or not control.state.term_history:
                 bad.append(f"safekeeper {i} has no term history")
                 continue
-            # What the safekeeper removed (below its backup_lsn) is compared in the archive instead.
-            start = max(control.state.term_history[0].start_lsn, first_held(self.sk_dir(i) / "wal"))
+            start = control.state.term_history[0].start_lsn
+            if self.archive is not None:  # what it removed (below its backup_lsn) is compared in the archive
+                start = max(start, first_held(self.sk_dir(i) / "wal"))
             diff = first_difference(self.sk_dir(i) / "wal", self.pg.pg_wal_dir, start, end)
             if diff is not None:
                 bad.append(f"safekeeper {i} differs from the primary at {format_lsn(diff)} "
