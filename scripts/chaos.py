@@ -12,17 +12,22 @@ primary and a new standby from a base backup of it, and times the primary's deat
 acknowledged commit. A failover-live round runs `walsidecar failover` while the old primary and its
 sidecar stay alive and keep taking writes, points the writers at the new primary and starts its sidecar,
 and kills the old side only then: every commit either primary acknowledged must be on the new one (a
-failover that refuses promotes nothing, and the old side must go on working). With partitions, each
-safekeeper runs as a separate host in a network namespace of its own (tests/support/netns.py), reached
+failover that refuses promotes nothing, and the old side must go on working). An archive-corruption
+round (the safekeepers then archive to a file:// directory, or to S3 on a moto_server) plants a same-size object of wrong bytes under the name of the segment the
+primary is writing, before it can be uploaded, and flips a byte in a segment already archived; each
+must be named (`check`, `verify-archive`), and no safekeeper may remove a segment whose archived
+object is not its WAL. With partitions, each safekeeper runs as a separate host in a network namespace of its own (tests/support/netns.py), reached
 over a veth link that is really cut. At the end every acknowledged key must be in the table and every
 safekeeper's WAL must equal the primary's byte for byte.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -44,25 +49,31 @@ sys.path.insert(0, str(REPO / "tests"))  # netns.py
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
 
 import click  # noqa: E402
-from support import netns  # noqa: E402
+from support import netns, s3  # noqa: E402
 import psycopg  # noqa: E402
 from tenacity import Retrying, retry_if_exception_type, wait_exponential  # noqa: E402
 
 from sidecar.deployment import DeploymentError, LocalDeployment, MemberExited, Standby, free_port  # noqa: E402
 from sidecar.pgcluster import LocalCluster  # noqa: E402
 from sidecar.processes import sidecar_argv  # noqa: E402
-from sidecar.lsn import DEFAULT_SEGMENT_SIZE, format_lsn, parse_lsn, segment_file_name  # noqa: E402
+from sidecar.lsn import DEFAULT_SEGMENT_SIZE, format_lsn, parse_lsn, parse_segment_file_name, segment_file_name  # noqa: E402
+from sidecar.objectstore import ObjectConflict, Storage, open_storage  # noqa: E402
 from sidecar.safekeeper.control import load_control  # noqa: E402
+from sidecar.wal.format import WalFormatError  # noqa: E402
+from sidecar.wal.verify import check_segment_wal  # noqa: E402
 
 APP = "walsidecar"
 SAFEKEEPERS = 3
 KEY_STRIDE = 10**12  # writer w inserts keys (w + 1) * KEY_STRIDE + 1, + 2, ...
 PROGRESS_WRITES = 50  # acknowledged writes that prove commits flow
 ACTIONS = ("safekeeper", "sidecar", "primary")  # the default kinds of round
-KINDS = (*ACTIONS, "partition", "failover", "failover-live")
+KINDS = (*ACTIONS, "partition", "failover", "failover-live", "archive-corruption")
 FAILOVER_KINDS = ("failover", "failover-live")  # the kinds that need a standby
+# Seconds verify-archive (Spark, started once at the end) may take: a minute or two on a loaded 2-core machine.
+VERIFY_TIMEOUT = 900
 PARTITION_HOLD = (1.0, 4.0)  # seconds two safekeepers stay cut off, while no commit may be acknowledged
 T = TypeVar("T")
+SEGMENT_NAME = re.compile(r"[0-9A-F]{24}")
 
 
 class ChaosFailure(Exception):
@@ -83,6 +94,9 @@ class Summary:
     primary_crashes: int = 0
     partitions: int = 0
     failovers: int = 0
+    archive_plants: int = 0  # same-size objects of wrong bytes put under a segment's name before its upload
+    archive_flips: int = 0  # bytes flipped in objects already archived
+    unverified_removals: int = 0  # segments removed from a safekeeper while the archive lacks their WAL
     failover_seconds: list[float] = field(default_factory=list)  # primary's death to the next acknowledged commit
     promotions: int = 0  # `walsidecar failover` runs that promoted the standby (both failover kinds)
     refusals: int = 0  # failover-live rounds whose `walsidecar failover` refused: nothing promoted
@@ -98,6 +112,7 @@ class Summary:
     data_dir: str = ""
     lost_keys: list[int] = field(default_factory=list)
     mismatches: list[str] = field(default_factory=list)
+    unverified: list[str] = field(default_factory=list)
 
     def line(self) -> str:
         """The one-line summary printed last."""
@@ -105,10 +120,17 @@ class Summary:
                 f"sidecar_kills={self.sidecar_kills} primary_crashes={self.primary_crashes} "
                 f"partitions={self.partitions} failovers={self.failovers}{self._failover_times()} "
                 f"promotions={self.promotions} refusals={self.refusals} old_acks={self.old_acks} "
+                f"{self._archive_counts()}"
                 f"acknowledged={self.acknowledged} lost={self.lost} wal_mismatches={self.wal_mismatches} "
                 f"unknown={self.unknown} unsafe_acks={self.unsafe_acks} seconds={self.seconds:.1f} "
                 f"seed={self.seed} kinds={self.kinds} result={self.result}")
 
+
+    def _archive_counts(self) -> str:
+        if "archive-corruption" not in self.kinds.split(","):
+            return ""
+        return f"archive_plants={self.archive_plants} archive_flips={self.archive_flips} " \
+               f"unverified_removals={self.unverified_removals} "
 
     def _failover_times(self) -> str:
         if not self.failover_seconds:
@@ -148,6 +170,17 @@ def read_wal(directory: Path, start: int, end: int, seg_size: int = DEFAULT_SEGM
         pos += len(chunk)
 
 
+def first_held(directory: Path, seg_size: int = DEFAULT_SEGMENT_SIZE) -> int:
+    """Start of the lowest timeline-1 segment in a safekeeper's WAL directory (0 when it holds none)."""
+    segnos = []
+    for path in directory.glob("00000001*"):
+        try:
+            segnos.append(parse_segment_file_name(path.name, seg_size)[1])
+        except ValueError:
+            continue
+    return min(segnos) * seg_size if segnos else 0
+
+
 def first_difference(ours: Path, theirs: Path, start: int, end: int) -> int | None:
     """First LSN in [start, end) where the two WAL directories differ (or one ends), or None."""
     pos = start
@@ -170,11 +203,17 @@ class Deployment(LocalDeployment):
     """
 
     def __init__(self, base: Path, hosts: netns.Hosts | None = None, standby: bool = False,
-                 link_security: str = "tls") -> None:
+                 link_security: str = "tls", archive: str | None = None, s3_endpoint: str | None = None) -> None:
         taken: set[int] = set()
         places = {f"safekeeper{h.index}": h for h in hosts} if hosts is not None else None
+        # With an archive (a URL) the safekeepers remove WAL below backup_lsn: what archive-corruption rounds
+        # test. A short takeover: a killed safekeeper 1 (the uploader by rank) leaves no long gap in a mixed run.
+        self.archive, self.s3_endpoint = archive, s3_endpoint
+        endpoint = ["--s3-endpoint", s3_endpoint] if s3_endpoint else []
+        extra = {f"safekeeper{i}": ["--archive", archive, *endpoint, "--archive-takeover", "5"]
+                 for i in range(1, SAFEKEEPERS + 1)} if archive else None
         super().__init__(base, safekeepers=SAFEKEEPERS, places=places, pick_port=lambda: pick_port(taken),
-                         link_security=link_security)
+                         link_security=link_security, extra=extra)
         self.hosts = hosts
         if standby:  # for failover rounds: a standby streaming from safekeeper1's reader port
             self.add(Standby(self, LocalCluster(base / "standby", pick_port(taken), log_file=base / "standby.log")))
@@ -236,6 +275,8 @@ class Deployment(LocalDeployment):
                 bad.append(f"safekeeper {i} has no term history")
                 continue
             start = control.state.term_history[0].start_lsn
+            if self.archive is not None:  # what it removed (below its backup_lsn) is compared in the archive
+                start = max(start, first_held(self.sk_dir(i) / "wal"))
             diff = first_difference(self.sk_dir(i) / "wal", self.pg.pg_wal_dir, start, end)
             if diff is not None:
                 bad.append(f"safekeeper {i} differs from the primary at {format_lsn(diff)} "
@@ -376,6 +417,7 @@ class Chaos:
         self.round_timeout = round_timeout
         self.writers = [Writer(i, deployment.dsn()) for i in range(writers)]
         self.started = time.monotonic()  # t=0 of the times printed
+        self.flipped: dict[str, int] = {}  # archived objects with a flipped bit: name -> offset
 
     def acked(self) -> int:
         return sum(len(w.acked) for w in self.writers)
@@ -473,6 +515,8 @@ class Chaos:
             what = self.failover(n)
         elif action == "failover-live":
             what = self.failover_live(n)
+        elif action == "archive-corruption":
+            what = self.archive_corruption(n)
         else:
             what = "immediate stop of the primary"
             d.kill("primary")
@@ -657,6 +701,189 @@ class Chaos:
         except psycopg.Error:
             return None
 
+    # ---- archive corruption
+
+    def archive_corruption(self, n: int) -> str:
+        """A planted object before its segment's upload, then a byte flipped in an archived one; returns what was done."""
+        planted = self.plant_before_upload(n)
+        flipped = self.flip_archived(n)
+        return f"planted a wrong {planted} before its upload" + (f", flipped a byte in the archived {flipped}"
+                                                                   if flipped else "")
+
+    def walsidecar(self, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(sidecar_argv(*args), capture_output=True, text=True,
+                              timeout=timeout or self.round_timeout, stdin=subprocess.DEVNULL)
+
+    def archive_wal(self) -> Storage:
+        """Where the safekeepers put segments: <archive>/<cluster>/<system id>/wal, the cluster named by the id."""
+        assert self.d.archive is not None, "archive-corruption rounds need the deployment's archive"
+        control = load_control(self.d.sk_dir(1))
+        if control is None or not control.state.system_id:
+            raise ChaosFailure("safekeeper 1 has no system id yet")
+        sysid = str(control.state.system_id)
+        return open_storage(self.d.archive, s3_endpoint=self.d.s3_endpoint).child(f"{sysid}/{sysid}/wal")
+
+    def archive_args(self, wal: Storage) -> list[str]:
+        """The archive as verify-archive's SOURCE (and its endpoint)."""
+        return [wal.location, *(["--s3-endpoint", self.d.s3_endpoint] if self.d.s3_endpoint else [])]
+
+    def archived(self, wal: Storage, name: str) -> bytes | None:
+        return wal.read(name) if wal.head(name) is not None else None
+
+    def backup_lsns(self) -> list[int]:
+        return [c.state.backup_lsn if (c := load_control(self.d.sk_dir(i))) is not None else 0
+                for i in range(1, SAFEKEEPERS + 1)]
+
+    def archive_failures(self, name: str) -> list[str]:
+        """`walsidecar check`'s FAILED archive lines naming `name`."""
+        d = self.d
+        out = self.walsidecar("check", "--pg-dsn", d.dsn(), "--safekeepers", ",".join(d.addresses),
+                              *d.link_args("check", "client"))
+        return [line for line in out.stdout.splitlines() if "FAILED" in line and "archive" in line and name in line]
+
+    def plant_before_upload(self, n: int) -> str:
+        """Put random bytes of a segment's size under the name of the segment the primary writes now; once it is
+        committed whole, every safekeeper must find the object is not its WAL, say so, and keep the segment.
+        Then the operator's repair (the object moved aside) must let the checked segment go up in its place."""
+        d, s, seg = self.d, self.summary, DEFAULT_SEGMENT_SIZE
+        wal = self.archive_wal()
+        planted = self.rng.randbytes(seg)
+        for _ in range(10):
+            # + 1: at a segment's very end (just after a switch) pg_walfile_name names the finished one.
+            name = self.wait(lambda: (r := d.query("SELECT pg_walfile_name(pg_current_wal_insert_lsn() + 1)"))
+                             and r[0][0], self.round_timeout, "the primary to answer")
+            try:
+                # As the safekeepers write: whole at once, and never over an object already there.
+                if wal.put(name, planted):
+                    break
+            except ObjectConflict:  # the segment was finished and uploaded meanwhile: take the next one
+                continue
+        else:
+            raise ChaosFailure("the segment the primary writes was archived each time before it could be planted")
+        segno = parse_segment_file_name(name, seg)[1]
+        s.archive_plants += 1
+        for i in range(1, SAFEKEEPERS + 1):
+            d.mark(f"safekeeper{i}", f"round {n}: planted a wrong {name} in the archive")
+        # Commits go on after the switch, so the commit position passes the planted segment's end.
+        self.wait(lambda: d.query("SELECT pg_switch_wal()") is not None, self.round_timeout, "pg_switch_wal()")
+        try:
+            failed = self.wait(lambda: len(lines := self.archive_failures(name)) == SAFEKEEPERS and lines,
+                               self.round_timeout, f"walsidecar check to name the planted {name} for every safekeeper")
+        except ChaosFailure:
+            self.count_adopted(name, segno)  # say also whether they took it for their WAL
+            raise
+        gaps = self.walsidecar("verify-archive", *self.archive_args(wal), "--gaps-only", "--safekeepers", ",".join(d.addresses),
+                               *d.link_args("verify-archive", "client"))
+        if gaps.returncode != 1 or name not in gaps.stdout:
+            raise ChaosFailure(f"verify-archive --safekeepers did not name the planted {name} (exit "
+                               f"{gaps.returncode}): {gaps.stdout[-2000:]}{gaps.stderr[-2000:]}")
+        if self.count_adopted(name, segno):
+            raise ChaosFailure(f"round {n}: {s.unverified[-1]}; check said: {failed[0]}")
+        aside = d.base / "set-aside"
+        aside.mkdir(exist_ok=True)
+        # The repair docs/operations.md gives: the object moved out of the archive.
+        (aside / f"{name}.round-{n}").write_bytes(wal.read(name))
+        wal.delete(name)
+        end = (segno + 1) * seg
+        self.wait(lambda: min(self.backup_lsns()) >= end, self.round_timeout,
+                  f"every safekeeper to archive past {name} ({format_lsn(end)}) once the planted object is set aside")
+        if self.archived(wal, name) != (d.pg.pg_wal_dir / name).read_bytes():
+            raise ChaosFailure(f"the archived {name} differs from the primary's after the repair")
+        return name
+
+    def count_adopted(self, name: str, segno: int) -> bool:
+        """What a safekeeper must not do: count the planted object as its segment (backup_lsn past it) or
+        remove its own copy. Counted in unverified_removals; True if any did."""
+        d, s, seg = self.d, self.summary, DEFAULT_SEGMENT_SIZE
+        before = len(s.unverified)
+        for i, backup in enumerate(self.backup_lsns(), 1):
+            held = (d.sk_dir(i) / "wal" / name).exists()
+            if backup > segno * seg or not held:
+                s.unverified.append(f"safekeeper {i}: backup_lsn {format_lsn(backup)} with the planted {name} in the "
+                                    "archive" + ("" if held else ", segment removed"))
+        s.unverified_removals = len(s.unverified)
+        return len(s.unverified) > before
+
+    def flip_archived(self, n: int) -> str | None:
+        """Flip one bit of a segment every safekeeper counts as archived (checked first against the primary's copy),
+        where the WAL checks can see it. The flipped objects stay until the end of the run (verify_flips)."""
+        d, s, seg = self.d, self.summary, DEFAULT_SEGMENT_SIZE
+        backup = min(self.backup_lsns())
+        if backup < 2 * seg:
+            return None
+        wal = self.archive_wal()
+        archived = sorted(k for k in wal.list_files() if SEGMENT_NAME.fullmatch(k) and k.startswith("00000001")
+                          and parse_segment_file_name(k, seg)[1] < backup // seg and k not in self.flipped)
+        if not archived:
+            return None
+        name = self.rng.choice(archived)
+        segno = parse_segment_file_name(name, seg)[1]
+        good = (d.pg.pg_wal_dir / name).read_bytes()
+        data = wal.read(name)
+        if data != good:
+            s.unverified.append(f"{name} below every safekeeper's backup_lsn {format_lsn(backup)} is not the "
+                                "primary's WAL")
+            s.unverified_removals = len(s.unverified)
+            raise ChaosFailure(f"round {n}: {s.unverified[-1]}")
+        # A flip in the zeros after a WAL switch or in alignment padding changes no record: PostgreSQL would
+        # replay such an object as well. Pick a byte the WAL checks (restore-wal's, verify-archive's) cover.
+        end = len(data.rstrip(b"\0"))
+        for _ in range(1000):
+            offset, bit = self.rng.randrange(end), 1 << self.rng.randrange(8)
+            bad = bytearray(data)
+            bad[offset] ^= bit
+            try:
+                check_segment_wal(bytes(bad), segno * seg, seg, system_id=None, timeline=1)
+            except WalFormatError:
+                break
+        else:
+            raise ChaosFailure(f"no flipped byte of {name} fails the WAL checks")
+        wal.replace(name, bytes(bad))
+        s.archive_flips += 1
+        self.flipped[name] = offset
+        d.mark("safekeeper1", f"round {n}: flipped bit {bit:#x} at offset {offset} of the archived {name}")
+        return name
+
+    def verify_flips(self) -> None:
+        """verify-archive must name every flipped object; then the operator puts the primary's copies back, so
+        that the final check finds the archive whole. (Once, at the end: it runs Spark, which takes a while.)"""
+        d, wal = self.d, self.archive_wal()
+        names = sorted(self.flipped)
+        # verify-archive names 20 problems at most: a range of segments holding 20 of the flipped ones at a time.
+        for chunk in (names[i:i + 20] for i in range(0, len(names), 20)):
+            out = self.walsidecar("verify-archive", *self.archive_args(wal), "--first", chunk[0], "--last", chunk[-1],
+                                  "--no-progress", "--master", "local[1]", timeout=VERIFY_TIMEOUT)
+            missed = [f"{name} (offset {self.flipped[name]})" for name in chunk if name not in out.stdout]
+            if out.returncode != 1 or missed:
+                raise ChaosFailure(f"verify-archive exited {out.returncode} and did not name the flipped "
+                                   f"{', '.join(missed)}: {out.stdout[-3000:]}{out.stderr[-2000:]}")
+            print(f"verify-archive named the {len(chunk)} flipped object(s) of {chunk[0]}..{chunk[-1]}: "
+                  + "; ".join(line.strip() for line in out.stdout.splitlines() if "FAILED" in line or "also" in line),
+                  flush=True)
+        for name in self.flipped:
+            wal.replace(name, (d.pg.pg_wal_dir / name).read_bytes())
+
+    def removed_without_copy(self, end: int) -> list[str]:
+        """Segments below `end` some safekeeper removed while the archive lacks them or holds other bytes than
+        the primary's (which keeps every segment of the run: the chaos_keep slot)."""
+        d, seg = self.d, DEFAULT_SEGMENT_SIZE
+        wal = self.archive_wal()
+        bad = []
+        for i in range(1, SAFEKEEPERS + 1):
+            control = load_control(d.sk_dir(i))
+            if control is None or not control.state.term_history:
+                continue
+            for segno in range(control.state.term_history[0].start_lsn // seg, end // seg):
+                name = segment_file_name(1, segno, seg)
+                if (d.sk_dir(i) / "wal" / name).exists():
+                    continue
+                obj = self.archived(wal, name)
+                if obj is None:
+                    bad.append(f"safekeeper {i} removed {name}, which the archive lacks")
+                elif obj != (d.pg.pg_wal_dir / name).read_bytes():
+                    bad.append(f"safekeeper {i} removed {name}, whose archived object is not the primary's WAL")
+        return bad
+
     @staticmethod
     def standby_replays(standby: Standby) -> bool:
         try:
@@ -683,6 +910,13 @@ class Chaos:
                   f"every safekeeper to hold the WAL up to {format_lsn(end)}")
         acked, present = self.ledger()
         s.mismatches += d.wal_mismatches(end) if not s.promotions else []
+        if d.archive is not None and not s.promotions:
+            if self.flipped:
+                self.verify_flips()
+            s.unverified += self.removed_without_copy(end)
+            s.unverified_removals = len(s.unverified)
+            for u in s.unverified:
+                print(f"REMOVED WITHOUT A VERIFIED COPY: {u}", file=sys.stderr)
         s.wal_mismatches = len(s.mismatches)
         if not s.mismatches and not s.promotions:
             print(f"every safekeeper's WAL equals the primary's up to the commit LSN {format_lsn(end)}; "
@@ -751,15 +985,20 @@ def _raise_interrupted(signum: int, frame: object) -> None:
 @click.option("--link-security", type=click.Choice(["tls", "auth-only"]), default="tls", show_default=True,
               help="The safekeeper links: TLS, or auth-only (certificates checked, no encryption), whose "
                    "streams a safekeeper serves in a thread of its own (safekeeper/streamthread.py).")
+@click.option("--archive-store", type=click.Choice(["file", "s3"]), default="file", show_default=True,
+              help="With archive-corruption rounds: the safekeepers' archive, a file:// directory under the run's, or "
+                   "a bucket of a moto_server this script starts on 127.0.0.1.")
 @click.option("--json", "json_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the summary as JSON to this file.")
 def main(rounds: int, seed: int | None, base_dir: Path | None, writers: int, round_timeout: float,
-         kinds: str, keep: bool, link_security: str, json_file: Path | None) -> None:
+         kinds: str, keep: bool, link_security: str, archive_store: str, json_file: Path | None) -> None:
     """Kill safekeepers, the sidecar and the primary, and cut safekeepers off the network, at random
     while writers commit, then check that no acknowledged write was lost and that every safekeeper's
-    WAL equals the primary's.
+    WAL equals the primary's. With archive-corruption rounds, also that no safekeeper removed a segment
+    whose WAL the archive does not hold.
 
-    Exits 0 when every check passed, 1 on a lost write, a WAL mismatch or a failed round.
+    Exits 0 when every check passed, 1 on a lost write, a WAL mismatch, a segment removed without its
+    archived copy or a failed round.
     """
     chosen = parse_kinds(kinds)
     partitions = "partition" in chosen
@@ -784,15 +1023,28 @@ def main(rounds: int, seed: int | None, base_dir: Path | None, writers: int, rou
     old_term = signal.signal(signal.SIGTERM, _raise_interrupted)
     code = 1
     hosts: netns.Hosts | None = None
+    servers = contextlib.ExitStack()  # moto_server, stopped by its PID however the run ends
     try:
         if partitions:
             hosts = netns.Hosts(SAFEKEEPERS)
             print("chaos: safekeepers run in network namespaces at "
                   + ", ".join(f"{h.namespace} ({h.address})" for h in hosts), flush=True)
-        d = Deployment(base, hosts, standby=any(k in chosen for k in FAILOVER_KINDS), link_security=link_security)
+        archive, endpoint = None, None
+        if "archive-corruption" in chosen and archive_store == "s3":
+            os.environ.update(s3.AWS_ENV)  # dummy credentials, inherited by the safekeepers and the tools
+            os.environ.pop("AWS_ENDPOINT_URL", None)
+            endpoint = servers.enter_context(s3.moto_server(base))
+            s3.make_bucket(endpoint, "chaos")
+            archive = "s3://chaos/archive"
+            print(f"chaos: the archive is s3://chaos/archive at {endpoint} (moto_server)", flush=True)
+        elif "archive-corruption" in chosen:
+            archive = f"file://{base / 'archive'}"
+        d = Deployment(base, hosts, standby=any(k in chosen for k in FAILOVER_KINDS), link_security=link_security,
+                       archive=archive, s3_endpoint=endpoint)
         chaos = Chaos(d, summary, rounds, writers, round_timeout, chosen)
         chaos.run()
-        ok = summary.lost == 0 and summary.wal_mismatches == 0 and summary.unsafe_acks == 0
+        ok = summary.lost == 0 and summary.wal_mismatches == 0 and summary.unsafe_acks == 0 \
+            and summary.unverified_removals == 0
         summary.result = "ok" if ok else "fail"
         code = 0 if ok else 1
     except ChaosFailure as e:
@@ -820,6 +1072,7 @@ def main(rounds: int, seed: int | None, base_dir: Path | None, writers: int, rou
             summary.unknown = summary.unknown or chaos.unknown()
         if d is not None:
             d.close()
+        servers.close()
         if hosts is not None:
             hosts.close()  # again, in case the deployment was never made
         signal.signal(signal.SIGINT, old_int)

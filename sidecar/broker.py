@@ -78,6 +78,42 @@ def uploader_key(cluster: str, timeline: int) -> str:
     return timeline_prefix(cluster, timeline) + "uploader"
 
 
+def entry_key_beside(uploader: str, node_id: int) -> str:
+    """A key of safekeeper `node_id`'s entry in the timeline of the `uploader` key: it hangs on that
+    safekeeper's lease, as the uploader key does when that safekeeper holds it."""
+    return uploader.removesuffix("uploader") + f"safekeepers/{node_id}/last_updated"
+
+
+@dataclass(frozen=True)
+class UploaderHolder:
+    """Who holds a timeline's upload lease key, as etcd has it: its value, its lease, and whether a
+    safekeeper entry of the id it names hangs on that same lease (False: no safekeeper wrote the key)."""
+
+    value: str
+    lease: int
+    published: bool
+
+    @property
+    def node_id(self) -> int | None:
+        return int(self.value) if self.value.isdigit() else None
+
+    def describe(self) -> str:
+        return f"{self.value[:64]!r} (lease {self.lease:x})" if self.lease else f"{self.value[:64]!r} (no lease)"
+
+
+async def uploader_holder(broker: Broker, key: str) -> UploaderHolder | None:
+    """The holder of upload lease key `key`, None when nobody holds it."""
+    held = await broker.holder(key)
+    if held is None:
+        return None
+    value, lease = held
+    published = False
+    if lease and value.isdigit():
+        entry = await broker.holder(entry_key_beside(key, int(value)))
+        published = entry is not None and entry[1] == lease
+    return UploaderHolder(value, lease, published)
+
+
 @dataclass(frozen=True)
 class SafekeeperState:
     """What one safekeeper publishes about one timeline, about once a second."""
@@ -388,9 +424,11 @@ class LeaseElection:
         self.key = key
         lease = await self.lease.ensure()
         held = await self.broker.holder(key)
-        if held is not None and held[1] != lease and (held[1] == 0 or not held[0].isdigit()):
-            # No safekeeper writes the key without a lease, nor with anything but its id: whoever has
-            # write access to etcd put it there, and a key without a lease would stop uploads for ever.
+        if held is not None and held[1] != lease and (h := await uploader_holder(self.broker, key)) is not None \
+                and not h.published:
+            # A safekeeper writes the key with its id, under the lease its own entry hangs on. Anything
+            # else came from whoever has write access to etcd: a key without a lease would stop uploads
+            # for ever, and one on a lease the writer keeps renewing as long as it likes.
             get_logger(node=self.node_id).warning("an upload lease key no safekeeper wrote; deleting it",
                                                   key=key, value=held[0][:64], lease=held[1])
             await self.broker.delete_if(key, held[1])

@@ -8,11 +8,12 @@ import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass
+from collections.abc import Collection
 from typing import Literal
 
 import psycopg
 
-from sidecar.broker import STALE_AFTER, Broker, BrokerError, read_clusters
+from sidecar.broker import STALE_AFTER, Broker, BrokerError, UploaderHolder, read_clusters, uploader_holder, uploader_key
 from sidecar.config import CheckSettings
 from sidecar.consensus import lineage
 from sidecar.consensus.messages import InfoReply
@@ -567,8 +568,11 @@ class Checker:
         except TlsError as e:
             self.add(_fail("broker", str(e), "fix --certs-dir"))
             return
+        holder: UploaderHolder | None = None
         try:
             timelines = (await read_clusters(broker, cluster)).get(cluster, {})
+            if timelines:
+                holder = await uploader_holder(broker, uploader_key(cluster, max(timelines)))
         except BrokerError as e:
             self.add(_fail("broker", f"unreachable: {e}. Commits and reads go on, but the uploader's hand-over and "
                                      "WAL removal wait for it", f"start etcd at {where}, or fix --broker"))
@@ -585,6 +589,7 @@ class Checker:
         entries = timelines[tl]
         up = f", uploader {entries.uploader}" if entries.uploader is not None else ""
         self.add(_ok("broker", f"{where}: {len(entries.safekeepers)} safekeeper(s) publish under {prefix}{tl}/{up}"))
+        self._uploader(holder, entries.safekeepers, f"{prefix}{tl}/")
         by_address = {e.address: e for e in entries.safekeepers.values()}
         now = time.time()
         for addr in s.safekeepers:
@@ -606,6 +611,37 @@ class Checker:
                                "is its clock right? read its log for the broker's error"))
             else:
                 self.add(_ok(name, detail))
+
+
+    def _uploader(self, holder: UploaderHolder | None, published: Collection[int], prefix: str) -> None:
+        """Who holds the upload lease, if not one of the safekeepers checked: none of them uploads meanwhile.
+        Also the entries of ids that are none of theirs (only when every safekeeper answered with its id)."""
+        ours = set(self.ids.values())
+        everyone = len(self.ids) == len(self.s.safekeepers)
+        strangers = sorted(set(published) - ours) if everyone else []
+        if strangers:
+            self.add(_warn("broker entries", f"{prefix}safekeepers/ holds entries of id(s) "
+                                             f"{', '.join(map(str, strangers))}, none of the safekeepers checked (ids "
+                                             f"{', '.join(map(str, sorted(ours)))}): the safekeepers count their "
+                                             "positions when they decide who may upload",
+                           "if these are safekeepers of this cluster, add them to --safekeepers; if not, someone "
+                           "with write access to etcd wrote them: find who, and revoke their lease "
+                           "(etcdctl lease revoke ID)"))
+        if holder is None or (holder.published and (holder.node_id in ours or not everyone)):
+            return  # nobody yet, one of the safekeepers checked, or one we cannot tell apart from them
+        key = f"{prefix}uploader"
+        if not holder.published:
+            self.add(_warn("broker uploader", f"{key} is held by {holder.describe()}, a key no safekeeper wrote (not "
+                                              "on the lease of a safekeeper entry of that id): no safekeeper uploads "
+                                              "while it stands", "the safekeepers delete such a key at their next "
+                                              "round; if it stays, read their logs for 'an upload lease key no "
+                                              "safekeeper wrote', and find who writes to etcd"))
+            return
+        self.add(_warn("broker uploader", f"{key} is held by {holder.describe()}, which is none of the safekeepers "
+                                          f"checked (ids {', '.join(map(str, sorted(ours)))}): the uploader is not "
+                                          "uploading for them, and their WAL removal waits for the archive",
+                       f"if safekeeper {holder.value[:64]} belongs to this cluster, check it; if not, someone with write "
+                       f"access to etcd holds the lease: revoke it (etcdctl lease revoke {holder.lease:x})"))
 
 
 def render(s: CheckSettings, checks: list[Check], fmt: str) -> str:

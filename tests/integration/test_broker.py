@@ -110,3 +110,101 @@ def test_safekeepers_publish_to_etcd_and_commits_never_wait_for_it(pg_factory: C
     assert writer.error is None
     with d.sql() as c:
         assert c.execute("SELECT count(*) FROM load WHERE id <= %s", (acked[-1],)).fetchone()[0] == len(acked)
+
+
+def test_an_upload_lease_written_into_etcd_is_named_by_check_and_stops_uploads_only_while_it_looks_real(
+        pg_factory: Callable[..., PgServer], procs: ProcessTracker, test_dir, etcd: EtcdServer) -> None:
+    """Write access to etcd (audit-2 L-6): an upload lease key on a live lease that no safekeeper's entry hangs on
+    is deleted by the safekeepers, so uploads go on; one dressed up with an entry of its own (an id that is no
+    safekeeper of the cluster) still holds them up, and `check` names it, its lease, and the archive falling behind."""
+    from sidecar.broker import safekeepers_prefix, uploader_key
+    from sidecar.lsn import DEFAULT_SEGMENT_SIZE as SEG, format_lsn, parse_lsn
+    from sidecar.safekeeper.control import load_control
+
+    pg = pg_factory(settings={"synchronous_standby_names": APP})
+    d = Deployment(pg, procs, test_dir)
+    for i in (1, 2, 3):
+        d.extra[f"safekeeper{i}"] = ["--broker", etcd.url, "--broker-lease", str(LEASE),
+                                     "--archive", f"file://{test_dir / 'archive'}"]
+    d.start_all()
+    with d.sql() as c:
+        c.execute("CREATE TABLE load (id int, pad text)")
+        cluster = str(c.execute("SELECT system_identifier FROM pg_control_system()").fetchone()[0])
+    key = uploader_key(cluster, 1)
+
+    def holder() -> tuple[str, int] | None:
+        async def read() -> tuple[str, int] | None:
+            broker = Broker([etcd.url])
+            try:
+                return await broker.holder(key)
+            finally:
+                broker.close()
+        return asyncio.run(read())
+
+    def backup_lsn() -> int:
+        return min(load_control(d.sk_dir(i)).state.backup_lsn for i in (1, 2, 3))
+
+    def switch(n: int) -> int:
+        """n segments committed and completed; the end of the last."""
+        with d.sql() as c:
+            for i in range(n):
+                c.execute("INSERT INTO load VALUES (%s, 'x')", (i,))
+                c.execute("SELECT pg_switch_wal()")
+            c.execute("INSERT INTO load VALUES (-1, 'after')")
+            lsn = parse_lsn(c.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()[0])
+        return lsn - lsn % SEG
+
+    def forge(values: dict[str, str]) -> int:
+        """Write `values` on a lease of 600 s (alive for the whole test, as if renewed); the lease."""
+        async def write() -> int:
+            broker = Broker([etcd.url])
+            try:
+                lease = await broker.grant(600)
+                assert await broker.put_all(values, lease)
+                return lease
+            finally:
+                broker.close()
+        return asyncio.run(write())
+
+    def revoke(lease: int) -> None:
+        broker = Broker([etcd.url])
+        try:
+            asyncio.run(broker.revoke(lease))
+        finally:
+            broker.close()
+
+    wait_for(lambda: (h := holder()) is not None and h[0] in ("1", "2", "3"), timeout=30,
+             what="a safekeeper to take the upload lease")
+    # A key on a live lease, naming an id no safekeeper publishes under that lease: deleted, uploads go on.
+    forge({key: "99"})
+    wait_for(lambda: (h := holder()) is not None and h[0] in ("1", "2", "3"), timeout=30,
+             what="the safekeepers to delete the forged upload lease key and one of them to take it again")
+    end = switch(2)
+    wait_for(lambda: backup_lsn() >= end, timeout=60, what=f"uploads up to {format_lsn(end)} after the forged key")
+    log = "".join(d.log_path(f"safekeeper{i}").read_text() for i in (1, 2, 3))
+    deleted = [line for line in log.splitlines() if "an upload lease key no safekeeper wrote; deleting it" in line]
+    assert deleted and all("99" in line for line in deleted), deleted or log[-3000:]
+
+    # The same key with an entry of id 99 on its lease, as a safekeeper would write them: obeyed, so nobody
+    # uploads; check names the holder and its lease, the stranger's entry, and the archive falling behind.
+    prefix = safekeepers_prefix(cluster, 1)
+    lease = forge({f"{prefix}99/last_updated": f"{time.time():.3f}", f"{prefix}99/commit_lsn": "0/0", key: "99"})
+    wait_for(lambda: (h := holder()) == ("99", lease), timeout=30, what="the forged holder to stand")
+    stalled = backup_lsn()
+    switch(6)
+    out = walsidecar("check", "--pg-dsn", d.pg.dsn(), "--safekeepers", ",".join(d.addresses), "--broker", etcd.url,
+                     "--format", "json", *d.tls("client"))
+    checks = {c["name"]: c for c in json.loads(out.stdout)["checks"]}
+    uploader = checks.get("broker uploader")
+    assert uploader is not None and uploader["status"] == "WARNING", out.stdout
+    assert "'99'" in uploader["detail"] and f"lease {lease:x}" in uploader["detail"] and \
+        "not uploading" in uploader["detail"], uploader
+    assert checks["broker entries"]["status"] == "WARNING" and "99" in checks["broker entries"]["detail"]
+    assert backup_lsn() == stalled, "nobody uploads while the forged holder stands"
+    archive = [c for c in json.loads(out.stdout)["checks"] if c["name"] == "archive"]
+    assert archive and all(c["status"] == "WARNING" and "falls behind" in c["detail"] for c in archive), archive
+
+    # Its lease revoked, the safekeepers take the key again and the archive catches up.
+    revoke(lease)
+    end = switch(1)
+    wait_for(lambda: backup_lsn() >= end, timeout=60, what="uploads to resume once the forged lease is revoked")

@@ -49,6 +49,28 @@ def test_no_acknowledged_write_is_lost_under_chaos(test_dir: Path) -> None:
     run_chaos(test_dir / "chaos", "--seed", "1")
 
 
+@pytest.mark.timeout(480)  # verify-archive runs Spark at the end
+def test_a_corrupt_archive_is_named_and_no_safekeeper_removes_what_it_does_not_hold(test_dir: Path) -> None:
+    # Each archive-corruption round plants a same-size object of random bytes under the name of the segment
+    # the primary writes (every safekeeper must name it, keep that segment and, once it is set aside, upload
+    # the right one) and flips a bit in an archived object (verify-archive must name it at the end); the run
+    # then checks every segment a safekeeper removed against the primary's copy in the archive.
+    fields = run_chaos(test_dir / "chaos", "--seed", "3", "--writers", "2",
+                       "--kinds", "safekeeper,sidecar,archive-corruption", timeout=420)
+    assert int(fields["archive_plants"]) >= 1 and int(fields["archive_flips"]) >= 1, fields
+    assert fields["unverified_removals"] == "0", fields
+    assert int(fields["safekeeper_kills"]) + int(fields["sidecar_kills"]) >= 1, fields
+
+
+@pytest.mark.timeout(480)
+def test_a_corrupt_s3_archive_is_named_and_no_safekeeper_removes_what_it_does_not_hold(test_dir: Path) -> None:
+    # The same rounds against a bucket of a moto_server (started and stopped by chaos.py).
+    fields = run_chaos(test_dir / "chaos", "--seed", "5", "--writers", "2", "--kinds", "archive-corruption",
+                       "--archive-store", "s3", timeout=420, rounds=2)
+    assert fields["archive_plants"] == "2" and fields["archive_flips"] == "2", fields
+    assert fields["unverified_removals"] == "0", fields
+
+
 @needs_netns
 def test_no_acknowledged_write_is_lost_under_partitions_and_kills(test_dir: Path) -> None:
     # Seed 1 draws: sidecar kill, safekeeper kill, two safekeepers cut off, one cut off,

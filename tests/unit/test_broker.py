@@ -10,6 +10,7 @@ import pytest
 
 from sidecar.broker import (
     Broker, BrokerError, Lease, LeaseElection, SafekeeperState, group_states, parse_endpoints, safekeepers_prefix,
+    entry_key_beside,
     uploader_key,
 )
 from sidecar.certs import create_node
@@ -87,22 +88,26 @@ def test_one_uploader_at_a_time_and_the_next_takes_over_when_its_lease_ends(etcd
         brokers = [Broker([etcd.url]) for _ in range(3)]
         elections = [LeaseElection(b, Lease(b, ttl=2), node_id=i + 1) for i, b in enumerate(brokers)]
         key = uploader_key("c", 1)
+
+        async def campaign(e: LeaseElection, eligible: bool) -> None:
+            await publish(e, key)  # as the publisher does before each campaign
+            await e.campaign(key, eligible=eligible)
         try:
-            await elections[0].campaign(key, eligible=False)  # lagging: does not take it
+            await campaign(elections[0], eligible=False)  # lagging: does not take it
             for e in elections[1:]:
-                await e.campaign(key, eligible=True)
+                await campaign(e, eligible=True)
             assert [e.may_upload(0) for e in elections] == [False, True, False]
             assert [e.holder for e in elections] == [None, 2, 2]
             # The holder falls behind: it resigns, and the next eligible one takes the key.
-            await elections[1].campaign(key, eligible=False)
-            await elections[2].campaign(key, eligible=True)
+            await campaign(elections[1], eligible=False)
+            await campaign(elections[2], eligible=True)
             assert [e.may_upload(0) for e in elections] == [False, False, True]
             # The holder dies (its lease is never renewed): after the TTL another takes over.
-            await elections[0].campaign(key, eligible=True)
+            await campaign(elections[0], eligible=True)
             assert not elections[0].may_upload(0)
 
             async def taken_over() -> bool:
-                await elections[0].campaign(key, eligible=True)
+                await campaign(elections[0], eligible=True)
                 return elections[0].may_upload(0)
             await until(taken_over, "safekeeper 1 to take the upload lease", timeout=15, interval=0.2)
             # The old holder, were it to wake, sees the lease as stale and stops at once.
@@ -114,21 +119,38 @@ def test_one_uploader_at_a_time_and_the_next_takes_over_when_its_lease_ends(etcd
     asyncio.run(main())
 
 
+async def publish(e: LeaseElection, key: str) -> None:
+    """An entry of e's safekeeper beside `key`, on its lease (what the publisher writes each round)."""
+    await e.broker.put_all({entry_key_beside(key, e.node_id): "0"}, await e.lease.ensure())
+
+
 def test_an_upload_lease_key_no_safekeeper_wrote_does_not_stop_uploads(etcd: EtcdServer) -> None:
-    """Write access to etcd (audit-2 L-6): a key without a lease, or naming no safekeeper, is not a holder."""
+    """Write access to etcd (audit-2 L-6): a key without a lease, naming no safekeeper, or on a lease no
+    safekeeper's entry hangs on (one its writer may renew for ever) is not a holder."""
     async def main() -> None:
-        b = Broker([etcd.url])
+        b, forger = Broker([etcd.url]), Broker([etcd.url])
         election = LeaseElection(b, Lease(b, ttl=5), node_id=1)
         key = uploader_key("c", 1)
         try:
-            for forged in ("99", "someone"):
-                await b._call("forge", lambda c: c.put(key, forged))  # no lease: it would never expire
+            lease = await forger.grant(600)  # alive for the whole test
+            forgeries = [("99", 0), ("someone", 0), ("99", lease), ("1", lease), ("2", lease)]
+            for value, on in forgeries:
+                await forger.put_all({key: value}, on) if on else await b._call("forge", lambda c: c.put(key, value))
+                await publish(election, key)
                 await election.campaign(key, eligible=True)
-                assert election.may_upload(0) and election.holder == 1, forged
+                assert election.may_upload(0) and election.holder == 1, (value, on)
                 assert (await b.holder(key)) == ("1", election.lease.id)
                 await election.resign()
+            # A safekeeper's own key, on the lease its entry hangs on, is obeyed.
+            other = LeaseElection(forger, Lease(forger, ttl=5), node_id=2)
+            await publish(other, key)
+            await other.campaign(key, eligible=True)
+            await publish(election, key)
+            await election.campaign(key, eligible=True)
+            assert not election.may_upload(0) and election.holder == 2
         finally:
             b.close()
+            forger.close()
 
     asyncio.run(main())
 
