@@ -116,9 +116,16 @@ def _disk_limit(value: str | None) -> str | None:
     return value
 
 
+def _commit_wait(value: str) -> str:
+    from sidecar.proposer.commitwait import parse_commit_wait
+    parse_commit_wait(value)
+    return value
+
+
 # Kept as the operator wrote them (for --help and errors); sidecar/sizes.py reads them.
 Size = Annotated[str | None, AfterValidator(_size), Metavar("SIZE")]
 DiskLimitText = Annotated[str | None, AfterValidator(_disk_limit), Metavar("SIZE|PCT%")]
+CommitWaitPolicy = Annotated[str, AfterValidator(_commit_wait), Metavar("POLICY")]
 
 
 class Settings(BaseSettings):
@@ -351,6 +358,12 @@ class StartSettings(ArchiveSettings, ClusterSettings, SafekeepersMixin, PrimaryS
     quorum_wait_alert: float = Field(10.0, ge=0, description="Log an error and set "
                                      "walsidecar_proposer_quorum_wait_alert when WAL has waited this many seconds "
                                      "for the quorum (commits are hanging); 0 turns it off.")
+    commit_wait: CommitWaitPolicy = Field(
+        "wait", description="What a commit waiting for the quorum does while fewer than a quorum of safekeepers "
+        "are up. wait: it waits until they are back (never acknowledged below the quorum). terminate-after=T "
+        "(e.g. 30s): a backend that waited T in SyncRep without a quorum is terminated "
+        "(pg_terminate_backend, never a cancel), so its client gets an error and the commit's outcome is "
+        "unknown to it; nothing is ever acknowledged without the quorum. Needs pg_signal_backend.")
 
 
 class CheckSettings(BrokerSettings, SafekeepersMixin, PrimarySettings, TlsSettings):
