@@ -303,6 +303,7 @@ class ProposerMonitor:
             "quorum": self._quorum(),
             "safekeepers_configured": len(view.peers()),
             "quorum_available": self._quorum_available(),
+            "commit_wait": str(opts.commit_wait),
             "limbo": {
                 "pending_bytes": self.limbo.pending_bytes,
                 "oldest_lsn": format_lsn(oldest[0]) if oldest else None,
