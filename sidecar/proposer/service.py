@@ -375,11 +375,12 @@ class ProposerService:
                         await self._terminate_waiter(sql, waiting[w.key], "no-quorum", waited=now - w.since,
                                                      without_quorum=now - (policy.no_quorum_since or now))
                 failed = False
-            except (psycopg.Error, OSError, PoolTimeout) as e:
-                # Observing the primary must never stop the proposer: the next look may work.
+            except Exception as e:
+                # Any failure: ending waits must never stop the proposer, and the next look may work.
                 if not failed:
                     self.log.warning("cannot look at the commits waiting in SyncRep; trying again",
-                                     error=pgerrors.first_line(e), commit_wait=str(self.options.commit_wait))
+                                     error=pgerrors.first_line(e),
+                                     commit_wait=str(self.options.commit_wait))
                 failed = True
 
     async def _end_waits_for_good(self, pool: AsyncConnectionPool) -> None:
