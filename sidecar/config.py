@@ -407,8 +407,8 @@ class InitPostgresSettings(PrimarySettings):
 
     command: ClassVar[str] = "init-postgres"
     pg_dsn: PgDsn = Field(min_length=1, description="libpq connection string of the primary. Connect as a superuser.")
-    role: str = Field("walsidecar", description="Role to create with LOGIN REPLICATION and pg_monitor for the "
-                                                "sidecar; '' for none.")
+    role: str = Field("walsidecar", description="Role to create with LOGIN REPLICATION, pg_monitor and "
+                                                "pg_signal_backend for the sidecar; '' for none.")
     max_slot_wal_keep_size: str = Field("10GB", description="Set when unlimited (-1): WAL the primary keeps for a "
                                                             "safekeeper that stays down.")
     sync: Literal["auto", "on", "off"] = Field("auto", description="Name the sidecar in an empty "
