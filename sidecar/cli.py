@@ -239,6 +239,7 @@ def start(s: StartSettings) -> None:
     from psycopg.conninfo import conninfo_to_dict
 
     from sidecar.http import run_with_endpoint
+    from sidecar.proposer.commitwait import parse_commit_wait
     from sidecar.proposer.monitor import ProposerMonitor
     from sidecar.proposer.primary import PrimaryConfigError
     from sidecar.proposer.options import StartOptions
@@ -264,7 +265,8 @@ def start(s: StartSettings) -> None:
         service = ProposerService(StartOptions(s.pg_dsn, s.safekeepers, s.quorum, s.application_name, s.slot,
                                                s.allow_primary_mismatch, s.wal_buffer * 1024 * 1024, ctx, readers,
                                                primary_retention=parse_size(s.primary_retention) if s.primary_retention else None,
-                                               archive=(s.archive, s.s3_endpoint, s.cluster) if s.archive else None))
+                                               archive=(s.archive, s.s3_endpoint, s.cluster) if s.archive else None,
+                                               commit_wait=parse_commit_wait(s.commit_wait)))
         monitor = ProposerMonitor(service, s.quorum_wait_alert or None)  # reads the service's published view
         service.subscribe(monitor)
         endpoint = _endpoint(monitor, s.metrics, s.certs_dir)

@@ -116,9 +116,16 @@ def _disk_limit(value: str | None) -> str | None:
     return value
 
 
+def _commit_wait(value: str) -> str:
+    from sidecar.proposer.commitwait import parse_commit_wait
+    parse_commit_wait(value)
+    return value
+
+
 # Kept as the operator wrote them (for --help and errors); sidecar/sizes.py reads them.
 Size = Annotated[str | None, AfterValidator(_size), Metavar("SIZE")]
 DiskLimitText = Annotated[str | None, AfterValidator(_disk_limit), Metavar("SIZE|PCT%")]
+CommitWaitPolicy = Annotated[str, AfterValidator(_commit_wait), Metavar("POLICY")]
 
 
 class Settings(BaseSettings):
@@ -351,6 +358,12 @@ class StartSettings(ArchiveSettings, ClusterSettings, SafekeepersMixin, PrimaryS
     quorum_wait_alert: float = Field(10.0, ge=0, description="Log an error and set "
                                      "walsidecar_proposer_quorum_wait_alert when WAL has waited this many seconds "
                                      "for the quorum (commits are hanging); 0 turns it off.")
+    commit_wait: CommitWaitPolicy = Field(
+        "wait", description="What a commit waiting for the quorum does while fewer than a quorum of safekeepers "
+        "are up. wait: it waits until they are back (never acknowledged below the quorum). terminate-after=T "
+        "(e.g. 30s): a backend that waited T in SyncRep without a quorum is terminated "
+        "(pg_terminate_backend, never a cancel), so its client gets an error and the commit's outcome is "
+        "unknown to it; nothing is ever acknowledged without the quorum. Needs pg_signal_backend.")
 
 
 class CheckSettings(BrokerSettings, SafekeepersMixin, PrimarySettings, TlsSettings):
@@ -394,8 +407,8 @@ class InitPostgresSettings(PrimarySettings):
 
     command: ClassVar[str] = "init-postgres"
     pg_dsn: PgDsn = Field(min_length=1, description="libpq connection string of the primary. Connect as a superuser.")
-    role: str = Field("walsidecar", description="Role to create with LOGIN REPLICATION and pg_monitor for the "
-                                                "sidecar; '' for none.")
+    role: str = Field("walsidecar", description="Role to create with LOGIN REPLICATION, pg_monitor and "
+                                                "pg_signal_backend for the sidecar; '' for none.")
     max_slot_wal_keep_size: str = Field("10GB", description="Set when unlimited (-1): WAL the primary keeps for a "
                                                             "safekeeper that stays down.")
     sync: Literal["auto", "on", "off"] = Field("auto", description="Name the sidecar in an empty "

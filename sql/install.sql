@@ -43,6 +43,8 @@ SELECT format('CREATE ROLE %I LOGIN REPLICATION', :'role')
 SELECT format('ALTER ROLE %I REPLICATION', :'role')
  WHERE :'role' <> '' AND EXISTS (SELECT 1 FROM pg_roles WHERE rolname = :'role' AND NOT rolreplication) \gexec
 SELECT format('GRANT pg_monitor TO %I', :'role') WHERE :'role' <> '' \gexec
+-- Terminating commits that wait in SyncRep (--commit-wait terminate-after, a fenced-out primary).
+SELECT format('GRANT pg_signal_backend TO %I', :'role') WHERE :'role' <> '' \gexec
 SELECT format('GRANT CONNECT ON DATABASE %I TO %I', current_database(), :'role') WHERE :'role' <> '' \gexec
 
 -- 2. Settings. wal_level, max_wal_senders and max_replication_slots need a restart.

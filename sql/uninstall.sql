@@ -42,5 +42,7 @@ SELECT format('REVOKE CONNECT ON DATABASE %I FROM %I', current_database(), :'rol
  WHERE :'role' <> '' AND EXISTS (SELECT 1 FROM pg_roles WHERE rolname = :'role') \gexec
 SELECT format('REVOKE pg_monitor FROM %I', :'role')
  WHERE :'role' <> '' AND EXISTS (SELECT 1 FROM pg_roles WHERE rolname = :'role') \gexec
+SELECT format('REVOKE pg_signal_backend FROM %I', :'role')
+ WHERE :'role' <> '' AND EXISTS (SELECT 1 FROM pg_roles WHERE rolname = :'role') \gexec
 SELECT format('DROP ROLE %I', :'role')
  WHERE :'role' <> '' AND EXISTS (SELECT 1 FROM pg_roles WHERE rolname = :'role') \gexec

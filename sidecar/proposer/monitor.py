@@ -303,6 +303,7 @@ class ProposerMonitor:
             "quorum": self._quorum(),
             "safekeepers_configured": len(view.peers()),
             "quorum_available": self._quorum_available(),
+            "commit_wait": str(opts.commit_wait),
             "limbo": {
                 "pending_bytes": self.limbo.pending_bytes,
                 "oldest_lsn": format_lsn(oldest[0]) if oldest else None,
@@ -318,6 +319,7 @@ class ProposerMonitor:
                 "sync_state": pr.sync_state,
                 "replication_state": pr.replication_state,
                 "slots": pr.slots,
+                "commits_terminated": dict(pr.commits_terminated),
                 # The error text can name hosts and users: the log has it, a stranger need not.
                 "error": "unreachable (see the proposer's log)" if pr.error else None,
                 "polled_seconds_ago": round(now - pr.polled_at, 1) if pr.polled_at else None,
@@ -398,6 +400,12 @@ class ProposerMonitor:
                         pr.commits_waiting)
             yield gauge("walsidecar_primary_commit_wait_oldest_seconds",
                         "How long the oldest SyncRep waiter's statement has run.", pr.oldest_wait_seconds or 0.0)
+        terminated = counter("walsidecar_primary_commits_terminated",
+                             "Backends the sidecar terminated while they waited in SyncRep (their clients got an "
+                             "error): reason no-quorum (--commit-wait terminate-after) or lineage-ended.", ["reason"])
+        for reason in ("no-quorum", "lineage-ended"):
+            terminated.add_metric([reason], pr.commits_terminated.get(reason, 0))
+        yield terminated
         if pr.polled_at is None or pr.error is not None:
             return
         status = gauge("walsidecar_primary_slot_wal_status",

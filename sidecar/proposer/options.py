@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sidecar.linkauth import Security
+from sidecar.proposer.commitwait import CommitWait
 from sidecar.proposer.primary import catchup_slot
 
 
@@ -29,6 +30,8 @@ class StartOptions:
     # The safekeepers' archive as (URL, S3 endpoint, cluster name): WAL that neither the primary nor any
     # safekeeper of the term holds any more comes from it. None: not from an archive.
     archive: tuple[str, str | None, str | None] | None = None
+    # What happens to commits that wait in SyncRep while there is no quorum (--commit-wait).
+    commit_wait: CommitWait = CommitWait()
 
     @property
     def catchup_slot(self) -> str:

@@ -20,6 +20,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wai
 from sidecar.logs import get_logger
 from sidecar.lsn import INVALID_LSN, format_lsn, parse_lsn
 from sidecar.pgrepl import check_slot_name
+from sidecar.proposer.commitwait import WaiterKey
 from sidecar.proposer.syncrep import sql_literal, standby_names_warnings
 
 log = get_logger(role="proposer")
@@ -405,6 +406,50 @@ async def read_syncrep_state(conn: psycopg.AsyncConnection, application_name: st
                         parse_lsn(sidecar_flush) if sidecar_flush else None)
 
 
+# --- commits waiting in SyncRep, and ending them ------------------------------------------
+
+
+@dataclass(frozen=True)
+class SyncRepWaiter:
+    """A backend whose commit waits in SyncRep: `key` names this wait, `xid` its transaction."""
+
+    key: WaiterKey
+    xid: str | None  # pg_xact_status(xid) later says whether it committed
+    user: str | None
+    application_name: str | None
+    client_addr: str | None
+    flush_lsn: int  # the primary's flush position when it was seen: its commit record is at or below it
+
+
+async def read_syncrep_waiters(conn: psycopg.AsyncConnection) -> list[SyncRepWaiter]:
+    """The commits waiting in SyncRep now (every role's only with pg_monitor or pg_read_all_stats)."""
+    # The transaction keeps its xid while it waits: the commit record is written, ProcArray not yet cleared.
+    cur = await conn.execute(
+        """
+        SELECT pid, backend_start::text, query_start::text, backend_xid::text, usename, application_name,
+               host(client_addr), pg_current_wal_flush_lsn()::text
+        FROM pg_stat_activity WHERE wait_event = 'SyncRep' AND pid <> pg_backend_pid()
+        ORDER BY query_start
+        """)
+    return [SyncRepWaiter(WaiterKey(pid, started or "", query or ""), xid, user, app, addr, parse_lsn(flush))
+            for pid, started, query, xid, user, app, addr, flush in await cur.fetchall()]
+
+
+async def terminate_waiter(conn: psycopg.AsyncConnection, key: WaiterKey) -> bool:
+    """pg_terminate_backend the backend of this very wait, if it still waits; True once signalled.
+
+    Never pg_cancel_backend: a cancelled SyncRep wait tells the client its commit succeeded.
+    Raises psycopg.Error when the role may not (pg_signal_backend cannot end a superuser's backend).
+    """
+    cur = await conn.execute(
+        """
+        SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+        WHERE pid = %s AND backend_start::text = %s AND query_start::text = %s AND wait_event = 'SyncRep'
+        """, (key.pid, key.backend_start, key.query_start))
+    row = await cur.fetchone()
+    return bool(row and row[0])
+
+
 # --- the poller --------------------------------------------------------------------------
 
 
@@ -420,6 +465,8 @@ class PrimarySnapshot:
     sync_state: str | None = None
     replication_state: str | None = None
     slots: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Backends the sidecar terminated in SyncRep, by reason (no-quorum: --commit-wait; lineage-ended).
+    commits_terminated: dict[str, int] = field(default_factory=dict)
 
 
 class PrimaryPoller:

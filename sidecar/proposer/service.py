@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from typing import Protocol
 
 import google_crc32c
 import psycopg
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from sidecar.consensus import codec, limits, primary_check
@@ -26,6 +27,7 @@ from sidecar.proposer import pgerrors, primary
 from sidecar.proposer.actions import exhausted_text, log_event, log_fields, refused_text
 from sidecar.proposer import replication as repl
 from sidecar.ops.archivedwal import ArchiveError
+from sidecar.proposer.commitwait import SyncRepWaiters, TerminateAfter
 from sidecar.proposer.catchup import ArchiveReader, DamagedArchiveSegment, DonorReader, PrimaryReader, reader_address
 from sidecar.proposer.options import StartOptions
 from sidecar.proposer.peers import PeerLink
@@ -36,6 +38,7 @@ from sidecar.walclient import ReaderError
 ELECTION_TIMEOUT = 5.0
 HEARTBEAT_INTERVAL = 1.0
 CATCHUP_SLOT_INTERVAL = 5.0
+COMMIT_WAIT_POLL = 1.0  # how often terminate-after looks at the SyncRep waiters: its precision
 RECONNECT_MIN, RECONNECT_MAX = 0.5, 5.0
 # The walsender's "requested WAL segment ... has already been removed": the primary's pg_wal lacks it.
 WAL_REMOVED = "58P01"
@@ -128,6 +131,9 @@ class ProposerService:
         self.last_term = 0
         self._reached = -1  # safekeepers streaming when _say_reach last spoke
         self._refusals: dict[str, int] = {}  # refusals in a row, by safekeeper
+        self._waits = SyncRepWaiters()
+        cw = options.commit_wait
+        self._terminate = TerminateAfter(cw.after) if cw.policy == "terminate" else None
 
     def subscribe(self, observer: ProposerObserver) -> None:
         """Call `observer`'s hooks from now on, and run it alongside the service."""
@@ -156,6 +162,13 @@ class ProposerService:
     def primary_poll(self) -> primary.PrimarySnapshot:
         return self._primary
 
+    @property
+    def has_quorum(self) -> bool:
+        """Whether a quorum of safekeepers is elected in a streaming term: only then can the reported flush move."""
+        core = self.core
+        return (core is not None and core.phase is Phase.STREAMING
+                and sum(p.elected for p in core.peers.values()) >= self.options.quorum)
+
     def peer(self, name: str) -> PeerView | None:
         link = self.links.get(name)
         if link is None:
@@ -180,6 +193,8 @@ class ProposerService:
                 poller = self._spawn(primary.PrimaryPoller(
                     pool, self.options.application_name, (self.options.slot, self.options.catchup_slot),
                     self._primary).run())
+                if self._terminate is not None:
+                    background.append(self._spawn(self._enforce_commit_wait(pool, self._terminate)))
                 try:
                     while True:  # each attachment ends when the advisory lock is lost
                         async for attempt in AsyncRetrying(
@@ -236,6 +251,11 @@ class ProposerService:
             keeper = self._spawn(self._advance_catchup_slot(pool))
             try:
                 await self.stream_terms(lock, info)
+            except LineageFenced:
+                # No term will ever acknowledge these commits: their clients would hang until
+                # someone stops this primary. Before exiting, end each wait with an error.
+                await self._end_waits_for_good(pool)
+                raise
             finally:
                 keeper.cancel()
         finally:
@@ -337,6 +357,74 @@ class ProposerService:
                 with contextlib.suppress(psycopg.Error):
                     async with pool.connection() as sql:
                         await primary.advance_slot(sql, self.options.catchup_slot, everywhere)
+
+    # ---- commits waiting in SyncRep (--commit-wait, and a fenced-out primary) -------------------
+
+    async def _enforce_commit_wait(self, pool: AsyncConnectionPool, policy: TerminateAfter) -> None:
+        """terminate-after=T: every COMMIT_WAIT_POLL, end the waits that lasted T without a quorum."""
+        failed = False
+        while True:
+            await asyncio.sleep(COMMIT_WAIT_POLL)
+            try:
+                async with pool.connection() as sql:
+                    waiting = {w.key: w for w in await primary.read_syncrep_waiters(sql)}
+                    now = time.monotonic()
+                    quorum = self.has_quorum
+                    due = policy.decide(now, self._waits.observe(now, waiting), quorum)
+                    for w in due:
+                        await self._terminate_waiter(sql, waiting[w.key], "no-quorum", waited=now - w.since,
+                                                     without_quorum=now - (policy.no_quorum_since or now))
+                failed = False
+            except Exception as e:
+                # Any failure: ending waits must never stop the proposer, and the next look may work.
+                if not failed:
+                    self.log.warning("cannot look at the commits waiting in SyncRep; trying again",
+                                     error=pgerrors.first_line(e),
+                                     commit_wait=str(self.options.commit_wait))
+                failed = True
+
+    async def _end_waits_for_good(self, pool: AsyncConnectionPool) -> None:
+        """A failover ended this primary's timeline: terminate every commit waiting in SyncRep, once."""
+        try:
+            async with pool.connection() as sql:
+                waiting = await primary.read_syncrep_waiters(sql)
+                ended = 0
+                for w in waiting:
+                    ended += await self._terminate_waiter(sql, w, "lineage-ended")
+        except (psycopg.Error, OSError, PoolTimeout) as e:
+            self.log.critical("cannot terminate the commits waiting in SyncRep on this fenced-out primary: their "
+                              "clients keep waiting until it is stopped", term=self.term,
+                              error=pgerrors.first_line(e))
+            return
+        self.log.critical(f"terminated {ended} of {len(waiting)} commits waiting in SyncRep on this fenced-out "
+                          "primary: their clients get an error, never an acknowledgement; commits that start "
+                          "now wait until it is stopped and rejoined as a standby", term=self.term,
+                          terminated=ended, waiting=len(waiting), reported_flush_lsn=format_lsn(self._sent_flush))
+
+    async def _terminate_waiter(self, sql: psycopg.AsyncConnection, w: primary.SyncRepWaiter, reason: str,
+                                **seconds: float) -> bool:
+        """pg_terminate_backend one waiter (never a cancel: that tells the client its commit succeeded)."""
+        # Which LSN a backend waits for is not visible in SQL: its commit record lies above the flush
+        # this sidecar reported (when it streamed) and at or below the primary's flush when it was seen;
+        # pg_xact_status(xid) tells the transaction's outcome later.
+        fields = dict(pid=w.key.pid, xid=w.xid, user=w.user, application_name=w.application_name,
+                      client_addr=w.client_addr, term=self.term, reason=reason,
+                      commit_lsn_above=format_lsn(self._sent_flush) if self._sent_flush else None,
+                      commit_lsn_at_most=format_lsn(w.flush_lsn),
+                      **{f"{k}_seconds": round(v, 1) for k, v in seconds.items()})
+        try:
+            done = await primary.terminate_waiter(sql, w.key)
+        except psycopg.Error as e:
+            self.log.error("cannot terminate a commit waiting in SyncRep; give the sidecar's role pg_signal_backend "
+                           "(a superuser's backend needs a superuser)", error=pgerrors.first_line(e), **fields)
+            return False
+        if done:
+            counts = self._primary.commits_terminated
+            counts[reason] = counts.get(reason, 0) + 1
+            self.log.error("terminated a backend waiting in SyncRep: its client gets an error, not an "
+                           "acknowledgement; the transaction is in the primary's WAL and its outcome unknown "
+                           "to the client", **fields)
+        return done
 
     # ---- safekeeper links ------------------------------------------------------------------
 

@@ -127,14 +127,24 @@ def test_failover_promotes_the_standby_with_every_acknowledged_commit(deployment
         assert code == 0 and "already a primary" in out, out
         assert [d.term(i) for i in (1, 2, 3)] == before
 
-        # The old primary comes back: its sidecar (never stopped) gets nothing acknowledged.
-        old_sidecar = d.members["proposer"].log_path
+        # The old primary comes back with a commit waiting on it: its sidecar gets nothing acknowledged and,
+        # before it exits, terminates the waiting backend, whose client gets an error instead of hanging.
+        # (Its sidecar starts after the commit waits, so that the commit cannot start after it left.)
+        d.stop("proposer")
         d.pg.start()
         thread, result = start_commit(d.pg.dsn(), "INSERT INTO load VALUES (-3, 'on the old primary')")
         wait_for(lambda: syncrep_waiters(d) >= 1, timeout=30, what="the old primary's commit to wait")
+        d.start("proposer")
+        old_sidecar = d.members["proposer"].log_path
         wait_for(lambda: "refusing to stream" in old_sidecar.read_text(), timeout=60,
                  what="the old sidecar to be refused")
-        assert not result
+        thread.join(timeout=30)
+        assert not thread.is_alive() and "done" not in result, result
+        assert isinstance(result.get("error"), psycopg.OperationalError), result
+        log = old_sidecar.read_text()
+        assert "terminated 1 of 1 commits waiting in SyncRep on this fenced-out primary" in log, log[-3000:]
+        assert "reason=lineage-ended" in log
+        wait_for(lambda: syncrep_waiters(d) == 0, timeout=30, what="no commit left waiting on the old primary")
         # `check` on it says it is the old primary and how to rejoin.
         check = walsidecar("check", "--pg-dsn", d.pg.dsn(), "--safekeepers", ",".join(d.addresses),
                            *d.tls("client"))

@@ -396,6 +396,8 @@ def test_init_postgres_views_and_uninstall(pg_factory, procs: ProcessTracker, te
     with psycopg.connect(pg.dsn(), autocommit=True) as c:
         assert c.execute("SELECT pending_restart FROM pg_settings WHERE name = 'max_wal_senders'").fetchone()[0]
         assert c.execute("SELECT rolreplication FROM pg_roles WHERE rolname = 'walsidecar'").fetchone()[0]
+        # It may terminate commits waiting in SyncRep (--commit-wait terminate-after, a fenced-out primary).
+        assert c.execute("SELECT pg_has_role('walsidecar', 'pg_signal_backend', 'MEMBER')").fetchone()[0]
         assert c.execute("SELECT count(*) FROM walsidecar.slots WHERE wal_status = 'reserved'").fetchone()[0] == 2
         assert c.execute("SELECT protecting_commits FROM walsidecar.status").fetchone()[0] is False
     pg.restart()

@@ -95,6 +95,8 @@ CASES = [
     ((*SK, "--data-dir", "{d}/sk", "--listen", "127.0.0.1:{free}", "--metrics", "{taken}"),
      "cannot listen on {taken} for the safekeeper metrics endpoint (--metrics): Address already in use"),
     ((*START, "--metrics", "{taken}"), "cannot listen on {taken} for the proposer metrics endpoint (--metrics)"),
+    ((*START, "--commit-wait", "degrade-after=10s"), "write wait (the default) or terminate-after=DURATION"),
+    ((*START, "--commit-wait", "terminate-after=soon"), "terminate-after=soon: 'soon' is not a duration"),
     # certificates
     (("safekeeper", "--id", "1", "--data-dir", "{d}/sk", "--listen", "127.0.0.1:7601", "--certs-dir", "{d}/nocerts"),
      "lacks ca.crt, node.crt, node.key"),

@@ -8,6 +8,7 @@ import structlog
 
 from sidecar.consensus.proposer import Campaign, ElectionWon, PeerJoined, Phase
 from sidecar.lsn import format_lsn
+from sidecar.proposer.commitwait import parse_commit_wait
 from sidecar.proposer.monitor import CATCHING_UP_BYTES, ProposerMonitor
 from sidecar.proposer.options import StartOptions
 from sidecar.proposer.primary import PrimarySnapshot
@@ -170,3 +171,15 @@ def test_a_safekeeper_far_behind_is_logged_catching_up_when_it_joins() -> None:
         monitor.event(PeerJoined(PEERS[0], 4, BOOT))
     assert [(e["event"], e["peer"], e["behind_bytes"]) for e in logs] == [
         ("safekeeper catching up", PEERS[0], CATCHING_UP_BYTES + 100)]
+
+
+def test_the_commit_wait_policy_and_the_terminated_commits_show() -> None:
+    view = FakeView(options=StartOptions("dbname=none", PEERS, 2, commit_wait=parse_commit_wait("terminate-after=30s")))
+    monitor = ProposerMonitor(view, clock=Clock())
+    assert monitor.status()["commit_wait"] == "terminate-after=30s"
+    assert sample(monitor, "walsidecar_primary_commits_terminated_total", reason="no-quorum") == 0
+    view.primary_poll.commits_terminated.update({"no-quorum": 3, "lineage-ended": 1})
+    assert sample(monitor, "walsidecar_primary_commits_terminated_total", reason="no-quorum") == 3
+    assert sample(monitor, "walsidecar_primary_commits_terminated_total", reason="lineage-ended") == 1
+    assert monitor.status()["primary"]["commits_terminated"] == {"no-quorum": 3, "lineage-ended": 1}
+    assert ProposerMonitor(FakeView(), clock=Clock()).status()["commit_wait"] == "wait"

@@ -505,3 +505,24 @@ def test_a_standby_promoted_below_the_term_start_is_refused_saying_why() -> None
             await h.stop()
 
     run(main())
+
+
+def test_has_quorum_only_while_a_quorum_is_elected_in_a_streaming_term() -> None:
+    """What --commit-wait terminate-after asks before ending a wait."""
+    async def main() -> None:
+        h = Harness()
+        assert not h.service.has_quorum  # no term
+        h.start()
+        try:
+            await h.streaming()
+            await until(lambda: h.service.has_quorum, "a quorum in the term")
+            h.link(2).drop()
+            assert h.service.has_quorum  # 2 of 3
+            h.link(1).drop()
+            assert not h.service.has_quorum
+            h.link(1).reconnect()
+            await until(lambda: h.service.has_quorum, "the quorum back")
+        finally:
+            await h.stop()
+
+    run(main())
