@@ -18,7 +18,7 @@ import google_crc32c
 
 from sidecar.consensus.messages import TermEntry, TimelineEntry
 from sidecar.consensus.state import AcceptorState
-from sidecar.safekeeper.storage import write_durably
+from sidecar.durable import write_durably
 
 CONTROL_FILE = "safekeeper.control"
 CONTROL_MAGIC = b"WSKC"
