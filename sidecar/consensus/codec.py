@@ -40,11 +40,10 @@ from sidecar.consensus.messages import (
     Refusal,
     TermEntry,
     TermHistory,
-    TimelineEntry,
-    TimelineHistory,
     VoteReply,
     VoteRequest,
 )
+from sidecar.timelines import TimelineEntry, TimelineHistory
 
 __all__ = [
     "FRAME_HEADER_SIZE",

@@ -16,7 +16,8 @@ from sidecar.broker import STALE_AFTER, Broker, BrokerError, read_clusters
 from sidecar.config import CheckSettings
 from sidecar.consensus.messages import InfoReply
 from sidecar.lsn import format_lsn, parse_lsn
-from sidecar.ops.probe import ProbeError, connect, fetch_status, probe_safekeeper, redact_dsn
+from sidecar.ops.probe import connect, fetch_status, redact_dsn
+from sidecar.skclient import ProbeError, probe_safekeeper
 from sidecar.proposer import pgerrors, syncrep
 from sidecar.proposer.primary import catchup_slot, quote_ident, read_syncrep_state
 from sidecar.linkauth import client_security

@@ -21,7 +21,7 @@ from psycopg.conninfo import conninfo_to_dict
 from sidecar.address import Address
 from sidecar.config import FailoverSettings
 from sidecar.consensus import primary_check
-from sidecar.consensus.messages import TimelineHistory
+from sidecar.timelines import TimelineHistory
 from sidecar.consensus.proposer import ProposerConfig, VerifyPrimary
 from sidecar.linkauth import client_security
 from sidecar.lsn import format_lsn, parse_lsn

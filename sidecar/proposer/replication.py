@@ -17,10 +17,9 @@ import psycopg
 from psycopg import pq
 
 from sidecar import pgrepl
-from sidecar.consensus.messages import TimelineEntry
+from sidecar.timelines import TimelineEntry
 from sidecar.lsn import format_lsn, parse_lsn
-from sidecar.pgrepl import parse_timeline_history
-from sidecar.proposer.primary import check_slot_name
+from sidecar.pgrepl import check_slot_name, parse_timeline_history
 
 __all__ = ["ReplicationClient", "ReplicationError", "ReplicationStream", "TimelineEnded", "connect_replication",
            "identify_system", "parse_timeline_history", "read_slot", "timeline_history"]

@@ -13,7 +13,8 @@ from psycopg_pool import AsyncConnectionPool
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from sidecar.consensus import codec, limits, primary_check
-from sidecar.consensus.messages import GreetingReply, Message, Refusal, TimelineHistory
+from sidecar.consensus.messages import GreetingReply, Message, Refusal
+from sidecar.timelines import TimelineHistory
 from sidecar.consensus.proposer import (
     Action, DropPeer, ElectionWon, FetchWal, GreetingsRefused, Phase, Proposer, ProposerConfig, ProposerEvent, ReportStatus,
     Send, StartStreaming, TermLost, TermsExhausted, VerifyPrimary,
@@ -25,7 +26,7 @@ from sidecar.logs import get_logger
 from sidecar.proposer import pgerrors, primary
 from sidecar.proposer.actions import exhausted_text, log_event, log_fields, refused_text
 from sidecar.proposer import replication as repl
-from sidecar.ops.archivedwal import ArchiveError
+from sidecar.archivedwal import ArchiveError
 from sidecar.proposer.catchup import ArchiveReader, DamagedArchiveSegment, DonorReader, PrimaryReader, reader_address
 from sidecar.proposer.options import StartOptions
 from sidecar.proposer.peers import PeerLink

@@ -16,7 +16,8 @@ from typing import Any
 
 import google_crc32c
 
-from sidecar.consensus.messages import TermEntry, TimelineEntry
+from sidecar.consensus.messages import TermEntry
+from sidecar.timelines import TimelineEntry
 from sidecar.consensus.state import AcceptorState
 from sidecar.durable import write_durably
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sidecar.consensus.messages import TimelineHistory
+from sidecar.timelines import TimelineHistory
 from sidecar.durable import StorageError, fsync_dir, pwrite_all, write_durably
 from sidecar.lsn import format_lsn, parse_segment_file_name, segment_file_name
 from sidecar.pgrepl import format_timeline_history, history_file_name, timeline_of

@@ -17,8 +17,9 @@ import structlog
 from support.helpers import run, until
 from sidecar.consensus.messages import (
     Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply, Message, TermEntry, TermHistory,
-    Refusal, TimelineEntry, VoteReply, VoteRequest,
+    Refusal, VoteReply, VoteRequest,
 )
+from sidecar.timelines import TimelineEntry
 from sidecar.consensus.proposer import Campaign, ElectionWon, Phase, ProposerEvent, Streaming
 from sidecar.proposer.catchup import DamagedArchiveSegment
 from sidecar.proposer.options import StartOptions

@@ -10,7 +10,8 @@ from pathlib import Path
 import google_crc32c
 import pytest
 
-from sidecar.consensus.messages import TermEntry, TimelineEntry
+from sidecar.consensus.messages import TermEntry
+from sidecar.timelines import TimelineEntry
 from sidecar.consensus.state import AcceptorState
 from sidecar.safekeeper.control import (
     CONTROL_FILE, ControlData, ControlFileError, load_control, remove_leftovers, save_control,
