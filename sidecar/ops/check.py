@@ -69,7 +69,7 @@ def _reload_hint(setting: str, value: str) -> str:
     return f"ALTER SYSTEM SET {setting} = {value}; SELECT pg_reload_conf();"
 
 
-class Checker:
+class SetupChecker:
     """Runs the checks against one primary and its safekeepers."""
 
     def __init__(self, s: CheckSettings) -> None:
@@ -617,7 +617,7 @@ def render(s: CheckSettings, checks: list[Check], fmt: str) -> str:
 def run_check(s: CheckSettings) -> int:
     """Print the checks; the exit code is 1 if any FAILED."""
     try:
-        checker = Checker(s)
+        checker = SetupChecker(s)
     except TlsError as e:
         print(f"walsidecar check: {e}", file=sys.stderr, flush=True)
         return 2

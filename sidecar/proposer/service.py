@@ -46,7 +46,7 @@ PERMANENT_TRIES = 3  # a wrong password or a missing database: tries before givi
 STATUS_DELAY = 0.01
 
 
-class Link(Protocol):
+class SafekeeperLink(Protocol):
     """A safekeeper link as the service drives it (`PeerLink`; a fake in tests)."""
 
     name: str
@@ -67,7 +67,7 @@ class Link(Protocol):
 
 
 LinkFactory = Callable[[str, Callable[[str], None], Callable[[str, Message], None], Callable[[str], None],
-                        Security], Link]
+                        Security], SafekeeperLink]
 
 
 class HeldLock(Protocol):
@@ -94,7 +94,7 @@ class ProposerService:
         self.options = options
         self.log = get_logger(role="proposer")
         self.core: Proposer | None = None
-        self.links: dict[str, Link] = {
+        self.links: dict[str, SafekeeperLink] = {
             name: link_factory(name, self._peer_up, self._peer_message, self._peer_down, options.ssl_context)
             for name in options.safekeepers}
         self.replication = replication if replication is not None else repl.ReplicationClient(options.pg_dsn)

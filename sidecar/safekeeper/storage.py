@@ -266,7 +266,7 @@ class WalStorage:
         self._timeline = timeline
         self._history = history
         self._lock = threading.Lock()        # guards every field below
-        self._flush_lock = threading.Lock()  # one flush/truncate/close at a time
+        self._fdatasync_lock = threading.Lock()  # one flush/truncate/close at a time
         self._files: dict[int, _File] = {}
         self._cur: _Open | None = None
         self._done: list[_Open] = []         # filled segments awaiting fdatasync + rename
@@ -330,7 +330,7 @@ class WalStorage:
                 if path.read_bytes() == content:
                     continue
             write_durably(path, content)
-        with self._flush_lock, self._lock:
+        with self._fdatasync_lock, self._lock:
             self._check_usable()
             self._timeline, self._history = timeline, history
             open_segs = {s.segno: s for s in self._done + ([self._cur] if self._cur else [])}
@@ -492,7 +492,7 @@ class WalStorage:
 
     def flush(self) -> int:
         """fdatasync everything written so far, give filled segments their final names; return flush_lsn."""
-        with self._flush_lock:
+        with self._fdatasync_lock:
             with self._lock:
                 self._check_usable()
                 if not self._positioned:
@@ -630,7 +630,7 @@ class WalStorage:
         On return the cut is durable and write_lsn = flush_lsn = lsn. A crash during the
         call leaves a prefix of the old WAL that ends at or after `lsn`.
         """
-        with self._flush_lock, self._lock:
+        with self._fdatasync_lock, self._lock:
             self._check_usable()
             if lsn < 0 or (self._files and lsn > self._write_lsn):
                 raise StorageError(
@@ -717,7 +717,7 @@ class WalStorage:
 
     def close(self) -> None:
         """Close every file without flushing (unsynced bytes may be lost, as in a crash)."""
-        with self._flush_lock, self._lock:
+        with self._fdatasync_lock, self._lock:
             if self._closed:
                 return
             for seg in self._done + ([self._cur] if self._cur else []):
