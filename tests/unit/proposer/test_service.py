@@ -142,7 +142,8 @@ class FakeStream:
     def resume(self) -> None:
         pass
 
-    def send_status(self, write: int, flush: int, apply: int) -> None:
+    def report(self, write: int, flush: int, apply: int) -> None:
+        # Every report, as the service hands it: when it would go out is the schedule's (test_statusschedule.py).
         self.statuses.append((write, flush, apply))
 
     def wal(self, lsn: int, data: bytes) -> int:
