@@ -166,7 +166,8 @@ class ReplicationStream:
         self.schedule = StatusSchedule(keepalive_interval=keepalive_interval)
         self._status_pending = False  # a status could not be queued: poll again once writable
         self._poll_handle: asyncio.Handle | None = None  # a poll at the end of this pass of the event loop
-        self._status_timer: asyncio.TimerHandle | None = None  # a poll when the schedule said
+        self._status_timer: asyncio.Handle | None = None  # a poll when the schedule said
+        self._status_timer_at = 0.0  # (uvloop's call_at of a past time gives a Handle without when())
         self._close_timer: asyncio.TimerHandle | None = None
         self._watchdog: asyncio.TimerHandle | None = None
 
@@ -322,11 +323,12 @@ class ReplicationStream:
         if isinstance(decision, float):
             # A timer already due sooner stays: it polls early and finds the later time. Moving it on every
             # status would cost more than that.
-            if self._status_timer is not None and self._status_timer.when() > decision:
+            if self._status_timer is not None and self._status_timer_at > decision:
                 self._status_timer.cancel()
                 self._status_timer = None
             if self._status_timer is None:
                 self._status_timer = self._loop.call_at(decision, self._status_timer_due)
+                self._status_timer_at = decision
 
     def _send(self, status: SendStatus) -> None:
         assert self._pg is not None and self._loop is not None

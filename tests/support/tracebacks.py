@@ -11,6 +11,9 @@ from pathlib import Path
 from typing import Any
 
 MARK = b"Traceback"
+# Logs of other programs that no tracker knows: moto_server (tests/support/s3.py) is Python, and its
+# tracebacks are its own.
+NOT_OURS = ("moto-*.log",)
 EXCERPT_LINES = 12
 
 
@@ -24,13 +27,13 @@ def is_walsidecar(argv: Iterable[str]) -> bool:
 def walsidecar_logs(test_dir: Path, started: Iterable[Any]) -> list[Path]:
     """The logs to scan: those of the started processes with a walsidecar command line, and every other `*.log`
     under `test_dir` (the members of a `walsidecar up`, restore-wal's output in a server log), except the logs
-    of started processes that are not walsidecar (etcd, an S3 stand-in, pgbench), which are not ours to judge."""
+    of started processes that are not walsidecar (etcd, pgbench) and moto_server's, which are not ours to judge."""
     ours, theirs = set(), set()
     for proc in started:
         path = getattr(proc, "log_path", None)
         if path is not None:
             (ours if is_walsidecar(getattr(proc, "argv", ())) else theirs).add(Path(path))
-    found = set(test_dir.rglob("*.log")) if test_dir.is_dir() else set()
+    found = {p for p in test_dir.rglob("*.log") if not any(p.match(g) for g in NOT_OURS)} if test_dir.is_dir() else set()
     return sorted(p for p in ours | (found - theirs) if p.is_file())
 
 
