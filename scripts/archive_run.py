@@ -40,7 +40,7 @@ from sidecar.lsn import DEFAULT_SEGMENT_SIZE as SEG  # noqa: E402
 from sidecar.lsn import format_lsn, parse_lsn, parse_segment_file_name  # noqa: E402
 from sidecar.objectstore import open_storage  # noqa: E402
 from sidecar.processes import sidecar_argv  # noqa: E402
-from sidecar.safekeeper.backup import wal_prefix  # noqa: E402
+from sidecar.archivedwal import wal_prefix  # noqa: E402
 from sidecar.safekeeper.control import load_control  # noqa: E402
 
 BUCKET = "walsidecar-run"

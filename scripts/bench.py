@@ -71,7 +71,7 @@ sys.path.insert(1, str(ROOT / "scripts"))  # bench_wal_analytics
 from sidecar.lsn import parse_lsn  # noqa: E402
 from sidecar.pgcluster import ClusterError, LocalCluster, find_bin_dir  # noqa: E402
 from sidecar.deployment import (  # noqa: E402
-    DeploymentError, LocalDeployment, MemberExited, ProcessMember, Safekeeper, free_port,
+    DeploymentError, LocalDeployment, MemberExited, ProcessMember, SafekeeperMember, free_port,
 )
 
 CONFIGS = ("async", "receivewal-1", "native-quorum", "walsidecar", "walsidecar-auth", "walsidecar-insecure",
@@ -343,7 +343,7 @@ def floor_binary(work: Path) -> Path:
     return exe
 
 
-class FloorSafekeeper(Safekeeper):
+class FloorSafekeeper(SafekeeperMember):
     """scripts/floor_safekeeper.c in a safekeeper's place: the floor of walsidecar-floor, for measuring only."""
 
     def argv(self) -> list[str]:

@@ -72,8 +72,9 @@ from sidecar.consensus.acceptor import (  # noqa: E402
 )
 from sidecar.consensus.messages import (  # noqa: E402
     PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply, InfoReply,
-    InfoRequest, Message, Refusal, TermEntry, TimelineEntry, VoteReply, VoteRequest,
+    InfoRequest, Message, Refusal, TermEntry, VoteReply, VoteRequest,
 )
+from sidecar.timelines import TimelineEntry  # noqa: E402
 from sidecar.consensus.session import AcceptorSession, Role  # noqa: E402
 from sidecar.consensus.state import AcceptorState  # noqa: E402
 from sidecar.safekeeper import pgserver  # noqa: E402

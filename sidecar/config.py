@@ -31,6 +31,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from sidecar.address import Address
+from sidecar.pgrepl import check_slot_name
 
 ENV_PREFIX = "WALSIDECAR_"
 
@@ -84,7 +85,6 @@ def _archive_url(value: str | None) -> str | None:
 
 
 def _slot(value: str) -> str:
-    from sidecar.proposer.primary import check_slot_name
     return check_slot_name(value)
 
 

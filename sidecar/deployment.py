@@ -380,7 +380,7 @@ class Standby(Primary):
         from sidecar.config import ReaderCredentials
         from sidecar.walclient import reader_conninfo
         source = self.d.members[self.source]
-        if not isinstance(source, Safekeeper) or source.reader_address is None or self.d.reader_passfile is None:
+        if not isinstance(source, SafekeeperMember) or source.reader_address is None or self.d.reader_passfile is None:
             raise DeploymentError(f"the standby streams from {self.source}'s reader port: make the deployment "
                                   "with readers")
         readers = self.d.reader_addresses
@@ -542,7 +542,7 @@ class SidecarMember(ProcessMember):
                             log_format=self.d.log_format)
 
 
-class Safekeeper(SidecarMember):
+class SafekeeperMember(SidecarMember):
     """A safekeeper; with the deployment's readers, also a reader port (`reader_address`) using its auth file."""
 
     role = "safekeeper"
@@ -567,7 +567,7 @@ class Safekeeper(SidecarMember):
                 *readers, *(["--peers", ",".join(peers)] if peers else [])]
 
 
-class Proposer(SidecarMember):
+class ProposerMember(SidecarMember):
     role = "proposer"
 
     @property
@@ -601,7 +601,7 @@ class LocalDeployment:
     `places` puts members elsewhere (a network namespace: its address and command wrapper), `extra` adds
     arguments to a member's every start, `spawn` starts each process (tests track them with it), `log`
     (a structlog logger) is told of each start and stop. `safekeeper_kind` and `proposer_kind` make those
-    members (called as the default Safekeeper and Proposer are). With `readers` every safekeeper serves
+    members (called as the default SafekeeperMember and ProposerMember are). With `readers` every safekeeper serves
     readers on a port of its own, user READER_USER with the password in `reader_passfile` (a libpq passfile).
     As a context manager it stops all it started.
     """
@@ -612,8 +612,8 @@ class LocalDeployment:
                  application_name: str = APP, log_format: str = "plain", places: Mapping[str, Place] | None = None,
                  extra: Mapping[str, Sequence[str]] | None = None, spawn: Spawn = start_child,
                  pick_port: Callable[[], int] = free_port, log: Any = None,
-                 safekeeper_kind: Callable[..., Member] = Safekeeper,
-                 proposer_kind: Callable[..., Member] = Proposer, readers: bool = True, peers: bool = False) -> None:
+                 safekeeper_kind: Callable[..., Member] = SafekeeperMember,
+                 proposer_kind: Callable[..., Member] = ProposerMember, readers: bool = True, peers: bool = False) -> None:
         self.base = Path(base).absolute()
         self.peers = peers  # each safekeeper gets the others as --peers (an empty one learns its term first)
         self.pick_port = pick_port
@@ -675,8 +675,8 @@ class LocalDeployment:
     def _processes(self) -> list[ProcessMember]:
         return [m for m in self.members.values() if isinstance(m, ProcessMember)]
 
-    def _safekeepers(self) -> list[Safekeeper]:
-        return [m for m in self.members.values() if isinstance(m, Safekeeper)]
+    def _safekeepers(self) -> list[SafekeeperMember]:
+        return [m for m in self.members.values() if isinstance(m, SafekeeperMember)]
 
     @property
     def addresses(self) -> list[str]:
@@ -747,7 +747,7 @@ class LocalDeployment:
         """Start every member not running yet, in the order added, then wait until streaming."""
         for member in self.members.values():
             if not member.running:
-                if isinstance(member, Proposer) and self.peers:
+                if isinstance(member, ProposerMember) and self.peers:
                     self._wait_terms_learned(timeout)
                 member.start()
         if wait:

@@ -17,7 +17,7 @@ from typing import IO
 from sidecar.config import UP_CONFIG, UP_LOCK, InitPostgresSettings
 from sidecar.ctl import ControlSocket, answer
 from sidecar.deployment import (
-    APP, LOOPBACK_HOST, ChildServer, DeploymentError, LocalDeployment, Safekeeper, Standby, free_port,
+    APP, LOOPBACK_HOST, ChildServer, DeploymentError, LocalDeployment, SafekeeperMember, Standby, free_port,
     start_tied_child,
 )
 from sidecar.logs import get_logger
@@ -111,7 +111,7 @@ class Embedded:
     def _back(self, name: str) -> str | None:
         """A safekeeper is back once the proposer streams to it (None until then); nothing to wait for otherwise."""
         member = self.d.members[name]
-        if not isinstance(member, Safekeeper) or not self.d.members["proposer"].running:
+        if not isinstance(member, SafekeeperMember) or not self.d.members["proposer"].running:
             return ""
         try:
             # The proposer's metrics are on loopback: plain HTTP (cli._endpoint).

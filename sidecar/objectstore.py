@@ -11,12 +11,11 @@ import base64
 import contextlib
 import hashlib
 import os
-import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from sidecar.safekeeper.storage import fsync_dir
+from sidecar.durable import fsync_dir, synced_temp
 
 
 class ObjectConflict(Exception):
@@ -122,23 +121,10 @@ class LocalStorage:
     @contextlib.contextmanager
     def _written(self, path: Path, data: bytes) -> Iterator[Path]:
         """A temp file beside `path` holding `data`, fsynced and checked; removed afterwards."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # A dot name: listings skip it, so a crash leaves nothing that looks like an object.
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            try:
-                view, off = memoryview(data), 0
-                while off < len(view):
-                    off += os.pwrite(fd, view[off:], off)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        with synced_temp(path, data) as tmp:
             if sha256(tmp.read_bytes()) != sha256(data):
                 raise OSError(f"{tmp}: the bytes read back differ from those written")
             yield tmp
-        finally:
-            tmp.unlink(missing_ok=True)
 
     def _same(self, key: str, path: Path, data: bytes) -> bool:
         self.compare(key, data)

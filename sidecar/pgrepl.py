@@ -11,7 +11,7 @@ import re
 import struct
 from dataclasses import dataclass
 
-from sidecar.consensus.messages import TimelineEntry, TimelineHistory
+from sidecar.timelines import TimelineEntry, TimelineHistory
 from sidecar.lsn import format_lsn, parse_lsn
 
 _W_HDR = struct.Struct(">cQQQ")  # b'w', walStart, serverWalEnd, sendTime

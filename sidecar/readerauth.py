@@ -21,6 +21,8 @@ from pathlib import Path
 
 from scramp import ScramMechanism
 
+from sidecar.durable import write_durably
+
 MECHANISM = "SCRAM-SHA-256"
 MECHANISM_PLUS = "SCRAM-SHA-256-PLUS"  # with tls-server-end-point channel binding, over TLS only
 ITERATIONS = 4096  # PostgreSQL's default scram_iterations
@@ -84,7 +86,6 @@ def mock_verifier(user: str, secret: bytes, salt_length: int = SALT_LENGTH, iter
 
 def mock_secret(path: Path) -> bytes:
     """The secret of the mock salts, made once and kept in `path` so that they survive restarts."""
-    from sidecar.safekeeper.storage import write_durably
     try:
         data = path.read_bytes()
         if len(data) == 32:
@@ -149,7 +150,6 @@ def parse(path: Path, text: str) -> dict[str, str]:
 
 
 def _save(path: Path, entries: dict[str, str]) -> None:
-    from sidecar.safekeeper.storage import write_durably
     body = "# walsidecar reader port: NAME:SCRAM-SHA-256 verifier (walsidecar readers add|remove|list)\n"
     body += "".join(f"{n}:{v}\n" for n, v in sorted(entries.items()))
     try:

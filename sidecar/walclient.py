@@ -20,7 +20,7 @@ from psycopg.conninfo import make_conninfo
 from sidecar import pgrepl
 from sidecar.address import Address
 from sidecar.config import ReaderCredentials
-from sidecar.consensus.messages import TimelineEntry
+from sidecar.timelines import TimelineEntry
 from sidecar.lsn import format_lsn, parse_lsn
 
 STATUS_INTERVAL = 1.0  # seconds between standby status messages (pg_receivewal's --status-interval)

@@ -23,6 +23,7 @@ from support.procs import ProcessTracker
 from support.etcd import EtcdServer
 from support.deployment import APP, Deployment
 from support.pki import TestPKI
+from support.tracebacks import report, tracebacks, walsidecar_logs
 
 _failed_key = pytest.StashKey[bool]()
 
@@ -129,7 +130,9 @@ def pg(pg_factory: Callable[..., PgServer]) -> PgServer:
 
 @pytest.fixture
 def procs(request: pytest.FixtureRequest, test_dir: Path) -> Iterator[ProcessTracker]:
-    """Tracks ManagedProcesses started in the test; SIGKILLs them all by PID at teardown."""
+    """Tracks ManagedProcesses started in the test; SIGKILLs them all by PID at teardown. Then fails the test if
+    a walsidecar process's log holds a traceback (`@pytest.mark.allow_traceback(reason)` exempts a test whose
+    point is an unhandled exception)."""
     tracker = ProcessTracker(test_dir / "procs")
     try:
         yield tracker
@@ -137,6 +140,11 @@ def procs(request: pytest.FixtureRequest, test_dir: Path) -> Iterator[ProcessTra
         tracker.kill_all()
         if _failed(request):
             print(tracker.log_tails(60))
+    # Once every process is gone and its log complete, and before the session removes the directories.
+    if not request.node.get_closest_marker("allow_traceback"):
+        found = tracebacks(walsidecar_logs(test_dir, tracker.started))
+        if found:
+            pytest.fail(report(found), pytrace=False)
 
 
 @pytest.fixture

@@ -168,7 +168,7 @@ def _backup_gaps(s: VerifyArchiveSettings, plan: Any) -> list[Any]:
     import asyncio
 
     from sidecar.linkauth import client_security
-    from sidecar.ops.probe import probe_safekeeper
+    from sidecar.skclient import probe_safekeeper
     from sidecar.wal.archive import backup_gaps, reported_mismatch
 
     if not s.safekeepers:

@@ -15,8 +15,9 @@ from sidecar.consensus import history as hist
 from sidecar.consensus import limits, lineage
 from sidecar.consensus.messages import (
     PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply,
-    InfoReply, Message, TimelineHistory, VoteReply, VoteRequest,
+    InfoReply, Message, VoteReply, VoteRequest,
 )
+from sidecar.timelines import TimelineHistory
 from sidecar.consensus.state import AcceptorState
 from sidecar.lsn import format_lsn
 

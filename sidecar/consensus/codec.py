@@ -41,12 +41,11 @@ from sidecar.consensus.messages import (
     Refusal,
     TermEntry,
     TermHistory,
-    TimelineEntry,
     TimelineFence,
-    TimelineHistory,
     VoteReply,
     VoteRequest,
 )
+from sidecar.timelines import TimelineEntry, TimelineHistory
 
 __all__ = [
     "FRAME_HEADER_SIZE",

@@ -6,7 +6,8 @@ make a safekeeper or the proposer store a number it cannot encode, name or move 
 
 from __future__ import annotations
 
-from sidecar.consensus.messages import TermHistory, TimelineFence, TimelineHistory
+from sidecar.consensus.messages import TermHistory, TimelineFence
+from sidecar.timelines import TimelineHistory
 
 # Terms fit a signed 64-bit integer, so a proposer can always campaign one above any term a
 # safekeeper has accepted and still encode it: a huge term can no longer end every election.

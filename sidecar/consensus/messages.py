@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sidecar.timelines import TimelineHistory
+
 # 2: Elected carries the primary's timeline and history, VoteReply the voter's timeline, GreetingReply
 # and InfoReply the safekeeper's reader port.
 # 3: VoteReply and Elected carry the timeline fence of a failover (TimelineFence).
@@ -21,16 +23,7 @@ class TermEntry:
     start_lsn: int
 
 
-@dataclass(frozen=True)
-class TimelineEntry:
-    """The primary switched away from `timeline` at `switch_lsn` (a PostgreSQL .history line)."""
-
-    timeline: int
-    switch_lsn: int
-
-
 TermHistory = tuple[TermEntry, ...]
-TimelineHistory = tuple[TimelineEntry, ...]
 
 
 @dataclass(frozen=True)

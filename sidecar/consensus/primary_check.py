@@ -11,7 +11,7 @@ below E means it lacks some, or holds other WAL there.
 
 from __future__ import annotations
 
-from sidecar.consensus.messages import TimelineHistory
+from sidecar.timelines import TimelineHistory
 from sidecar.consensus.proposer import VerifyPrimary
 from sidecar.lsn import format_lsn
 

@@ -19,8 +19,9 @@ from sidecar.consensus import codec, limits, lineage
 from sidecar.consensus import history as hist
 from sidecar.consensus.messages import (
     NO_FENCE, PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply,
-    Message, Refusal, TermHistory, TimelineFence, TimelineHistory, VoteReply, VoteRequest,
+    Message, Refusal, TermHistory, TimelineFence, VoteReply, VoteRequest,
 )
+from sidecar.timelines import TimelineHistory
 from sidecar.consensus.quorum import quorum_position
 from sidecar.consensus.walbuffer import WalBuffer
 

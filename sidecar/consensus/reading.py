@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sidecar.consensus.messages import TimelineHistory
+from sidecar.timelines import TimelineHistory
 from sidecar.lsn import format_lsn
 from sidecar.pgrepl import MAX_SEND_SIZE, timeline_end
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sidecar.consensus.messages import NO_FENCE, TermHistory, TimelineFence, TimelineHistory
+from sidecar.consensus.messages import NO_FENCE, TermHistory, TimelineFence
+from sidecar.timelines import TimelineHistory
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ from sidecar.config import CheckSettings
 from sidecar.consensus import lineage
 from sidecar.consensus.messages import InfoReply
 from sidecar.lsn import format_lsn, parse_lsn
-from sidecar.ops.probe import ProbeError, connect, fetch_status, probe_safekeeper, redact_dsn
+from sidecar.ops.probe import connect, fetch_status, redact_dsn
+from sidecar.skclient import ProbeError, probe_safekeeper
 from sidecar.proposer import pgerrors, syncrep
 from sidecar.proposer.primary import catchup_slot, quote_ident, read_syncrep_state
 from sidecar.linkauth import client_security
@@ -70,7 +71,7 @@ def _reload_hint(setting: str, value: str) -> str:
     return f"ALTER SYSTEM SET {setting} = {value}; SELECT pg_reload_conf();"
 
 
-class Checker:
+class SetupChecker:
     """Runs the checks against one primary and its safekeepers."""
 
     def __init__(self, s: CheckSettings) -> None:
@@ -660,7 +661,7 @@ def render(s: CheckSettings, checks: list[Check], fmt: str) -> str:
 def run_check(s: CheckSettings) -> int:
     """Print the checks; the exit code is 1 if any FAILED."""
     try:
-        checker = Checker(s)
+        checker = SetupChecker(s)
     except TlsError as e:
         print(f"walsidecar check: {e}", file=sys.stderr, flush=True)
         return 2

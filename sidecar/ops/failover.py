@@ -22,12 +22,13 @@ from psycopg.conninfo import conninfo_to_dict
 from sidecar.address import Address
 from sidecar.config import FailoverSettings
 from sidecar.consensus import primary_check
-from sidecar.consensus.messages import TimelineHistory
+from sidecar.timelines import TimelineHistory
 from sidecar.consensus.proposer import FailoverTerm, ProposerConfig, VerifyPrimary
 from sidecar.linkauth import client_security
 from sidecar.lsn import format_lsn, parse_lsn
 from sidecar.consensus.messages import InfoReply
-from sidecar.ops.probe import ProbeError, probe_safekeeper, redact_dsn
+from sidecar.ops.probe import redact_dsn
+from sidecar.skclient import ProbeError, probe_safekeeper
 from sidecar.pgrepl import history_file_name, parse_timeline_history
 from sidecar.proposer.catchup import DonorReader
 from sidecar.proposer.fence import Fence, FenceError, Fenced

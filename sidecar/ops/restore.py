@@ -25,7 +25,7 @@ from sidecar import pgrepl
 from sidecar.address import Address
 from sidecar.config import RestoreWalSettings
 from sidecar.logs import get_logger
-from sidecar.ops.archivedwal import AmbiguousArchive, ArchiveError, open_archived_wal
+from sidecar.archivedwal import AmbiguousArchive, ArchiveError, open_archived_wal
 from sidecar.lsn import format_lsn, parse_segment_file_name
 from sidecar.walclient import ReaderError, ReaderUnreachable, WalReader, copy_wal
 from sidecar.wal.format import WalFormatError

@@ -21,7 +21,8 @@ from sidecar.broker import Broker, read_clusters
 from sidecar.config import StatusSettings
 from sidecar.consensus.messages import InfoReply
 from sidecar.lsn import format_lsn, parse_lsn
-from sidecar.ops.probe import ProbeError, connect, fetch_status, probe_safekeeper, redact_dsn
+from sidecar.ops.probe import connect, fetch_status, redact_dsn
+from sidecar.skclient import ProbeError, probe_safekeeper
 from sidecar.proposer.primary import read_syncrep_state
 from sidecar.linkauth import client_security
 from sidecar.tls import TlsError, client_context

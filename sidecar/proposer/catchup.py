@@ -14,10 +14,10 @@ from typing import Protocol
 
 from sidecar.address import Address
 from sidecar.config import ReaderCredentials
-from sidecar.consensus.messages import TimelineHistory
+from sidecar.timelines import TimelineHistory
 from sidecar.consensus.proposer import MAX_APPEND
 from sidecar.lsn import format_lsn, segment_file_name
-from sidecar.ops.archivedwal import ArchivedWal, open_archived_wal
+from sidecar.archivedwal import ArchivedWal, open_archived_wal
 from sidecar.pgrepl import timeline_end, timeline_of
 from sidecar.proposer import replication as repl
 from sidecar.wal.format import WalFormatError

@@ -14,7 +14,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from sidecar.consensus import codec, limits, lineage
-from sidecar.consensus.messages import AppendReply, Message, TimelineFence, TimelineHistory
+from sidecar.consensus.messages import AppendReply, Message, TimelineFence
+from sidecar.timelines import TimelineHistory
 from sidecar.consensus.proposer import (
     DropPeer, ElectionWon, FetchWal, GreetingsRefused, Phase, Proposer, ProposerConfig, ProposerEvent, ReportStatus,
     Send, StartStreaming, TermLost, TermsExhausted, VerifyPrimary,

@@ -17,16 +17,14 @@ import psycopg
 from psycopg import pq
 
 from sidecar import pgrepl
-from sidecar.consensus.messages import TimelineEntry
+from sidecar.consensus.statusschedule import SendStatus, StatusSchedule
+from sidecar.timelines import TimelineEntry
 from sidecar.lsn import format_lsn, parse_lsn
-from sidecar.pgrepl import parse_timeline_history
-from sidecar.proposer.primary import check_slot_name
+from sidecar.pgrepl import check_slot_name, parse_timeline_history
 
 __all__ = ["ReplicationClient", "ReplicationError", "ReplicationStream", "TimelineEnded", "connect_replication",
            "identify_system", "parse_timeline_history", "read_slot", "timeline_history"]
 
-# A stopping primary asks for a reply after every reply; answering each at once is a busy loop.
-KEEPALIVE_ANSWER_MIN_INTERVAL = 0.1
 # How long a client-initiated close waits for the server to finish the COPY before dropping it.
 CLOSE_TIMEOUT = 5.0
 
@@ -121,8 +119,10 @@ class ReplicationStream:
 
     `on_wal(wal_start, payload)` runs in the reader callback for every XLogData; the payload
     memoryview owns its buffer and may be kept. `on_batch_end()` runs after each drained batch.
-    A status goes out every `keepalive_interval` s and asks for a reply when the primary has been
-    silent that long; silence for `server_timeout` s ends the stream with ReplicationError.
+    When a status goes out is `schedule`'s decision (consensus/statusschedule.py): positions handed to
+    `report()`, keepalives from the primary, and the time; it repeats the positions every
+    `keepalive_interval` s and asks for a reply when the primary has been silent that long. Silence for
+    `server_timeout` s ends the stream with ReplicationError.
     """
 
     def __init__(
@@ -163,15 +163,11 @@ class ReplicationStream:
         self._writing = False
         self._done: asyncio.Future[None] | None = None
 
-        # Last positions given to send_status(); every status message carries them.
-        self._write = 0
-        self._flush = 0
-        self._apply = 0
-        self._sent_positions: tuple[int, int, int] | None = None
-        self._last_status_at = 0.0
-        self._status_pending = False  # a status could not be queued: resend once writable
-        self._periodic: asyncio.TimerHandle | None = None
-        self._deferred_answer: asyncio.TimerHandle | None = None
+        self.schedule = StatusSchedule(keepalive_interval=keepalive_interval)
+        self._status_pending = False  # a status could not be queued: poll again once writable
+        self._poll_handle: asyncio.Handle | None = None  # a poll at the end of this pass of the event loop
+        self._status_timer: asyncio.Handle | None = None  # a poll when the schedule said
+        self._status_timer_at = 0.0  # (uvloop's call_at of a past time gives a Handle without when())
         self._close_timer: asyncio.TimerHandle | None = None
         self._watchdog: asyncio.TimerHandle | None = None
 
@@ -221,7 +217,7 @@ class ReplicationStream:
         self.last_received_at = self._loop.time()
         self._loop.add_reader(self._fd, self._on_readable)
         self._reading = True
-        self._schedule_periodic()
+        self._poll_soon()
         self._schedule_watchdog()
         # libpq may already hold messages that arrived with the CopyBothResponse; the socket
         # will not report them as readable.
@@ -241,24 +237,31 @@ class ReplicationStream:
             self._reading = True
             self._loop.call_soon(self._process, False)  # messages libpq already buffered
 
-    def send_status(self, write: int, flush: int, apply: int, reply_requested: bool = False) -> None:
-        """Send a Standby Status Update now; later periodic and keepalive replies repeat these positions.
+    def report(self, write: int, flush: int, apply: int) -> None:
+        """Positions for the primary; the schedule says when they go out (one that moves flush: at the end of
+        this pass of the event loop, so that several reports handled in it make one message).
 
         `write` and `apply` are capped at the WAL received; a `flush` beyond it or below an
         earlier one raises ValueError, because the walsender would believe it unchecked.
         """
+        self._take(write, flush, apply)
+        self._poll_soon()
+
+    def send_status(self, write: int, flush: int, apply: int, reply_requested: bool = False) -> None:
+        """Report these positions and send a Standby Status Update with them now (ValueError as report());
+        later periodic and keepalive replies repeat them."""
+        self._take(write, flush, apply)
+        if self._state is _State.STREAMING:
+            self._send(SendStatus(*self.schedule.positions, reply_requested=reply_requested))
+            self._poll_soon()
+
+    def _take(self, write: int, flush: int, apply: int) -> None:
         if flush > self.received_lsn:
             raise ValueError(
                 f"flush {format_lsn(flush)} is beyond the WAL received ({format_lsn(self.received_lsn)})"
             )
-        if flush < self._flush:
-            # The walsender would move the slot back, possibly onto removed WAL.
-            raise ValueError(f"flush went backwards: {format_lsn(flush)} < {format_lsn(self._flush)}")
-        self._write = min(write, self.received_lsn)
-        self._flush = flush
-        self._apply = min(apply, self.received_lsn)
-        if self._state is _State.STREAMING:
-            self._send_status(reply_requested)
+        now = self._loop.time() if self._loop is not None else 0.0
+        self.schedule.report(min(write, self.received_lsn), flush, min(apply, self.received_lsn), now)
 
     async def wait_closed(self) -> None:
         """Wait for the stream to end; raise ReplicationError or TimelineEnded unless close() ended it."""
@@ -293,13 +296,44 @@ class ReplicationStream:
 
     # --- status messages -------------------------------------------------------------------
 
-    def _positions(self) -> tuple[int, int, int]:
-        return self._write, self._flush, self._apply
+    def _poll_soon(self) -> None:
+        if self._loop is not None and self._poll_handle is None and self._state is _State.STREAMING:
+            self._poll_handle = self._loop.call_soon(self._poll_now)
 
-    def _send_status(self, reply_requested: bool = False) -> None:
+    def _poll_now(self) -> None:
+        self._poll_handle = None
+        self._poll()
+
+    def _status_timer_due(self) -> None:
+        self._status_timer = None
+        self._poll()
+
+    def _poll(self) -> None:
+        """Do what the schedule says: send a status now, or poll again at its time."""
+        if self._state is not _State.STREAMING or self._status_pending:
+            return  # a status waiting for the socket goes first (_on_writable polls again)
+        assert self._loop is not None
+        now = self._loop.time()
+        decision = self.schedule.poll(now, self.last_received_at)
+        if isinstance(decision, SendStatus):
+            self._send(decision)
+            if self._status_pending or self._state is not _State.STREAMING:
+                return
+            decision = self.schedule.poll(now, self.last_received_at)
+        if isinstance(decision, float):
+            # A timer already due sooner stays: it polls early and finds the later time. Moving it on every
+            # status would cost more than that.
+            if self._status_timer is not None and self._status_timer_at > decision:
+                self._status_timer.cancel()
+                self._status_timer = None
+            if self._status_timer is None:
+                self._status_timer = self._loop.call_at(decision, self._status_timer_due)
+                self._status_timer_at = decision
+
+    def _send(self, status: SendStatus) -> None:
         assert self._pg is not None and self._loop is not None
-        msg = pgrepl.encode_status(self._write, self._flush, self._apply, pgrepl.pg_time(time.time_ns()),
-                                   reply_requested)
+        msg = pgrepl.encode_status(status.write, status.flush, status.apply, pgrepl.pg_time(time.time_ns()),
+                                   status.reply_requested)
         try:
             if self._pg.put_copy_data(msg) == 0:
                 self._status_pending = True
@@ -311,51 +345,7 @@ class ReplicationStream:
             self._fail(_error_from(exc))
             return
         self.statuses_sent += 1
-        self._sent_positions = self._positions()
-        self._last_status_at = self._loop.time()
-        self._cancel_deferred_answer()
-        if self._periodic is None:
-            self._schedule_periodic()
-
-    def _answer_keepalive(self) -> None:
-        assert self._loop is not None
-        if self._positions() != self._sent_positions:
-            self._send_status()
-            return
-        due = self._last_status_at + KEEPALIVE_ANSWER_MIN_INTERVAL
-        if self._loop.time() >= due:
-            self._send_status()
-        elif self._deferred_answer is None:
-            self._deferred_answer = self._loop.call_at(due, self._deferred_answer_due)
-
-    def _deferred_answer_due(self) -> None:
-        self._deferred_answer = None
-        if self._state is _State.STREAMING:
-            self._send_status()
-
-    def _cancel_deferred_answer(self) -> None:
-        if self._deferred_answer is not None:
-            self._deferred_answer.cancel()
-            self._deferred_answer = None
-
-    def _schedule_periodic(self) -> None:
-        assert self._loop is not None
-        if self._periodic is not None:
-            self._periodic.cancel()
-        self._periodic = self._loop.call_at(self._last_status_at + self.keepalive_interval, self._periodic_due)
-
-    def _periodic_due(self) -> None:
-        self._periodic = None
-        if self._state is _State.STREAMING:
-            assert self._loop is not None
-            if self._loop.time() < self._last_status_at + self.keepalive_interval:
-                # A status went out since this timer was set; moving the timer on every status
-                # would cost more than this check.
-                self._schedule_periodic()
-                return
-            # While we send statuses the walsender never pings us; ask, so silence means trouble.
-            idle = self._loop.time() - self.last_received_at >= self.keepalive_interval
-            self._send_status(reply_requested=idle)
+        self.schedule.sent(status, self._loop.time())
 
     def _schedule_watchdog(self) -> None:
         assert self._loop is not None
@@ -400,7 +390,8 @@ class ReplicationStream:
             self._copy_end_sent = False
             self._process_after(self._send_copy_end)
         elif self._status_pending and self._state is _State.STREAMING:
-            self._send_status()
+            self._status_pending = False
+            self._poll()
 
     def _process_after(self, action: Callable[[], None]) -> None:
         try:
@@ -416,10 +407,7 @@ class ReplicationStream:
         if self._copy_end_sent:
             return
         self._copy_end_sent = True
-        self._cancel_deferred_answer()
-        if self._periodic is not None:
-            self._periodic.cancel()
-            self._periodic = None
+        self._cancel_status_polls()
         if self._pg.put_copy_end(None) == 0:
             self._copy_end_pending = True
             self._want_write()
@@ -494,7 +482,8 @@ class ReplicationStream:
         if delivered and self.on_batch_end is not None:
             self.on_batch_end()
         if answer and self._state is _State.STREAMING:
-            self._answer_keepalive()
+            self.schedule.keepalive()
+            self._poll()
 
     def _collect_results(self) -> None:
         assert self._pg is not None
@@ -558,11 +547,18 @@ class ReplicationStream:
         if self._state is not _State.DONE:
             self._fail(ReplicationError(f"the primary did not end the stream within {CLOSE_TIMEOUT} s"))
 
-    def _stop_io(self) -> None:
-        for handle in (self._periodic, self._deferred_answer, self._close_timer, self._watchdog):
+    def _cancel_status_polls(self) -> None:
+        for handle in (self._poll_handle, self._status_timer):
             if handle is not None:
                 handle.cancel()
-        self._periodic = self._deferred_answer = self._close_timer = self._watchdog = None
+        self._poll_handle = self._status_timer = None
+
+    def _stop_io(self) -> None:
+        self._cancel_status_polls()
+        for handle in (self._close_timer, self._watchdog):
+            if handle is not None:
+                handle.cancel()
+        self._close_timer = self._watchdog = None
         if self._loop is not None and self._fd >= 0:
             if self._reading:
                 self._loop.remove_reader(self._fd)

@@ -14,7 +14,8 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from sidecar.consensus import codec, limits, primary_check
-from sidecar.consensus.messages import GreetingReply, Message, Refusal, TimelineHistory
+from sidecar.consensus.messages import GreetingReply, Message, Refusal
+from sidecar.timelines import TimelineHistory
 from sidecar.consensus.proposer import (
     Action, DropPeer, ElectionWon, FetchWal, GreetingsRefused, LineageEnded, Phase, Proposer, ProposerConfig,
     ProposerEvent, ReportStatus, Send, StartStreaming, TermLost, TermsExhausted, VerifyPrimary,
@@ -26,7 +27,7 @@ from sidecar.logs import get_logger
 from sidecar.proposer import pgerrors, primary
 from sidecar.proposer.actions import exhausted_text, log_event, log_fields, refused_text
 from sidecar.proposer import replication as repl
-from sidecar.ops.archivedwal import ArchiveError
+from sidecar.archivedwal import ArchiveError
 from sidecar.proposer.commitwait import SyncRepWaiters, TerminateAfter
 from sidecar.proposer.catchup import ArchiveReader, DamagedArchiveSegment, DonorReader, PrimaryReader, reader_address
 from sidecar.proposer.options import StartOptions
@@ -43,12 +44,9 @@ RECONNECT_MIN, RECONNECT_MAX = 0.5, 5.0
 # The walsender's "requested WAL segment ... has already been removed": the primary's pg_wal lacks it.
 WAL_REMOVED = "58P01"
 PERMANENT_TRIES = 3  # a wrong password or a missing database: tries before giving up (in case it was being set up)
-# How long a status that moves only write or apply may wait to be sent (see _report); commits
-# with synchronous_commit = remote_write or remote_apply may wait this much longer.
-STATUS_DELAY = 0.01
 
 
-class Link(Protocol):
+class SafekeeperLink(Protocol):
     """A safekeeper link as the service drives it (`PeerLink`; a fake in tests)."""
 
     name: str
@@ -69,7 +67,7 @@ class Link(Protocol):
 
 
 LinkFactory = Callable[[str, Callable[[str], None], Callable[[str, Message], None], Callable[[str], None],
-                        Security], Link]
+                        Security], SafekeeperLink]
 
 
 class HeldLock(Protocol):
@@ -100,7 +98,7 @@ class ProposerService:
         self.options = options
         self.log = get_logger(role="proposer")
         self.core: Proposer | None = None
-        self.links: dict[str, Link] = {
+        self.links: dict[str, SafekeeperLink] = {
             name: link_factory(name, self._peer_up, self._peer_message, self._peer_down, options.ssl_context)
             for name in options.safekeepers}
         self.replication = replication if replication is not None else repl.ReplicationClient(options.pg_dsn)
@@ -122,10 +120,6 @@ class ProposerService:
         self._refusal: PrimaryMismatch | None = None
         self._seg_size = 0
         self._pending: list[memoryview] = []
-        self._status: tuple[repl.ReplicationStream, ReportStatus] | None = None  # latest, not yet sent
-        self._status_handle: asyncio.Handle | None = None  # when it goes out
-        self._status_urgent = False  # it moves flush: out at the end of this event loop pass
-        self._sent_flush = 0  # flush of the last status sent to the current stream
         self._pending_lsn = 0
         self._pg_version = 0
         self.last_term = 0
@@ -530,35 +524,16 @@ class ProposerService:
             o.committed(a.flush_lsn)
         if self.stream is None:
             return
-        # Commits wait for flush: a status that moves it goes out right after this pass of the event
-        # loop (replies from several safekeepers handled in it make one message). One that moves
-        # only write or apply waits up to STATUS_DELAY for the next one that moves flush, which
-        # spares the walsender a wake-up for every safekeeper's reply.
-        self._status = (self.stream, a)
-        loop = asyncio.get_running_loop()
-        if a.flush_lsn != self._sent_flush:
-            if not self._status_urgent:
-                if self._status_handle is not None:
-                    self._status_handle.cancel()
-                self._status_handle = loop.call_soon(self._send_status)
-                self._status_urgent = True
-        elif self._status_handle is None:
-            self._status_handle = loop.call_later(STATUS_DELAY, self._send_status)
+        # When it goes to the primary is the stream's status schedule (consensus/statusschedule.py).
+        self._hand_status(self.stream, a.write_lsn, a.flush_lsn, a.apply_lsn)
 
-    def _send_status(self) -> None:
-        pending, self._status = self._status, None
-        self._status_handle, self._status_urgent = None, False
-        if pending is None or pending[0] is not self.stream:
-            return  # the stream it was for has ended
-        stream, a = pending
+    def _hand_status(self, stream: repl.ReplicationStream, write: int, flush: int, apply: int) -> None:
         try:
-            stream.send_status(a.write_lsn, a.flush_lsn, a.apply_lsn)
-            self._sent_flush = a.flush_lsn
+            stream.report(write, flush, apply)
         except ValueError as e:
             # The stream refuses a flush it never sent or one going backwards: never tell the
             # primary that. It means a bug; end the term rather than report it.
-            self.log.critical("refusing to report an impossible position", error=str(e),
-                              flush_lsn=format_lsn(a.flush_lsn))
+            self.log.critical("refusing to report an impossible position", error=str(e), flush_lsn=format_lsn(flush))
             self._term_over.set()
 
     async def _stream(self, start_lsn: int) -> None:
@@ -573,9 +548,7 @@ class ProposerService:
         self.stream = stream
         try:
             await stream.start()
-            status = core.status()
-            stream.send_status(*status)
-            self._sent_flush = status[1]
+            self._hand_status(stream, *core.status())
             await stream.wait_closed()
             self.log.warning("replication stream ended", term=core.term)
         except repl.TimelineEnded as e:

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from sidecar.consensus.acceptor import Acceptor, AcceptorAction, AcceptorError
 from sidecar.linkauth import Security
 from sidecar.logs import get_logger
-from sidecar.ops.probe import ProbeError, probe_safekeeper
+from sidecar.skclient import ProbeError, probe_safekeeper
 
 # Seconds between rounds of questions while too few peers answered: short at first, as the members
 # of a brand-new cluster start within moments of each other, then a second.

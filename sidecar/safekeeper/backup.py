@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from sidecar.archivedwal import default_cluster, partial_name, wal_prefix
 from sidecar.consensus.state import AcceptorState
 from sidecar.logs import get_logger
 from sidecar.lsn import format_lsn, segment_file_name
@@ -126,21 +127,6 @@ class Archived(Protocol):
     async def backed_up(self, lsn: int) -> None: ...
 
     def archive_mismatch(self, name: str | None) -> None: ...
-
-
-def default_cluster(system_id: int) -> str:
-    """The cluster name when --cluster is not given."""
-    return str(system_id)
-
-
-def wal_prefix(cluster: str, system_id: int) -> str:
-    """Where a cluster's WAL lives under the archive URL."""
-    return f"{cluster}/{system_id}/wal"
-
-
-def partial_name(segment_name: str, term: int, end_lsn: int) -> str:
-    """The object name of a partial segment: no complete segment and no other term's partial has it."""
-    return f"{segment_name}.term-{term}.end-{format_lsn(end_lsn).replace('/', '-')}.partial"
 
 
 def first_archived_lsn(state: AcceptorState) -> int:
@@ -402,4 +388,4 @@ def uploader_for(sk: Archived, url: str, s3_endpoint: str | None, cluster: str |
 
 
 __all__ = ["ArchiveMismatch", "ArchiveOptions", "Archived", "SegmentDamaged", "PartialSegment", "RankElection", "UploadElection", "Uploader",
-           "default_cluster", "partial_name", "uploader_for", "wal_prefix"]
+           "uploader_for"]

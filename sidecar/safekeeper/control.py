@@ -16,9 +16,10 @@ from typing import Any
 
 import google_crc32c
 
-from sidecar.consensus.messages import TermEntry, TimelineEntry, TimelineFence
+from sidecar.consensus.messages import TermEntry, TimelineFence
+from sidecar.timelines import TimelineEntry
 from sidecar.consensus.state import AcceptorState
-from sidecar.safekeeper.storage import write_durably
+from sidecar.durable import write_durably
 
 CONTROL_FILE = "safekeeper.control"
 CONTROL_MAGIC = b"WSKC"

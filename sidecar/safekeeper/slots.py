@@ -22,7 +22,7 @@ from sidecar.consensus.messages import SlotHold
 from sidecar.consensus.reading import ServerState, readable_end
 from sidecar.lsn import format_lsn, parse_lsn
 from sidecar.pgrepl import ReplicationProtocolError, check_slot_name, timeline_of
-from sidecar.safekeeper.storage import write_durably
+from sidecar.durable import write_durably
 
 FILE_NAME = "slots.json"
 SAVE_INTERVAL = 1.0  # seconds between saves of positions moved by standby status

@@ -27,7 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sidecar.consensus.messages import TimelineHistory
+from sidecar.timelines import TimelineHistory
+from sidecar.durable import StorageError, fsync_dir, pwrite_all, write_durably
 from sidecar.lsn import format_lsn, parse_segment_file_name, segment_file_name
 from sidecar.pgrepl import format_timeline_history, history_file_name, timeline_of
 
@@ -42,10 +43,6 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 IN_DOUBT_SUFFIX = ".in-doubt"
 _MARKER_SIZE = 512  # one sector: rewritten in place, so a crash leaves the old or the new text
 VERIFIED_SUFFIX = ".verified"
-
-
-class StorageError(Exception):
-    """Misuse of the WAL storage, or an I/O failure that leaves the stored WAL in doubt."""
 
 
 class DiskFull(StorageError):
@@ -72,15 +69,6 @@ class InDoubt:
     durable_lsn: int
     written_lsn: int
     reason: str
-
-
-def fsync_dir(path: Path) -> None:
-    """Make creations, renames and deletions inside `path` durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass
@@ -278,7 +266,7 @@ class WalStorage:
         self._timeline = timeline
         self._history = history
         self._lock = threading.Lock()        # guards every field below
-        self._flush_lock = threading.Lock()  # one flush/truncate/close at a time
+        self._fdatasync_lock = threading.Lock()  # one flush/truncate/close at a time
         self._files: dict[int, _File] = {}
         self._cur: _Open | None = None
         self._done: list[_Open] = []         # filled segments awaiting fdatasync + rename
@@ -342,7 +330,7 @@ class WalStorage:
                 if path.read_bytes() == content:
                     continue
             write_durably(path, content)
-        with self._flush_lock, self._lock:
+        with self._fdatasync_lock, self._lock:
             self._check_usable()
             self._timeline, self._history = timeline, history
             open_segs = {s.segno: s for s in self._done + ([self._cur] if self._cur else [])}
@@ -472,7 +460,7 @@ class WalStorage:
         seg = self._cur if self._cur is not None else self._open_for_write(segno)
         self._cur = seg
         n = min(len(view), self.seg_size - off)
-        _pwrite_all(seg.fd, view[:n], off)
+        pwrite_all(seg.fd, view[:n], off)
         seg.dirty = True
         self._write_lsn += n
         if off + n == self.seg_size:
@@ -504,7 +492,7 @@ class WalStorage:
 
     def flush(self) -> int:
         """fdatasync everything written so far, give filled segments their final names; return flush_lsn."""
-        with self._flush_lock:
+        with self._fdatasync_lock:
             with self._lock:
                 self._check_usable()
                 if not self._positioned:
@@ -642,7 +630,7 @@ class WalStorage:
         On return the cut is durable and write_lsn = flush_lsn = lsn. A crash during the
         call leaves a prefix of the old WAL that ends at or after `lsn`.
         """
-        with self._flush_lock, self._lock:
+        with self._fdatasync_lock, self._lock:
             self._check_usable()
             if lsn < 0 or (self._files and lsn > self._write_lsn):
                 raise StorageError(
@@ -729,7 +717,7 @@ class WalStorage:
 
     def close(self) -> None:
         """Close every file without flushing (unsynced bytes may be lost, as in a crash)."""
-        with self._flush_lock, self._lock:
+        with self._fdatasync_lock, self._lock:
             if self._closed:
                 return
             for seg in self._done + ([self._cur] if self._cur else []):
@@ -785,7 +773,7 @@ class WalStorage:
             write_durably(self.in_doubt_path, data)
             return
         try:
-            _pwrite_all(fd, memoryview(data), 0)
+            pwrite_all(fd, memoryview(data), 0)
             os.fdatasync(fd)
         finally:
             os.close(fd)
@@ -885,30 +873,3 @@ def _presize(fd: int, size: int) -> None:
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise  # ENOSPC above all: a sparse file would only fail later, mid-write
         os.ftruncate(fd, size)  # a filesystem without fallocate
-
-
-def write_durably(path: Path, data: bytes) -> None:
-    """Replace `path` with `data`: temp file, fsync, rename, fsync the directory."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        _pwrite_all(fd, memoryview(data), 0)
-        try:
-            os.fsync(fd)
-        except OSError as e:
-            # Whatever the errno, ENOSPC included (a thin device): a failed fsync is fatal.
-            raise StorageError(f"fsync of {tmp} failed: {e}") from None
-    except (OSError, StorageError):
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view = view[n:]
-        offset += n

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from sidecar import pgrepl, pgwire
-from sidecar.consensus.messages import TimelineEntry
+from sidecar.timelines import TimelineEntry
 from sidecar.consensus.reading import ReadCursor, ReadRefused, Send, ServerState, TimelineDone, Wait, readable_end
 from sidecar.lsn import format_lsn
 from sidecar.safekeeper.positions import PositionWatch

@@ -15,6 +15,7 @@ from sidecar.consensus.messages import Message
 from sidecar.consensus.proposer import FetchWal, Proposer, ReportStatus, VerifyPrimary
 from sidecar.consensus.session import AcceptorSession
 from sidecar.consensus.state import AcceptorState
+from sidecar.consensus.statusschedule import StatusSchedule
 from sidecar.sim.wal import Disk, Primary
 
 
@@ -78,6 +79,10 @@ class Stream:
     start: int
     pos: int
     flushed: int = 0  # highest flush reported back on it
+    # When a status goes back to the primary, as the real stream decides it; time is the step number. A
+    # write or apply alone waits a few steps; repeating the positions without news checks nothing here.
+    schedule: StatusSchedule = field(
+        default_factory=lambda: StatusSchedule(delay=3, keepalive_interval=float("inf")))
 
 
 @dataclass(eq=False)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable
 
-from sidecar.consensus.messages import TimelineEntry
+from sidecar.timelines import TimelineEntry
 from sidecar.sim.context import Context
 from sidecar.sim.trace import pos
 from sidecar.sim.wal import BOOT, Primary

@@ -7,6 +7,7 @@ import zlib
 from collections.abc import Callable
 
 from sidecar.consensus import primary_check
+from sidecar.consensus.statusschedule import SendStatus
 from sidecar.consensus.proposer import (
     Action,
     Campaign,
@@ -73,7 +74,13 @@ class Services:
                     elif svc.stream is not None and core is not None:
                         self.ctx.count("reports")
                         svc.reports.append(a)
-                        self.checker.reported(svc, core, a)
+                        try:
+                            svc.stream.schedule.report(a.write_lsn, a.flush_lsn, a.apply_lsn, self.ctx.step)
+                        except ValueError:
+                            # The real service refuses it and ends the term; the core's bug is still a violation.
+                            self.checker.reported(svc, core, a)
+                        else:
+                            self._poll_status(svc, core)
                 case StartStreaming():
                     assert core is not None
                     if svc.fence:  # a failover streams no WAL: its Elected went out with this action
@@ -313,7 +320,19 @@ class Services:
         if timer is Proposer.election_timeout:
             self.ctx.event(svc.label, "election timeout")
         self.run(svc, timer(svc.core))
+        if svc.core is not None:
+            self._poll_status(svc, svc.core)  # a delayed status whose time came
         return True
+
+    def _poll_status(self, svc: Service, core: Proposer) -> None:
+        """The stream's status schedule: a status it says is due now reaches the primary (the checker)."""
+        if svc.stream is None:
+            return
+        now = float(self.ctx.step)
+        decision = svc.stream.schedule.poll(now, now)
+        if isinstance(decision, SendStatus):
+            self.checker.reported(svc, core, ReportStatus(decision.write, decision.flush, decision.apply))
+            svc.stream.schedule.sent(decision, now)
 
     def verify(self) -> bool:
         cands = [svc for svc in self.all if svc.verifies]

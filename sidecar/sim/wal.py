@@ -16,7 +16,7 @@ import struct
 import zlib
 
 from sidecar.consensus.acceptor import RecordEnd
-from sidecar.consensus.messages import TimelineHistory
+from sidecar.timelines import TimelineHistory
 
 BOOT = 0x1000000  # where the first term starts: the segment of the slot's restart position
 HEADER = struct.Struct("<III")

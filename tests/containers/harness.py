@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 import psycopg
 
 from support.helpers import free_port, wait_for
-from sidecar.deployment import APP, LocalDeployment, Primary, Proposer, Safekeeper, SidecarMember
+from sidecar.deployment import APP, LocalDeployment, Primary, ProposerMember, SafekeeperMember, SidecarMember
 
 PG_IMAGE = os.environ.get("WALSIDECAR_PG_IMAGE", "walsidecar/postgres:local")
 APP_IMAGE = os.environ.get("WALSIDECAR_IMAGE", "walsidecar/walsidecar:local")
@@ -390,7 +390,7 @@ class ContainerMember(SidecarMember):
         return self.d.base / f"{self.name}.log"
 
 
-class SafekeeperContainer(ContainerMember, Safekeeper):
+class SafekeeperContainer(ContainerMember, SafekeeperMember):
     """`walsidecar safekeeper` in a container; ready once it accepts connections."""
 
     def ready(self) -> bool:
@@ -401,7 +401,7 @@ class SafekeeperContainer(ContainerMember, Safekeeper):
             return False
 
 
-class ProposerContainer(ContainerMember, Proposer):
+class ProposerContainer(ContainerMember, ProposerMember):
     """`walsidecar start` in a container, attached to the primary."""
 
 

@@ -18,12 +18,12 @@ from support.installed import installed_argv
 from support.procs import ProcessTracker
 from support.recovery import base_backup, recover
 from support.s3 import AWS_ENV, aws_env, make_bucket, moto_server
+from sidecar.archivedwal import partial_name
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE as SEG
 from sidecar.config import RestoreWalSettings
 from sidecar.lsn import format_lsn, parse_lsn, parse_segment_file_name, segment_file_name
 from sidecar.objectstore import Storage, open_storage
 from sidecar.ops.restore import Exit, restore_wal
-from sidecar.safekeeper.backup import partial_name
 from sidecar.safekeeper.control import load_control
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -460,7 +460,7 @@ def test_a_failed_fdatasync_stops_the_safekeeper(tmp_path: Path, monkeypatch, re
 def test_a_full_disk_is_what_check_health_and_metrics_say(tmp_path: Path) -> None:
     from prometheus_client import generate_latest
 
-    from sidecar.ops.probe import ProbeError, probe_safekeeper
+    from sidecar.skclient import ProbeError, probe_safekeeper
     from support.walbuilder import WalBuilder
 
     seg = 1 << 20

@@ -25,7 +25,7 @@ from sidecar.consensus.messages import (
 )
 from sidecar.linkauth import dial as linkauth_dial
 from sidecar.linkauth import CLIENT_CONTEXT, SERVER_CONTEXT, LinkAuth, _SIGNATURE, transcript
-from sidecar.ops.probe import ProbeError, probe_safekeeper
+from sidecar.skclient import ProbeError, probe_safekeeper
 from support.pki import foreign_ca
 from support.wire import read_frame
 

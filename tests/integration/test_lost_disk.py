@@ -13,7 +13,7 @@ import pytest
 from support.deployment import APP, Deployment, Writer, read_wal, start_commit, syncrep_waiters, wait_holds_primary_wal
 from support.helpers import wait_for, walsidecar
 from support.procs import ProcessTracker
-from sidecar.deployment import Safekeeper
+from sidecar.deployment import SafekeeperMember
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE, segment_file_name
 
 pytestmark = pytest.mark.integration
@@ -96,7 +96,7 @@ def test_a_new_safekeeper_replaces_a_dead_one_from_the_archive_and_its_peers(
     assert "the primary keeps" in check.stdout and "bytes of WAL for the safekeepers" in check.stdout, check.stdout
     d.proposer.kill9()
     del d.members["safekeeper3"]
-    d.add(Safekeeper(d, "safekeeper4", node_id=4, port=d.pick_port()))
+    d.add(SafekeeperMember(d, "safekeeper4", node_id=4, port=d.pick_port()))
     d.start("safekeeper4")  # not archiving: it keeps every byte it gets, for the comparison below
     d.start_proposer(*proposer_args)
     d.wait_sync()

@@ -12,7 +12,7 @@ import pytest
 
 from support.backends import PgServer
 from support.helpers import run, until
-from sidecar.consensus.messages import TimelineEntry
+from sidecar.timelines import TimelineEntry
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE, format_lsn, parse_lsn, segment_file_name, segment_start
 from sidecar.proposer.primary import ensure_slot
 from sidecar.proposer.replication import (

@@ -22,7 +22,7 @@ from support.recovery import base_backup, recover
 from sidecar.address import Address
 from sidecar.cli import main
 from sidecar.config import RestoreWalSettings
-from sidecar.consensus.messages import TimelineEntry
+from sidecar.timelines import TimelineEntry
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE, parse_lsn, segment_file_name
 from sidecar.pgcluster import ClusterError
 from sidecar.ops.restore import Exit, restore_wal

@@ -87,7 +87,7 @@ def test_without_a_certificate_from_the_ca_nothing_is_answered(procs: ProcessTra
 
 
 def test_a_proposer_refuses_a_safekeeper_it_cannot_trust(procs: ProcessTracker, test_dir: Path, pki: TestPKI) -> None:
-    from sidecar.ops.probe import ProbeError, probe_safekeeper
+    from sidecar.skclient import ProbeError, probe_safekeeper
     from support.helpers import run
     client = client_context(pki.certs("client"))
     cases = {

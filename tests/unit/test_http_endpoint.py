@@ -11,7 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from support.helpers import run
 from sidecar.http import HttpEndpoint, Response, json_response
 from sidecar.metrics import SafekeeperMetrics
-from sidecar.ops.probe import ProbeError, fetch_status, probe_safekeeper
+from sidecar.ops.probe import fetch_status
+from sidecar.skclient import ProbeError, probe_safekeeper
 from sidecar.safekeeper.control import load_control
 from sidecar.safekeeper.monitor import SafekeeperMonitor
 from sidecar.safekeeper.server import Safekeeper

@@ -1,8 +1,14 @@
-"""The shape of the code: no import circles in the package, and no test module used as a library."""
+"""The shape of the code: no import circles in the package, no import upward across its layers, and no test
+module used as a library."""
 
 from __future__ import annotations
 
 import ast
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -76,11 +82,43 @@ def test_the_circle_finder_sees_a_circle() -> None:
     assert circles({"a": {"b"}, "b": set()}) == []
 
 
+def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
+    """import-linter's contracts of `root`/pyproject.toml, checked against `root`/sidecar."""
+    assert importlib.util.find_spec("importlinter"), "import-linter is missing: rerun scripts/install.sh (test extras)"
+    # PYTHONPATH and cwd make grimp read `root`'s sidecar/, not the copy installed in the venv; no cache, so
+    # that a stale graph never hides an import.
+    return subprocess.run(
+        [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command as c; sys.exit(c())",
+         "--no-cache", "--config", str(root / "pyproject.toml")],
+        cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=120)
+
+
+def test_no_module_imports_from_a_layer_above_its_own() -> None:
+    # The floors are in pyproject.toml ([tool.importlinter]) and drawn in ARCHITECTURE.md.
+    result = lint_imports(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 kept, 0 broken" in result.stdout, result.stdout
+
+
+def test_the_layers_contract_catches_an_upward_import(tmp_path: Path) -> None:
+    shutil.copytree(ROOT / "sidecar", tmp_path / "sidecar", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    # The leaf of LSNs reaching up to the command line, and one service reaching into the other.
+    with open(tmp_path / "sidecar" / "lsn.py", "a") as f:
+        f.write("\nimport sidecar.cli  # noqa\n")
+    with open(tmp_path / "sidecar" / "safekeeper" / "horizon.py", "a") as f:
+        f.write("\nimport sidecar.proposer.limbo  # noqa\n")
+    result = lint_imports(tmp_path)
+    assert result.returncode != 0, result.stdout
+    assert "sidecar.lsn is not allowed to import sidecar.cli" in result.stdout, result.stdout
+    assert "sidecar.safekeeper is not allowed to import sidecar.proposer" in result.stdout, result.stdout
+
+
 def test_the_core_imports_nothing_that_does_io() -> None:
     # sans-IO: the consensus core may import only itself and the sans-IO value modules beside it
     # (LSNs, the replication protocol's messages), which are held to the same rule.
     graph = import_graph()
-    beside = {"sidecar.lsn", "sidecar.pgrepl"}
+    beside = {"sidecar.lsn", "sidecar.pgrepl", "sidecar.timelines"}
     core = [name for name in graph if name.startswith("sidecar.consensus")] + sorted(beside)
     assert "sidecar.consensus.proposer" in core
     for name in core:

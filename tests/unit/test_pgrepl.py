@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sidecar import pgrepl
-from sidecar.consensus.messages import TimelineEntry
+from sidecar.timelines import TimelineEntry
 from sidecar.pgrepl import ReplicationProtocolError
 
 

@@ -12,8 +12,9 @@ from sidecar.consensus.acceptor import (
 )
 from sidecar.consensus.messages import (
     PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply,
-    InfoReply, Message, TermEntry, TermHistory, TimelineEntry, VoteReply, VoteRequest,
+    InfoReply, Message, TermEntry, TermHistory, VoteReply, VoteRequest,
 )
+from sidecar.timelines import TimelineEntry
 from sidecar.consensus.state import AcceptorState
 
 SYSID = 7_300_000_000_000_000_001

@@ -39,10 +39,10 @@ from sidecar.consensus.messages import (
     Message,
     Refusal,
     TermEntry,
-    TimelineEntry,
     VoteReply,
     VoteRequest,
 )
+from sidecar.timelines import TimelineEntry
 
 try:
     from hypothesis import given, settings

@@ -11,8 +11,9 @@ from sidecar.consensus import proposer as proposer_mod
 from sidecar.consensus.limits import MAX_LSN, MAX_TERM
 from sidecar.consensus.messages import (
     Append, AppendReply, Elected, ElectedReply, GreetingReply, TermEntry, TermHistory,
-    TimelineEntry, VoteReply, VoteRequest,
+    VoteReply, VoteRequest,
 )
+from sidecar.timelines import TimelineEntry
 from sidecar.consensus.proposer import (
     Action, Campaign, DropPeer, FetchWal, Phase, Proposer, ProposerConfig, ReportStatus, Send, StartStreaming,
     TermLost, TermsExhausted, VerifyPrimary,

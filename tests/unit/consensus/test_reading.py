@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from sidecar.consensus.messages import TimelineEntry
+from sidecar.timelines import TimelineEntry
 from sidecar.consensus.reading import (
     INVALID_PARAMETER, NOT_IN_PREREQUISITE, UNDEFINED_FILE, ReadCursor, ReadRefused, Send, ServerState,
     TimelineDone, Wait, readable_end,

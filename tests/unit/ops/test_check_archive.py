@@ -7,7 +7,7 @@ from dataclasses import replace
 from sidecar.config import CheckSettings
 from sidecar.consensus.messages import InfoReply
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE as SEG
-from sidecar.ops.check import ARCHIVE_LAG_FAILED, ARCHIVE_LAG_WARNING, Checker
+from sidecar.ops.check import ARCHIVE_LAG_FAILED, ARCHIVE_LAG_WARNING, SetupChecker
 
 
 def reply(node_id: int, commit: int, backup: int) -> InfoReply:
@@ -16,7 +16,7 @@ def reply(node_id: int, commit: int, backup: int) -> InfoReply:
 
 
 def archive_lines(*replies: InfoReply) -> list[tuple[str, str]]:
-    checker = Checker(CheckSettings(pg_dsn="host=127.0.0.1", safekeepers=("127.0.0.1:1",), insecure=True))
+    checker = SetupChecker(CheckSettings(pg_dsn="host=127.0.0.1", safekeepers=("127.0.0.1:1",), insecure=True))
     checker._archive(list(replies))
     return [(c.status, c.detail) for c in checker.checks if c.name == "archive"]
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from sidecar.consensus import codec
 from sidecar.consensus.messages import InfoReply, SlotHold
-from sidecar.ops.check import Checker
+from sidecar.ops.check import SetupChecker
 
 GB = 1 << 30
 
 
 def lines(*slots: SlotHold) -> list[tuple[str, str]]:
     reply = InfoReply(1, 7, 16 << 20, 15, 1, 3, 3, 20 * GB, 20 * GB, True, 5432, 0, 10 * GB, slots)
-    checker = Checker.__new__(Checker)
+    checker = SetupChecker.__new__(SetupChecker)
     checker.checks = []
     checker._reader_slots("127.0.0.1:7601", reply)  # noqa: SLF001
     return [(c.status, c.detail) for c in checker.checks]

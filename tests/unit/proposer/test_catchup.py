@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from sidecar.consensus.messages import TimelineEntry
+from sidecar.timelines import TimelineEntry
 from sidecar.proposer.catchup import PrimaryReader
 from support.helpers import run
 

@@ -17,8 +17,9 @@ import structlog
 from support.helpers import run, until
 from sidecar.consensus.messages import (
     Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply, Message, TermEntry, TermHistory,
-    Refusal, TimelineEntry, VoteReply, VoteRequest,
+    Refusal, VoteReply, VoteRequest,
 )
+from sidecar.timelines import TimelineEntry
 from sidecar.consensus.proposer import Campaign, ElectionWon, Phase, ProposerEvent, Streaming
 from sidecar.proposer.catchup import DamagedArchiveSegment
 from sidecar.proposer.options import StartOptions
@@ -141,7 +142,8 @@ class FakeStream:
     def resume(self) -> None:
         pass
 
-    def send_status(self, write: int, flush: int, apply: int) -> None:
+    def report(self, write: int, flush: int, apply: int) -> None:
+        # Every report, as the service hands it: when it would go out is the schedule's (test_statusschedule.py).
         self.statuses.append((write, flush, apply))
 
     def wal(self, lsn: int, data: bytes) -> int:

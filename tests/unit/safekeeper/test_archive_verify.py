@@ -11,7 +11,8 @@ from sidecar.consensus.messages import (
     PROTOCOL_VERSION, Append, Elected, Greeting, InfoReply, InfoRequest, Message, TermEntry, VoteRequest,
 )
 from sidecar.lsn import segment_file_name
-from sidecar.safekeeper.backup import ArchiveOptions, wal_prefix
+from sidecar.archivedwal import wal_prefix
+from sidecar.safekeeper.backup import ArchiveOptions
 from sidecar.safekeeper.server import Safekeeper
 from support.helpers import run, until
 from support.serving import talking_to

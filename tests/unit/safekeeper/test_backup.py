@@ -5,7 +5,8 @@ from __future__ import annotations
 from sidecar.consensus.acceptor import Acceptor, Persist
 from sidecar.consensus.messages import TermEntry
 from sidecar.consensus.state import AcceptorState
-from sidecar.safekeeper.backup import RankElection, check_segment, first_archived_lsn, partial_name, wal_prefix
+from sidecar.archivedwal import partial_name, wal_prefix
+from sidecar.safekeeper.backup import RankElection, check_segment, first_archived_lsn
 from sidecar.wal.format import LONG_PAGE_HEADER, XLOG_PAGE_MAGIC, XLP_LONG_HEADER
 
 SEG = 16 << 20

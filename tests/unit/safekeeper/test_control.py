@@ -11,7 +11,8 @@ from pathlib import Path
 import google_crc32c
 import pytest
 
-from sidecar.consensus.messages import NO_FENCE, TermEntry, TimelineEntry, TimelineFence
+from sidecar.consensus.messages import NO_FENCE, TermEntry, TimelineFence
+from sidecar.timelines import TimelineEntry
 from sidecar.consensus.state import AcceptorState
 from sidecar.safekeeper.control import (
     CONTROL_FILE, ControlData, ControlFileError, load_control, remove_leftovers, save_control,

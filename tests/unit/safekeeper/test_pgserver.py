@@ -13,7 +13,7 @@ from scramp import ScramClient
 
 from support.helpers import run, until
 from sidecar import pgrepl, pgwire, readerauth
-from sidecar.consensus.messages import TimelineEntry
+from sidecar.timelines import TimelineEntry
 from sidecar.consensus.reading import ServerState
 from sidecar.readerauth import AuthFile
 from sidecar.safekeeper.pgserver import MAX_READERS, MAX_STARTUPS, ReaderPort, ReaderServer, to_drop

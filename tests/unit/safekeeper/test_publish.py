@@ -20,7 +20,7 @@ STATE = AcceptorState(7301, SEG, 15, 1, term=5, term_history=(TermEntry(5, 0x100
                       backup_lsn=2 * SEG)
 
 
-class Safekeeper:
+class FakeSafekeeper:
     """Stands in for a Safekeeper: a view and the positions the test moves."""
 
     def __init__(self, node_id: int, flush_lsn: int) -> None:
@@ -36,7 +36,7 @@ class Safekeeper:
 
 def test_each_publishes_its_keys_reads_its_peers_and_only_a_caught_up_one_uploads(etcd: EtcdServer) -> None:
     async def main() -> None:
-        ahead, behind = Safekeeper(1, 3 * SEG + 100), Safekeeper(2, SEG)
+        ahead, behind = FakeSafekeeper(1, 3 * SEG + 100), FakeSafekeeper(2, SEG)
         pubs = [Publisher(sk, Broker([etcd.url]), ttl=2, elect_uploader=True) for sk in (ahead, behind)]
         reader = Broker([etcd.url])
         try:

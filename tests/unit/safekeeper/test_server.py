@@ -134,7 +134,7 @@ def test_positions_are_published_after_fsync_commit_and_cut(tmp_path: Path) -> N
 def test_a_promoted_primary_s_timeline_is_persisted_and_laid_out_as_its_pg_wal(tmp_path: Path) -> None:
     """Elected names timeline 2 switching at the term start: the control file keeps it, the WAL
     directory gets 00000002.history and the segment holding the switch takes timeline 2's name."""
-    from sidecar.consensus.messages import TimelineEntry
+    from sidecar.timelines import TimelineEntry
     from sidecar.lsn import segment_file_name
 
     b = WalBuilder(SEG, seg_size=SEG, sysid=SYSID)

@@ -12,7 +12,7 @@ import pytest
 from support.helpers import run, until
 from sidecar.safekeeper import slots as slots_module
 from sidecar.consensus.reading import ServerState
-from sidecar.consensus.messages import TimelineEntry
+from sidecar.timelines import TimelineEntry
 from sidecar.safekeeper.slots import SlotError, SlotLimits, Slots, SlotsFileError, reserve_from
 
 

@@ -489,7 +489,7 @@ def test_a_cut_below_the_checkpoint_lowers_it_first(store: WalStorage) -> None:
 def test_a_new_timeline_renames_the_segment_holding_its_switch_and_names_later_ones(wal_dir: Path) -> None:
     """As a promoted standby's pg_wal: segments below the switch keep the old timeline's name, the one
     holding the switch and every later one take the new timeline's, and the .history file is beside them."""
-    from sidecar.consensus.messages import TimelineEntry
+    from sidecar.timelines import TimelineEntry
 
     switch = 2 * SEG + 100
     with WalStorage(wal_dir, SEG, 1) as s:

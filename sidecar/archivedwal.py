@@ -1,4 +1,6 @@
-"""WAL files as the safekeepers' archive holds them, for restore-wal: where a system's WAL is, and checked copies.
+"""The safekeepers' WAL archive as a layout and as a reader: where a system's WAL is, the names of its objects,
+and checked copies of them. Both the uploader (safekeeper/backup.py) and the readers (restore-wal, the
+proposer's catch-up) use it, so it lives below both services, beside objectstore.py.
 
 Only PostgreSQL's exact names are read (`<prefix>/<cluster>/<system id>/wal/<name>`): a partial segment is
 archived as `<name>.term-T.end-X-Y.partial` and is never handed out for `<name>`. A segment is checked as
@@ -11,11 +13,25 @@ from dataclasses import dataclass
 
 from sidecar import pgrepl
 from sidecar.consensus.limits import LimitError, check_seg_size
-from sidecar.lsn import parse_segment_file_name
+from sidecar.lsn import format_lsn, parse_segment_file_name
 from sidecar.objectstore import Storage, open_storage
-from sidecar.safekeeper.backup import default_cluster, wal_prefix
 from sidecar.wal.format import LONG_PAGE_HEADER, WalFormatError
 from sidecar.wal.verify import check_segment_wal
+
+
+def default_cluster(system_id: int) -> str:
+    """The cluster name when --cluster is not given."""
+    return str(system_id)
+
+
+def wal_prefix(cluster: str, system_id: int) -> str:
+    """Where a cluster's WAL lives under the archive URL."""
+    return f"{cluster}/{system_id}/wal"
+
+
+def partial_name(segment_name: str, term: int, end_lsn: int) -> str:
+    """The object name of a partial segment: no complete segment and no other term's partial has it."""
+    return f"{segment_name}.term-{term}.end-{format_lsn(end_lsn).replace('/', '-')}.partial"
 
 
 class ArchiveError(Exception):
