@@ -239,7 +239,7 @@ def start(s: StartSettings) -> None:
     from psycopg.conninfo import conninfo_to_dict
 
     from sidecar.http import run_with_endpoint
-    from sidecar.proposer.commitwait import parse_commit_wait
+    from sidecar.consensus.commitwait import parse_commit_wait
     from sidecar.proposer.monitor import ProposerMonitor
     from sidecar.proposer.primary import PrimaryConfigError
     from sidecar.proposer.options import StartOptions

@@ -117,7 +117,7 @@ def _disk_limit(value: str | None) -> str | None:
 
 
 def _commit_wait(value: str) -> str:
-    from sidecar.proposer.commitwait import parse_commit_wait
+    from sidecar.consensus.commitwait import parse_commit_wait
     parse_commit_wait(value)
     return value
 

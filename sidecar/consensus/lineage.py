@@ -15,7 +15,8 @@ streams no WAL beyond its start, so the exemption lets the old primary acknowled
 
 from __future__ import annotations
 
-from sidecar.consensus.messages import NO_FENCE, TimelineFence, TimelineHistory
+from sidecar.consensus.messages import NO_FENCE, TimelineFence
+from sidecar.timelines import TimelineHistory
 from sidecar.lsn import format_lsn
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sidecar.linkauth import Security
-from sidecar.proposer.commitwait import CommitWait
+from sidecar.consensus.commitwait import CommitWait
 from sidecar.proposer.primary import catchup_slot
 
 

@@ -20,7 +20,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wai
 from sidecar.logs import get_logger
 from sidecar.lsn import INVALID_LSN, format_lsn, parse_lsn
 from sidecar.pgrepl import check_slot_name
-from sidecar.proposer.commitwait import WaiterKey
+from sidecar.consensus.commitwait import WaiterKey
 from sidecar.proposer.syncrep import sql_literal, standby_names_warnings
 
 log = get_logger(role="proposer")

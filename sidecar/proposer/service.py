@@ -28,7 +28,7 @@ from sidecar.proposer import pgerrors, primary
 from sidecar.proposer.actions import exhausted_text, log_event, log_fields, refused_text
 from sidecar.proposer import replication as repl
 from sidecar.archivedwal import ArchiveError
-from sidecar.proposer.commitwait import SyncRepWaiters, TerminateAfter
+from sidecar.consensus.commitwait import SyncRepWaiters, TerminateAfter
 from sidecar.proposer.catchup import ArchiveReader, DamagedArchiveSegment, DonorReader, PrimaryReader, reader_address
 from sidecar.proposer.options import StartOptions
 from sidecar.proposer.peers import PeerLink

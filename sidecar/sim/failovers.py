@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import replace
 
-from sidecar.consensus.messages import TimelineEntry
+from sidecar.timelines import TimelineEntry
 from sidecar.consensus.proposer import FailoverTerm, Phase, Proposer
 from sidecar.sim.checker import Checker
 from sidecar.sim.context import Context

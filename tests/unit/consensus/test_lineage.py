@@ -7,12 +7,13 @@ import pytest
 from sidecar.consensus import lineage
 from sidecar.consensus.acceptor import Acceptor, AcceptorError, Persist, RecordEnd, Reply
 from sidecar.consensus.messages import (
-    NO_FENCE, Append, Elected, GreetingReply, TermEntry, TimelineEntry, TimelineFence, VoteReply, VoteRequest,
+    NO_FENCE, Append, Elected, GreetingReply, TermEntry, TimelineFence, VoteReply, VoteRequest,
 )
 from sidecar.consensus.proposer import (
     FailoverTerm, LineageEnded, Phase, Proposer, ProposerConfig, Send, VerifyPrimary,
 )
 from sidecar.consensus.state import AcceptorState
+from sidecar.timelines import TimelineEntry
 
 SYSID = 7_300_000_000_000_000_001
 SEG = 16 << 20

@@ -8,7 +8,7 @@ import structlog
 
 from sidecar.consensus.proposer import Campaign, ElectionWon, PeerJoined, Phase
 from sidecar.lsn import format_lsn
-from sidecar.proposer.commitwait import parse_commit_wait
+from sidecar.consensus.commitwait import parse_commit_wait
 from sidecar.proposer.monitor import CATCHING_UP_BYTES, ProposerMonitor
 from sidecar.proposer.options import StartOptions
 from sidecar.proposer.primary import PrimarySnapshot

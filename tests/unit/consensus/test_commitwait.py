@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.proposer.commitwait import (
+from sidecar.consensus.commitwait import (
     CommitWait, SyncRepWaiters, TerminateAfter, Waiter, WaiterKey, parse_commit_wait, parse_duration,
 )
 
