@@ -267,7 +267,8 @@ postgresql:
     - host all all 127.0.0.1/32 trust
     - host replication all 127.0.0.1/32 trust
   parameters:
-    unix_socket_directories: {y(str(self.dir))}
+    # TCP only: a unix socket path under DIR may pass the 107-byte limit, and /tmp is shared.
+    unix_socket_directories: ""
   # Patroni promotes this node only after the gate exits 0: it fenced a safekeeper quorum (the old
   # leader's timeline ends at E for good) and this node replayed E. The WAL it lacks, past what it
   # received from the dead leader, the gate writes into its pg_wal from the safekeepers' reader ports
