@@ -316,9 +316,11 @@ def follow_leader(s: FollowLeaderSettings) -> None:
 @main.group()
 @configured(CtlSettings)
 def ctl(s: CtlSettings) -> None:
-    """Stop, start and list the members of a running `walsidecar up` (safekeeper1-3, proposer, primary).
+    """Stop, start, kill and list the members of a running `walsidecar up` (safekeeper1-3, proposer, primary;
+    under `up --ha`: etcd, safekeeper1-3, node1, node2).
 
-    A member stopped with `ctl stop` stays stopped until `ctl start`; one that dies on its own is restarted.
+    A member stopped with `ctl stop` or `ctl kill` stays stopped until `ctl start`; one that dies on its own is
+    restarted.
     """
     click.get_current_context().obj = s
 

@@ -309,10 +309,13 @@ tags:
     def stop(self, timeout: float = 60) -> None:
         """Patroni stops its PostgreSQL (fast) on SIGTERM; the follower stops the sidecar."""
         self.wanted = False
+        was = self.running
         for child in (self.follower, self.patroni):
             if child is not None and child.running:
                 child.stop(timeout=timeout)
         self._kill_leftovers()
+        if was:
+            self.ha.d.note("node stopped", node=self.name)
 
     def kill(self) -> None:
         """A host loss: SIGKILL to Patroni, PostgreSQL and its backends, the follower and the sidecar, at once."""
@@ -407,6 +410,12 @@ class HaDeployment:
                 f.write(secrets.token_urlsafe(18) + "\n")
         return path.read_text().strip()
 
+    def leader_dsn(self) -> str:
+        """Whichever node leads: libpq tries each and keeps the one that takes writes."""
+        return (f"host={','.join(LOOPBACK_HOST for _ in self.nodes)} "
+                f"port={','.join(str(n.pg_port) for n in self.nodes)} user=postgres dbname=postgres "
+                "target_session_attrs=read-write")
+
     def node(self, name: str) -> Node:
         return next(n for n in self.nodes if n.name == name)
 
@@ -456,18 +465,6 @@ class HaDeployment:
                 if self.d._log is not None:
                     self.d._log.error("stopping a member failed", member=m.name, error=str(e))
 
-    def members_rows(self) -> dict[str, str]:
-        """A node's role and state as Patroni reports them, for `ctl members`."""
-        rows = {}
-        for n in self.nodes:
-            st = n.patroni_state() if n.running else None
-            if st is None:
-                continue
-            lag = ""
-            role = {"master": "primary"}.get(st.get("role", "?"), st.get("role", "?"))
-            rows[n.name] = f"{role}, {st.get('state', '?')}, timeline {st.get('timeline', '?')}{lag}"
-        return rows
-
 
 class EmbeddedHa:
     """Supervise `up --ha` until SIGINT/SIGTERM, answering `walsidecar ctl` on DIR/up.sock; then stop it all."""
@@ -505,13 +502,13 @@ class EmbeddedHa:
             config.write_text(
                 "# Written by `walsidecar up --ha`: walsidecar status --config THIS_FILE. Each node's own files\n"
                 "# (patroni.yml, walsidecar.toml) are in DIR/node1 and DIR/node2.\n"
-                f"pg_dsn = {_toml(leader.dsn())}\n"
+                f"pg_dsn = {_toml(self.ha.leader_dsn())}\n"
                 f"safekeepers = {_toml(','.join(self.ha.d.addresses))}\n"
                 + ("insecure = true\n" if certs is None else f"certs_dir = {_toml(str(certs))}\n"))
             supervisor = Supervisor(self.ha, self.log, describe=self._describe)  # type: ignore[arg-type]
             control = ControlSocket(self.base)
-            (self.base / "ready").write_text(leader.dsn() + "\n")
-            self._announce(leader)
+            (self.base / "ready").write_text(self.ha.leader_dsn() + "\n")
+            self._announce(leader, config)
             while not stop():
                 supervisor.tick()
                 control.poll(lambda req: answer(supervisor, req), timeout=0.2)
@@ -531,13 +528,14 @@ class EmbeddedHa:
         role = {"master": "primary"}.get(st.get("role", "?"), st.get("role", "?"))
         return f"{role}, PostgreSQL {st.get('state', '?')}, timeline {st.get('timeline', '?')}, port {member.pg_port}"
 
-    def _announce(self, leader: Node) -> None:
+    def _announce(self, leader: Node, config: Path) -> None:
         dirs = " ".join(str(n.dir) for n in self.ha.nodes)
         print(f"\nwalsidecar is up under Patroni: {', '.join(n.name for n in self.ha.nodes)}, leader {leader.name}; "
               "commits wait for 2 of 3 safekeepers.\n"
-              f"  psql \"{leader.dsn()}\"   (the leader now; node ports: "
-              + ", ".join(f"{n.name} {n.pg_port}" for n in self.ha.nodes) + ")\n"
+              f"  psql \"{self.ha.leader_dsn()}\"   (whichever node leads; "
+              + ", ".join(f"{n.name} on {n.pg_port}" for n in self.ha.nodes) + ")\n"
               f"  members: walsidecar ctl --dir {self.base} members\n"
+              f"  status:  walsidecar status --config {config}\n"
               f"  a host loss: walsidecar ctl --dir {self.base} kill {leader.name}   (then `ctl start {leader.name}`)\n"
               f"  recipe: {dirs} (patroni.yml, walsidecar.toml); docs/ha.md\n"
               "Press Ctrl-C to stop.\n", flush=True)
