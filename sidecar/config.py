@@ -562,7 +562,7 @@ class FailoverSettings(FailoverBase):
         return self
 
 
-class FailoverGateSettings(FailoverBase):
+class FailoverGateSettings(ArchiveSettings, ClusterSettings, FailoverBase):
     """walsidecar failover-gate: Patroni's pre_promote; failover's fence, recover and catch up, without promoting."""
 
     command: ClassVar[str] = "failover-gate"
@@ -575,8 +575,9 @@ class FailoverGateSettings(FailoverBase):
     safekeeper_readers: Annotated[tuple[PeerAddress, ...], NoDecode, BeforeValidator(_split),
                                   AfterValidator(_distinct), Metavar("HOST:PORT,...")] = Field(
         (), description="Every safekeeper's reader port: the gate writes the committed WAL the standby lacks, up "
-                        "to E, into its pg_wal (the gate runs on the standby's host as its OS user). Without it "
-                        "the standby must get that WAL itself (restore_command = 'walsidecar restore-wal ...').")
+                        "to E, into its pg_wal (the gate runs on the standby's host as its OS user), from them "
+                        "and from --archive for what they removed once archived. Without it the standby must "
+                        "get that WAL itself (restore_command = 'walsidecar restore-wal ...').")
 
     @model_validator(mode="after")
     def _standby(self) -> FailoverGateSettings:

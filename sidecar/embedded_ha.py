@@ -179,7 +179,8 @@ class Node(Member):
             "# Patroni's pre_promote runs `walsidecar failover-gate --config THIS_FILE` before promoting it.\n"
             f"pg_dsn = {_toml(self.dsn())}\n"
             f"safekeepers = {_toml(','.join(ha.d.addresses))}\n"
-            f"application_name = {_toml(APP)}\n" + link
+            f"application_name = {_toml(APP)}\n"
+            f"archive = {_toml(ha.archive)}\n" + link
             + f"metrics = {_toml(f'{LOOPBACK_HOST}:{self.metrics_port}')}\n"
             "\n[failover-gate]\n"
             f"standby_dsn = {_toml(self.dsn())}\n"

@@ -197,7 +197,10 @@ class Failover:
         rs = RestoreWalSettings(safekeeper_readers=s.safekeeper_readers,  # type: ignore[attr-defined]
                                 reader_user=s.reader_user, reader_passfile=s.reader_passfile,
                                 reader_timeout=s.reader_timeout, certs_dir=s.certs_dir, insecure=s.insecure,
-                                link_security=s.link_security, on_error="continue", retry_for=0)
+                                link_security=s.link_security, on_error="continue", retry_for=0,
+                                # What the safekeepers removed once archived: the standby may be further behind.
+                                archive=getattr(s, "archive", None), s3_endpoint=getattr(s, "s3_endpoint", None),
+                                cluster=getattr(s, "cluster", None))
         seg = st.wal_seg_size
         for segno in range(segment_number(max(st.replay_lsn, 1), seg), segment_number(end - 1, seg) + 1):
             tli = timeline_of(fenced.timeline_history, fenced.fence.timeline, segno * seg)

@@ -9,6 +9,7 @@ down it cannot fence, exits non-zero, and Patroni keeps the candidate a replica.
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import signal
 import sys
@@ -20,7 +21,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from support.helpers import consecutive_free_ports, free_port, wait_for, walsidecar
+from support.helpers import consecutive_free_ports, wait_for, walsidecar
 from support.installed import installed_command
 from support.procs import ManagedProcess, ProcessTracker
 
@@ -216,5 +217,40 @@ def test_the_gate_keeps_the_candidate_a_replica_while_a_safekeeper_majority_is_d
     wait_for(lambda: up.role("node2") == "primary", timeout=300, interval=0.5,
              what="node2 promoted once the gate can fence")
     assert missing(up.dsn("node2"), acked) == []
+    up.stop()
+    no_tracebacks(up)
+
+
+def test_a_replica_that_fell_behind_gets_the_rest_from_the_safekeepers_when_its_leader_dies(up: UpHa) -> None:
+    # node2's WAL receiver is paused (SIGSTOP, by the PID PostgreSQL reports): the leader's WAL reaches the
+    # safekeepers, which acknowledge it, and not node2, whose leader then dies with the rest.
+    def streaming_receiver() -> int | None:
+        with psycopg.connect(up.dsn("node2"), autocommit=True) as c:
+            row = c.execute("SELECT pid FROM pg_stat_wal_receiver WHERE status = 'streaming'").fetchone()
+        return row[0] if row else None
+    receiver = wait_for(streaming_receiver, timeout=120, interval=0.5, ignore=(psycopg.OperationalError,),
+                        what="node2 to stream from node1")
+    os.kill(receiver, signal.SIGSTOP)
+    try:
+        acked: list[int] = []
+        with psycopg.connect(up.dsn("node1"), autocommit=True) as c:
+            c.execute("CREATE TABLE bulk (id int PRIMARY KEY, pad text)")
+            # About 40 MiB of WAL (1 KiB random rows, below the TOAST threshold: not compressed), more than the
+            # paused receiver's socket buffers hold, across segment boundaries.
+            for batch in range(32):
+                c.execute("INSERT INTO bulk SELECT g, (SELECT string_agg(md5(random()::text || i), '') "
+                          "FROM generate_series(1, 32) i) FROM generate_series(%s::int, %s::int) g",
+                          (batch * 1000 + 1, batch * 1000 + 1000))
+                acked += range(batch * 1000 + 1, batch * 1000 + 1001)
+        up.ctl("kill", "node1")
+    finally:
+        os.kill(receiver, signal.SIGCONT)
+    wait_for(lambda: up.role("node2") == "primary", timeout=300, interval=0.5,
+             what="node2 promoted once its gate brought it to E")
+    with psycopg.connect(up.dsn("node2"), autocommit=True) as c:
+        have = {r[0] for r in c.execute("SELECT id FROM bulk")}
+    assert sorted(set(acked) - have) == []
+    gate = up.node_log("node2")
+    assert re.search(r"wrote [0-9A-F]{24} into the standby's pg_wal", gate), gate[-4000:]
     up.stop()
     no_tracebacks(up)
