@@ -376,6 +376,9 @@ class StatusSettings(BrokerSettings, SafekeepersMixin, PrimarySettings, TlsSetti
     standby_dsn: PgDsn | None = Field(None, description="libpq connection string of a standby fed by the "
                                                         "safekeepers: adds whether it streams and how far it "
                                                         "replayed.")
+    patroni: Annotated[tuple[str, ...], NoDecode, BeforeValidator(_split), Metavar("URL,...")] = Field(
+        (), description="Patroni REST API URLs (http://HOST:8008,...): adds Patroni's leader and members, from the "
+                        "first that answers (docs/ha.md).")
     format: Literal["table", "json"] = Field("table", description="A table like `patronictl list`, or JSON.")
     watch: float | None = Field(None, gt=0, description="Refresh every this many seconds until Ctrl-C.")
     count: int | None = Field(None, ge=1, description="With --watch: stop after this many refreshes.")
@@ -383,7 +386,7 @@ class StatusSettings(BrokerSettings, SafekeepersMixin, PrimarySettings, TlsSetti
 
     @model_validator(mode="after")
     def _something(self) -> StatusSettings:
-        if not (self.proposer_metrics or self.safekeepers or self.pg_dsn or self.broker):
+        if not (self.proposer_metrics or self.safekeepers or self.pg_dsn or self.broker or self.patroni):
             raise ValueError("nothing to ask: give --proposer-metrics (the proposer's --metrics address), "
                              "--safekeepers, --pg-dsn or --broker")
         return self

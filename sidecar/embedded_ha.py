@@ -505,6 +505,7 @@ class EmbeddedHa:
                 "# (patroni.yml, walsidecar.toml) are in DIR/node1 and DIR/node2.\n"
                 f"pg_dsn = {_toml(self.ha.leader_dsn())}\n"
                 f"safekeepers = {_toml(','.join(self.ha.d.addresses))}\n"
+                f"patroni = {_toml(','.join(n.api for n in self.ha.nodes))}\n"
                 + ("insecure = true\n" if certs is None else f"certs_dir = {_toml(str(certs))}\n"))
             supervisor = Supervisor(self.ha, self.log, describe=self._describe)  # type: ignore[arg-type]
             control = ControlSocket(self.base)

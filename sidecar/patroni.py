@@ -116,3 +116,33 @@ class FollowLeader:
                 self.child.wait()
             self.log.info("sidecar stopped", why=why, pid=self.child.pid, exit_code=self.child.returncode)
         self.child = None
+
+
+def patroni_cluster(urls: tuple[str, ...], timeout: float) -> dict[str, Any]:
+    """Patroni's GET /cluster from the first of `urls` that answers: its members, with role, state and timeline."""
+    problems = []
+    for url in urls:
+        try:
+            with urllib.request.urlopen(url.rstrip("/") + "/cluster", timeout=timeout) as r:
+                doc = json.load(r)
+        except (OSError, ValueError) as e:
+            problems.append(f"{url}: {e}")
+            continue
+        members = [{"name": m.get("name"), "role": {"master": "primary", "leader": "primary"}.get(m.get("role"),
+                                                                                               m.get("role")),
+                    "state": m.get("state"), "timeline": m.get("timeline"), "lag": m.get("lag"),
+                    "host": m.get("host"), "port": m.get("port")} for m in doc.get("members", [])]
+        leader = next((m["name"] for m in members if m["role"] == "primary"), None)
+        return {"asked": url, "leader": leader, "members": members}
+    raise OSError("no Patroni answered: " + "; ".join(problems))
+
+
+def patroni_lines(p: dict[str, Any] | None) -> list[str]:
+    """`walsidecar status`'s Patroni line: the leader, then each member."""
+    if p is None:
+        return []
+    if p.get("error"):
+        return [f" Patroni:  {p['error']}"]
+    members = ", ".join(f"{m['name']} {m['role']} {m['state']}" + (f" timeline {m['timeline']}" if m['timeline'] else "")
+                        + (f" lag {m['lag']}" if m.get("lag") not in (None, 0, "") else "") for m in p["members"])
+    return [f" Patroni:  leader {p['leader'] or 'NONE (no node holds the leader key)'}; {members}"]

@@ -9,6 +9,7 @@ down it cannot fence, exits non-zero, and Patroni keeps the candidate a replica.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import signal
@@ -174,6 +175,12 @@ def test_a_host_loss_of_the_leader_promotes_the_other_node_with_every_acknowledg
 
     assert up.members()["node2"].startswith("running: primary")
     assert missing(up.dsn("node2"), acked) == []
+    # `status` with the file `up --ha` writes: Patroni's leader beside the safekeepers, and the primary found
+    # wherever it now is (its pg_dsn names both nodes, read-write).
+    status = walsidecar("status", "--config", str(up.dir / "walsidecar.toml"), "--format", "json")
+    doc = json.loads(status.stdout)
+    assert doc["patroni"]["leader"] == "node2", status.stdout + status.stderr
+    assert doc["primary"].get("sync_state") == "sync", doc["primary"]
     gate = up.node_log("node2")
     assert "gate open: the standby replayed E" in gate and "exited with 0" in gate
 
