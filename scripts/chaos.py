@@ -979,7 +979,8 @@ def _raise_interrupted(signum: int, frame: object) -> None:
 @click.option("--round-timeout", type=click.FloatRange(min=1), default=120, show_default=True,
               help="Seconds a round may take to recover before it counts as a failure.")
 @click.option("--kinds", default=",".join(ACTIONS), show_default=True,
-              help=f"Comma-separated kinds of round to choose from: {', '.join(KINDS)}. "
+              help=f"Comma-separated kinds of round to choose from: {', '.join(KINDS)}; or `ha` alone: "
+                   "leader kills under Patroni, failed over automatically (scripts/chaos_ha.py). "
                    "`partition` runs each safekeeper in a network namespace of its own (needs root and iproute2).")
 @click.option("--keep", is_flag=True, help="Keep the data directory even when every check passes.")
 @click.option("--link-security", type=click.Choice(["tls", "auth-only"]), default="tls", show_default=True,
@@ -1000,6 +1001,11 @@ def main(rounds: int, seed: int | None, base_dir: Path | None, writers: int, rou
     Exits 0 when every check passed, 1 on a lost write, a WAL mismatch, a segment removed without its
     archived copy or a failed round.
     """
+    if kinds == "ha":
+        # Under Patroni the deployment is another one (scripts/chaos_ha.py): leader kills, automatic failover.
+        sys.path.insert(0, str(REPO / "scripts"))
+        from chaos_ha import run as run_ha
+        sys.exit(run_ha(rounds, seed, base_dir, writers, round_timeout, keep, json_file))
     chosen = parse_kinds(kinds)
     partitions = "partition" in chosen
     if partitions and (reason := netns.unavailable()):

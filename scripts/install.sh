@@ -5,20 +5,20 @@
 # /usr/local/bin/walsidecar links to the default venv's command. Rerun it after changing the code
 # (scripts/test.sh does): it reinstalls when any file of the package changed.
 #
-#   bash scripts/install.sh            the package with its test and analytics extras (installed, not
+#   bash scripts/install.sh            the package with its test, analytics and ha extras (installed, not
 #                                      editable: a copy of the checkout's code) and a Java 17 runtime for
 #                                      the analytics (PySpark)
 #   WALSIDECAR_EXTRAS= bash scripts/install.sh    the core only: services and operator commands
 #
 # Env: WALSIDECAR_VENV (default /opt/walsidecar/venv; another one leaves /usr/local/bin/walsidecar alone),
-# WALSIDECAR_EXTRAS (default test,analytics).
+# WALSIDECAR_EXTRAS (default test,analytics,ha; ha is Patroni, for `walsidecar up --ha` and tests/integration/test_ha.py).
 # Idempotent; when everything is already present it only runs a few quick checks.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 REPO="$(pwd -P)"
 
 VENV="${WALSIDECAR_VENV:-/opt/walsidecar/venv}"
-EXTRAS="${WALSIDECAR_EXTRAS-test,analytics}"
+EXTRAS="${WALSIDECAR_EXTRAS-test,analytics,ha}"
 SYSTEM_PYTHON=/usr/bin/python3
 PG_BIN=/usr/lib/postgresql/15/bin
 NEEDED_BINS=(postgres pg_ctl initdb pgbench pg_waldump psql pg_receivewal pg_basebackup)

@@ -10,8 +10,8 @@ import click
 
 from sidecar import __version__
 from sidecar.address import parse_address, parse_listen
-from sidecar.config import (CtlSettings, ReaderSlotSettings, ReadersSettings, SafekeeperSettings, StartSettings,
-                            UpSettings, configured)
+from sidecar.config import (CtlSettings, FollowLeaderSettings, ReaderSlotSettings, ReadersSettings,
+                            SafekeeperSettings, StartSettings, UpSettings, configured)
 from sidecar.logs import get_logger
 
 
@@ -290,6 +290,16 @@ def up(s: UpSettings) -> None:
     from sidecar.deployment import DeploymentError
     from sidecar.embedded import Embedded
 
+    if s.ha:
+        from sidecar.embedded_ha import EmbeddedHa
+        if s.standby:
+            raise click.UsageError("--ha runs two nodes, each the other's standby: leave out --standby")
+        try:
+            EmbeddedHa(s.dir, s.pg_port, s.safekeeper_port, s.log_format, insecure=s.insecure,
+                       link_security=s.link_security).run()
+        except DeploymentError as e:
+            raise click.ClickException(str(e)) from e
+        return
     try:
         Embedded(s.dir, s.pg_port, s.safekeeper_port, s.log_format, metrics_port=s.metrics_port,
                  insecure=s.insecure, link_security=s.link_security, standby=s.standby).run()
@@ -297,12 +307,22 @@ def up(s: UpSettings) -> None:
         raise click.ClickException(str(e)) from e
 
 
+@main.command("follow-leader")
+@configured(FollowLeaderSettings)
+def follow_leader(s: FollowLeaderSettings) -> None:
+    """Run `walsidecar start` on this node while its Patroni is the leader; stop it when demoted (docs/ha.md)."""
+    from sidecar.patroni import FollowLeader
+    FollowLeader(s.patroni_url, s.sidecar_config, s.poll_interval).run()
+
+
 @main.group()
 @configured(CtlSettings)
 def ctl(s: CtlSettings) -> None:
-    """Stop, start and list the members of a running `walsidecar up` (safekeeper1-3, proposer, primary).
+    """Stop, start, kill and list the members of a running `walsidecar up` (safekeeper1-3, proposer, primary;
+    under `up --ha`: etcd, safekeeper1-3, node1, node2).
 
-    A member stopped with `ctl stop` stays stopped until `ctl start`; one that dies on its own is restarted.
+    A member stopped with `ctl stop` or `ctl kill` stays stopped until `ctl start`; one that dies on its own is
+    restarted.
     """
     click.get_current_context().obj = s
 
@@ -337,6 +357,13 @@ def ctl_stop(member: str) -> None:
 def ctl_start(member: str) -> None:
     """Start MEMBER (again)."""
     _ctl("start", member)
+
+
+@ctl.command("kill")
+@click.argument("member")
+def ctl_kill(member: str) -> None:
+    """SIGKILL MEMBER; for an `up --ha` node, all of it at once (Patroni, PostgreSQL, sidecar): a host loss."""
+    _ctl("kill", member)
 
 
 @ctl.command("restart")
@@ -390,8 +417,8 @@ def create_node(ca_dir: Path, certs_dir: Path, role: str, node_id: int | None, h
 
 
 def _register_operator_commands() -> None:
-    from sidecar.ops.commands import check, failover, init_postgres, restore_wal, status
-    for cmd in (check, status, init_postgres, restore_wal, failover):
+    from sidecar.ops.commands import check, failover, failover_gate, init_postgres, restore_wal, status
+    for cmd in (check, status, init_postgres, restore_wal, failover, failover_gate):
         main.add_command(cmd)
 
 

@@ -389,6 +389,9 @@ class StatusSettings(BrokerSettings, SafekeepersMixin, PrimarySettings, TlsSetti
     standby_dsn: PgDsn | None = Field(None, description="libpq connection string of a standby fed by the "
                                                         "safekeepers: adds whether it streams and how far it "
                                                         "replayed.")
+    patroni: Annotated[tuple[str, ...], NoDecode, BeforeValidator(_split), Metavar("URL,...")] = Field(
+        (), description="Patroni REST API URLs (http://HOST:8008,...): adds Patroni's leader and members, from the "
+                        "first that answers (docs/ha.md).")
     format: Literal["table", "json"] = Field("table", description="A table like `patronictl list`, or JSON.")
     watch: float | None = Field(None, gt=0, description="Refresh every this many seconds until Ctrl-C.")
     count: int | None = Field(None, ge=1, description="With --watch: stop after this many refreshes.")
@@ -396,7 +399,7 @@ class StatusSettings(BrokerSettings, SafekeepersMixin, PrimarySettings, TlsSetti
 
     @model_validator(mode="after")
     def _something(self) -> StatusSettings:
-        if not (self.proposer_metrics or self.safekeepers or self.pg_dsn or self.broker):
+        if not (self.proposer_metrics or self.safekeepers or self.pg_dsn or self.broker or self.patroni):
             raise ValueError("nothing to ask: give --proposer-metrics (the proposer's --metrics address), "
                              "--safekeepers, --pg-dsn or --broker")
         return self
@@ -451,6 +454,10 @@ class UpSettings(LinkSettings):
     standby: bool = Field(False, description="Also run a standby that streams from safekeeper1's reader port (on "
                                              "--pg-port + 1), ready for `walsidecar failover`; the members keep "
                                              "running when the primary dies.")
+    ha: bool = Field(False, description="Run two Patroni-managed PostgreSQL nodes (node1 on --pg-port, node2 on "
+                                        "the next port) with etcd instead of one primary: Patroni fails over on "
+                                        "its own, through `walsidecar failover-gate`, and the sidecar follows "
+                                        "the leader (docs/ha.md). Needs `pip install 'walsidecar[ha]'`.")
 
 
 class CtlSettings(Settings):
@@ -539,10 +546,9 @@ class ReaderSlotSettings(ReaderCredentials):
                                                  "that safekeeper's WAL until the reader moves it.")
 
 
-class FailoverSettings(SafekeepersMixin, ReaderCredentials):
-    """walsidecar failover: promote a standby without losing an acknowledged commit."""
+class FailoverBase(SafekeepersMixin, ReaderCredentials):
+    """What failover and failover-gate share: the standby, the safekeepers and how long each step may take."""
 
-    command: ClassVar[str] = "failover"
     cert_role: ClassVar[str] = "proposer"
     standby_dsn: PgDsn = Field("", description="libpq connection string of the standby to promote (a "
                                                "superuser: it runs pg_promote() and reads its timeline "
@@ -553,6 +559,12 @@ class FailoverSettings(SafekeepersMixin, ReaderCredentials):
     catchup_timeout: float = Field(60.0, gt=0, description="Seconds the standby may replay nothing while below "
                                                            "the committed end before failover gives up without "
                                                            "promoting it.")
+
+
+class FailoverSettings(FailoverBase):
+    """walsidecar failover: promote a standby without losing an acknowledged commit."""
+
+    command: ClassVar[str] = "failover"
     undo: bool = Field(False, description="Undo a failover that never promoted: lift the end it put on the old "
                                           "primary's timeline, so that its sidecar may stream again. Refused once "
                                           "the promoted standby's sidecar streams. No --standby-dsn.")
@@ -564,6 +576,43 @@ class FailoverSettings(SafekeepersMixin, ReaderCredentials):
         if not self.undo and not self.standby_dsn:
             raise ValueError("standby_dsn: give --standby-dsn, the standby to promote (or --undo)")
         return self
+
+
+class FailoverGateSettings(ArchiveSettings, ClusterSettings, FailoverBase):
+    """walsidecar failover-gate: Patroni's pre_promote; failover's fence, recover and catch up, without promoting."""
+
+    command: ClassVar[str] = "failover-gate"
+    # Patroni renews its leader lock while the hook runs, but a refusal should come soon enough for the
+    # other node to get its turn within a few ttl.
+    timeout: float = Field(20.0, gt=0, description="Seconds to win the fence term and commit its start on a "
+                                                   "quorum; longer and the gate refuses.")
+    catchup_timeout: float = Field(20.0, gt=0, description="Seconds the standby may replay nothing while below "
+                                                           "the committed end before the gate refuses.")
+    safekeeper_readers: Annotated[tuple[PeerAddress, ...], NoDecode, BeforeValidator(_split),
+                                  AfterValidator(_distinct), Metavar("HOST:PORT,...")] = Field(
+        (), description="Every safekeeper's reader port: the gate writes the committed WAL the standby lacks, up "
+                        "to E, into its pg_wal (the gate runs on the standby's host as its OS user), from them "
+                        "and from --archive for what they removed once archived. Without it the standby must "
+                        "get that WAL itself (restore_command = 'walsidecar restore-wal ...').")
+
+    @model_validator(mode="after")
+    def _standby(self) -> FailoverGateSettings:
+        if not self.standby_dsn:
+            raise ValueError("standby_dsn: give --standby-dsn, this node's PostgreSQL (the standby Patroni "
+                             "promotes)")
+        return self
+
+
+class FollowLeaderSettings(Settings):
+    """walsidecar follow-leader: run the sidecar on this node while its Patroni is the leader."""
+
+    command: ClassVar[str] = "follow-leader"
+    patroni_url: str = Field("http://127.0.0.1:8008", description="This node's Patroni REST API (its "
+                                                                  "restapi.listen): GET /primary says whether "
+                                                                  "it is the leader.")
+    sidecar_config: FilePath = Field(description="The --config file of the `walsidecar start` it runs while "
+                                                 "this node is the primary (pg_dsn: this node's PostgreSQL).")
+    poll_interval: float = Field(0.5, gt=0, description="Seconds between questions to Patroni.")
 
 
 class VerifyArchiveSettings(LinkSettings):
@@ -591,7 +640,7 @@ class VerifyArchiveSettings(LinkSettings):
 ALL_SETTINGS: tuple[type[Settings], ...] = (SafekeeperSettings, StartSettings, CheckSettings, StatusSettings,
                                             InitPostgresSettings, UpSettings, CtlSettings, ReadersSettings,
                                             RestoreWalSettings, ReaderSlotSettings, FailoverSettings,
-                                            VerifyArchiveSettings)
+                                            FailoverGateSettings, FollowLeaderSettings, VerifyArchiveSettings)
 
 
 def read_toml(path: Path, cls: type[Settings]) -> dict[str, Any]:

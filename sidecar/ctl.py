@@ -19,7 +19,7 @@ from sidecar.deployment import DeploymentError
 from sidecar.supervisor import Supervisor
 
 SOCKET_NAME = "up.sock"
-ACTIONS = ("members", "stop", "start", "restart")
+ACTIONS = ("members", "stop", "start", "restart", "kill")
 MAX_REQUEST = 4096
 
 

@@ -203,6 +203,23 @@ class Embedded:
                 f"reader_passfile = {_toml_str(str(self.d.reader_passfile))}\n" + certs)
 
 
+def _lock_dir(base: Path) -> IO[str]:
+    """Hold DIR/up.pid locked (as Embedded._lock): for `up --ha`, which has no Embedded."""
+    f = open(base / UP_LOCK, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        pid = f.read().strip() or "?"
+        f.close()
+        raise DeploymentError(f"another `walsidecar up` (pid {pid}) is running in {base}: stop it with Ctrl-C, "
+                              f"use it (`walsidecar ctl --dir {base} members`), or give another --dir") from None
+    f.truncate(0)
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
 def _first_missing(path: Path) -> Path | None:
     """The outermost directory of `path` that does not exist yet (what mkdir(parents=True) makes); None if it does."""
     missing = None

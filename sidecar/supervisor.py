@@ -63,8 +63,11 @@ class Supervisor:
 
     def __init__(self, d: LocalDeployment, log: Any, clock: Callable[[], float] = time.monotonic,
                  back: Callable[[str], str | None] | None = None,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep,
+                 describe: Callable[[str], str | None] | None = None) -> None:
         self.d, self.log, self.clock, self.sleep = d, log, clock, sleep
+        # What a running member is beyond "running" (an HA node's Patroni role and state), for `ctl members`.
+        self.describe = describe
         # What says a member started on request is back in the cluster: None while it is not, else how it is
         # ("" when there is nothing to wait for). Without it a start returns once the process is spawned.
         self.back = back
@@ -139,6 +142,16 @@ class Supervisor:
         self.log.info("member stopped on request", member=name)
         return f"stopped {name}; it stays stopped until `ctl start {name}`"
 
+    def kill(self, name: str) -> str:
+        """SIGKILL member `name` (a host loss for an HA node) and hold it stopped."""
+        w = self._get(name)
+        w.held, w.due = True, None
+        if not w.member.running:
+            return f"{name} is not running; it stays stopped until `ctl start {name}`"
+        w.member.kill()
+        self.log.info("member killed on request", member=name)
+        return f"killed {name} (SIGKILL); it stays stopped until `ctl start {name}`"
+
     def start(self, name: str) -> str:
         """Start member `name` now (and supervise it again)."""
         w = self._get(name)
@@ -182,6 +195,9 @@ class Supervisor:
         for name, w in self.watched.items():
             if w.member.running:
                 state = "running"
+                more = self.describe(name) if self.describe is not None else None
+                if more:
+                    state = f"running: {more}"
             elif w.held:
                 state = "stopped"
             elif w.due is not None:

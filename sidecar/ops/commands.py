@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from sidecar.config import (
-    CheckSettings, FailoverSettings, InitPostgresSettings, RestoreWalSettings, StatusSettings, configured,
+    CheckSettings, FailoverGateSettings, FailoverSettings, InitPostgresSettings, RestoreWalSettings, StatusSettings, configured,
 )
 
 
@@ -86,3 +86,20 @@ def failover(s: FailoverSettings) -> None:
     """
     from sidecar.ops.failover import run_failover
     sys.exit(run_failover(s))
+
+
+@click.command("failover-gate")
+@configured(FailoverGateSettings)
+def failover_gate(s: FailoverGateSettings) -> None:
+    """Patroni's pre_promote: fence, recover and catch up this node's standby to E; promote nothing.
+
+    \b
+    Patroni runs it on the node that won its leader lock, then promotes
+    that node itself. Exit code 0: the old primary's timeline ends at the
+    quorum's commit position E for good and the standby replayed E, so it
+    holds every acknowledged commit. 1: it cannot fence a quorum or the
+    standby cannot reach E in time; nothing that matters changed, and
+    Patroni keeps the node a replica (docs/ha.md).
+    """
+    from sidecar.ops.failover import run_failover_gate
+    sys.exit(run_failover_gate(s))

@@ -15,12 +15,13 @@ import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from sidecar.address import Address
-from sidecar.config import FailoverSettings
+from sidecar.config import FailoverBase, FailoverSettings
 from sidecar.consensus import primary_check
 from sidecar.timelines import TimelineHistory
 from sidecar.consensus.proposer import FailoverTerm, ProposerConfig, VerifyPrimary
@@ -82,13 +83,22 @@ class StandbyState:
 
 
 async def read_standby(conn: psycopg.AsyncConnection) -> StandbyState:
-    """What the standby is and where it stands; its timeline is the one it receives (or last checkpointed on)."""
+    """What the standby is and where it stands; its timeline is the one it receives, else the newest it knows.
+
+    With no WAL receiver (its primary is gone) the last checkpoint's timeline may be an older one: after a
+    pg_rewind onto a newer timeline, no restartpoint has happened on it yet. A standby follows the newest
+    timeline whose history it holds (recovery_target_timeline = latest), which pg_rewind or its receiver
+    put in pg_wal, and its minimum recovery point names it too.
+    """
     row = await (await conn.execute(
         "SELECT pg_is_in_recovery(), (SELECT system_identifier FROM pg_control_system()), "
         "(SELECT setting::bigint FROM pg_settings WHERE name = 'wal_segment_size'), "
         "current_setting('server_version_num')::int, "
         "coalesce((SELECT received_tli FROM pg_stat_wal_receiver), "
-        "         (SELECT timeline_id FROM pg_control_checkpoint())), "
+        "         greatest((SELECT timeline_id FROM pg_control_checkpoint()), "
+        "                  (SELECT min_recovery_end_timeline FROM pg_control_recovery()), "
+        "                  (SELECT max(('x' || substr(name, 1, 8))::bit(32)::int) FROM pg_ls_waldir() "
+        "                   WHERE name ~ '^[0-9A-F]{8}[.]history$'))), "
         "coalesce(pg_last_wal_replay_lsn(), '0/0')::text, coalesce(pg_last_wal_receive_lsn(), '0/0')::text, "
         "CASE WHEN pg_is_in_recovery() THEN '0/0' ELSE pg_current_wal_lsn()::text END")).fetchone()
     in_recovery, system_id, seg_size, version, timeline, replay, receive, current = row
@@ -119,13 +129,14 @@ def lineage_problem(standby: StandbyState, safekeepers: TimelineHistory, end: in
 class Failover:
     """The five steps against one standby and the safekeepers."""
 
-    def __init__(self, s: FailoverSettings, say: Say = print) -> None:
+    def __init__(self, s: FailoverBase, say: Say = print) -> None:
         self.s = s
         self.say = say
         self.security = client_security(s.certs_dir, s.link_security)
         self.donor = DonorReader(s)
 
     async def run(self) -> None:
+        """All five steps: the gate's three, then promote and resume."""
         s, say = self.s, self.say
         say(f"walsidecar failover: promoting the standby at {redact_dsn(s.standby_dsn)} with every acknowledged "
             f"commit, over {len(s.safekeepers)} safekeepers (quorum {s.quorum})")
@@ -133,44 +144,116 @@ class Failover:
                                                          connect_timeout=10) as conn:
             standby = await read_standby(conn)
             if not standby.in_recovery:
-                say(f"the standby is already a primary (timeline {standby.timeline}, at "
-                    f"{format_lsn(standby.replay_lsn)}): a failover promoted it; nothing to fence or promote")
+                self._already_primary(standby)
                 await self._resume(conn)
                 return
-            say(f"  standby: system {standby.system_id}, timeline {standby.timeline}, replayed up to "
-                f"{format_lsn(standby.replay_lsn)}")
-            say("1/5 fence: winning a new term from a quorum of safekeepers (no WAL is streamed)")
-            fence = Fence(self._config(standby), self.security, precheck=self._precheck(standby),
-                          copy=self.donor.copy, say=say)
+            fence, fenced = await self._gate_steps(conn, standby)
             try:
-                try:
-                    fenced = await fence.run(s.timeout)
-                except FenceError as e:
-                    raise FailoverError(f"fence: {e}") from None
-                say(f"2/5 recover: {', '.join(fence.committed_on())} hold the WAL up to E = "
-                    f"{format_lsn(fenced.start_lsn)} in term {fenced.term}; E is committed: every reader may have it")
-                say(f"  timeline {fenced.fence.timeline} ends at E for good: from now on no term streams from a "
-                    "primary still on it (the old primary's commits wait and are never acknowledged); "
-                    "`walsidecar failover --undo` lifts this while nothing was promoted")
-                say(f"3/5 catch up: waiting for the standby to replay up to {format_lsn(fenced.start_lsn)}")
-                await self._catch_up(conn, fenced.start_lsn, fence)
-                say("4/5 promote: checking the standby's timeline history against the safekeepers'")
-                standby = await read_standby(conn)
-                problem = lineage_problem(standby, fenced.timeline_history, fenced.start_lsn)
-                if problem is not None:
-                    raise FailoverError(f"not promoting: {problem}")
-                # The term is held to the end: had the old primary's sidecar taken a newer one, its
-                # commits past E would not be on the standby.
-                try:
-                    fence.check()
-                except FenceError as e:
-                    raise FailoverError(f"not promoting: the fence term was lost: {e}") from None
                 feeds = await standby_feeds(conn)
                 await self._promote(conn, fenced)
                 await self._drop_slot(feeds)
             finally:
                 await fence.close()
             await self._resume(conn)
+
+    async def gate(self) -> None:
+        """Fence, recover and catch up, and promote nothing: Patroni's pre_promote, which promotes after it.
+
+        Once this returns, the old primary's timeline ends at E on a quorum and the standby replayed E:
+        whoever promotes it next (Patroni's pg_ctl promote) holds every acknowledged commit.
+        """
+        s, say = self.s, self.say
+        say(f"walsidecar failover-gate: readying the standby at {redact_dsn(s.standby_dsn)} for promotion with "
+            f"every acknowledged commit, over {len(s.safekeepers)} safekeepers (quorum {s.quorum})")
+        async with await psycopg.AsyncConnection.connect(s.standby_dsn, autocommit=True,
+                                                         connect_timeout=10) as conn:
+            standby = await read_standby(conn)
+            if not standby.in_recovery:
+                self._already_primary(standby)
+                return
+            fence, fenced = await self._gate_steps(conn, standby)
+            await fence.close()
+        say(f"gate open: the standby replayed E = {format_lsn(fenced.start_lsn)} (term {fenced.term}); timeline "
+            f"{fenced.fence.timeline} ends there for good; it may be promoted now")
+
+    async def _feed_pg_wal(self, conn: psycopg.AsyncConnection, fenced: Fenced) -> None:
+        """Write the committed WAL the standby lacks, up to E, into its pg_wal, where its startup process reads
+        next once its WAL receiver finds no primary (wal_retrieve_retry_interval later).
+
+        For failover-gate, which runs on the standby's host as its OS user: a Patroni replica streams from
+        the leader, which is gone, and a restore_command would be run again and again at the promotion
+        (each a new process and three reader connections), delaying it by seconds.
+        """
+        from sidecar.config import RestoreWalSettings
+        from sidecar.lsn import segment_file_name, segment_number
+        from sidecar.ops.restore import Exit, restore_wal
+        from sidecar.pgrepl import timeline_of
+        s, end = self.s, fenced.start_lsn
+        st = await read_standby(conn)
+        have = max(st.replay_lsn, st.receive_lsn)
+        if have >= end:
+            self.say(f"  the standby already has the WAL up to E (received {format_lsn(st.receive_lsn)})")
+            return
+        pg_wal = Path((await (await conn.execute("SHOW data_directory")).fetchone())[0]) / "pg_wal"
+        rs = RestoreWalSettings(safekeeper_readers=s.safekeeper_readers,  # type: ignore[attr-defined]
+                                reader_user=s.reader_user, reader_passfile=s.reader_passfile,
+                                reader_timeout=s.reader_timeout, certs_dir=s.certs_dir, insecure=s.insecure,
+                                link_security=s.link_security, on_error="continue", retry_for=0,
+                                # What the safekeepers removed once archived: the standby may be further behind.
+                                archive=getattr(s, "archive", None), s3_endpoint=getattr(s, "s3_endpoint", None),
+                                cluster=getattr(s, "cluster", None))
+        seg = st.wal_seg_size
+        for segno in range(segment_number(max(st.replay_lsn, 1), seg), segment_number(end - 1, seg) + 1):
+            tli = timeline_of(fenced.timeline_history, fenced.fence.timeline, segno * seg)
+            name = segment_file_name(tli, segno, seg)
+            code = await asyncio.to_thread(restore_wal, rs, name, pg_wal / name, stop=False)
+            if code != Exit.RESTORED:
+                raise FailoverError(f"cannot get {name} (up to E = {format_lsn(end)}) from the safekeepers' reader "
+                                    f"ports {', '.join(map(str, s.safekeeper_readers))}: restore-wal exit "  # type: ignore[attr-defined]
+                                    f"{int(code)} (its log line says why)")
+            self.say(f"  wrote {name} into the standby's pg_wal (committed WAL up to E)")
+
+    def _already_primary(self, standby: StandbyState) -> None:
+        self.say(f"the standby is already a primary (timeline {standby.timeline}, at "
+                 f"{format_lsn(standby.replay_lsn)}): a failover promoted it; nothing to fence or promote")
+
+    async def _gate_steps(self, conn: psycopg.AsyncConnection, standby: StandbyState) -> tuple[Fence, Fenced]:
+        """Steps 1-3 and the checks before a promotion; the fence term is still held (close it) when it returns."""
+        s, say = self.s, self.say
+        say(f"  standby: system {standby.system_id}, timeline {standby.timeline}, replayed up to "
+            f"{format_lsn(standby.replay_lsn)}")
+        say("1/5 fence: winning a new term from a quorum of safekeepers (no WAL is streamed)")
+        fence = Fence(self._config(standby), self.security, precheck=self._precheck(standby),
+                      copy=self.donor.copy, say=say)
+        try:
+            try:
+                fenced = await fence.run(s.timeout)
+            except FenceError as e:
+                raise FailoverError(f"fence: {e}") from None
+            say(f"2/5 recover: {', '.join(fence.committed_on())} hold the WAL up to E = "
+                f"{format_lsn(fenced.start_lsn)} in term {fenced.term}; E is committed: every reader may have it")
+            say(f"  timeline {fenced.fence.timeline} ends at E for good: from now on no term streams from a "
+                "primary still on it (the old primary's commits wait and are never acknowledged); "
+                "`walsidecar failover --undo` lifts this while nothing was promoted")
+            say(f"3/5 catch up: waiting for the standby to replay up to {format_lsn(fenced.start_lsn)}")
+            if getattr(s, "safekeeper_readers", ()):
+                await self._feed_pg_wal(conn, fenced)
+            await self._catch_up(conn, fenced.start_lsn, fence)
+            say("4/5 promote: checking the standby's timeline history against the safekeepers'")
+            standby = await read_standby(conn)
+            problem = lineage_problem(standby, fenced.timeline_history, fenced.start_lsn)
+            if problem is not None:
+                raise FailoverError(f"not promoting: {problem}")
+            # The term is held to the end: had the old primary's sidecar taken a newer one, its
+            # commits past E would not be on the standby.
+            try:
+                fence.check()
+            except FenceError as e:
+                raise FailoverError(f"not promoting: the fence term was lost: {e}") from None
+        except BaseException:
+            await fence.close()
+            raise
+        return fence, fenced
 
     def _config(self, st: StandbyState) -> ProposerConfig:
         s = self.s
@@ -367,3 +450,25 @@ def run_failover(s: FailoverSettings) -> int:
               "nothing was promoted: run failover again", flush=True)
         return 1
     return 0
+
+
+def run_failover_gate(s: FailoverBase) -> int:
+    """Patroni's pre_promote: 0 when the standby replayed E behind a fence term; 1 vetoes the promotion."""
+    from sidecar.logs import get_logger
+    log = get_logger(command="failover-gate")
+    gate = Failover(s, lambda line: print(line, flush=True))
+    try:
+        asyncio.run(gate.gate())
+    except FailoverError as e:
+        reason = str(e)
+    except psycopg.OperationalError as e:
+        reason = f"cannot reach the standby: {' '.join(str(e).split())}"
+    except psycopg.Error as e:
+        reason = f"the standby refused a query: {' '.join(str(e).split())} (connect as a superuser)"
+    else:
+        log.info("gate open: the standby holds every acknowledged commit", standby=redact_dsn(s.standby_dsn))
+        return 0
+    # Patroni takes a non-zero exit as a veto: it releases the leader lock and keeps this node a replica.
+    log.error("gate closed: not promoting this standby", reason=reason, standby=redact_dsn(s.standby_dsn),
+              safekeepers=",".join(s.safekeepers), quorum=s.quorum)
+    return 1

@@ -50,6 +50,9 @@ async def gather(s: StatusSettings) -> dict[str, Any]:
         tasks["standby"] = _standby(s.standby_dsn, s.timeout)
     if s.broker:
         tasks["broker"] = _broker(s)
+    if s.patroni:
+        from sidecar.patroni import patroni_cluster
+        tasks["patroni"] = asyncio.to_thread(patroni_cluster, s.patroni, s.timeout)
     results = await asyncio.gather(*tasks.values(), return_exceptions=True)
     got = dict(zip(tasks, results))
 
@@ -95,6 +98,9 @@ async def gather(s: StatusSettings) -> dict[str, Any]:
         doc["broker"] = {"endpoints": list(s.broker), "error": str(got_broker)} \
             if isinstance(got_broker, BaseException) else got_broker
         _rows_from_broker(doc["broker"], rows)
+    if s.patroni:
+        got_patroni = got["patroni"]
+        doc["patroni"] = {"error": str(got_patroni)} if isinstance(got_patroni, BaseException) else got_patroni
     _fill_lag(doc, rows)
     doc["safekeepers"] = sorted(rows.values(), key=lambda r: (r["id"] is None, r["id"] or 0, r["address"]))
     return doc
@@ -246,6 +252,9 @@ def _summary(doc: dict[str, Any]) -> list[str]:
     lines += _standby_lines(doc.get("standby"))
     lines += _reader_lines(doc["safekeepers"])
     lines += _broker_lines(doc.get("broker"))
+    if "patroni" in doc:
+        from sidecar.patroni import patroni_lines
+        lines += patroni_lines(doc["patroni"])
     return lines
 
 

@@ -192,3 +192,22 @@ def test_bare_status_and_check_point_at_a_running_up(tmp_path: Path, monkeypatch
     # The `up` has stopped: its file is no pointer any more.
     with pytest.raises(ConfigError, match="nothing to ask"):
         load(StatusSettings, {}, None)
+
+
+def test_one_node_file_configures_the_sidecar_the_gate_and_the_follower(tmp_path: Path) -> None:
+    """`up --ha` writes one walsidecar.toml per node: start reads its top level, failover-gate and follow-leader
+    their tables as well; the gate's standby is its own node, and it must be named."""
+    from sidecar.config import FailoverGateSettings, FollowLeaderSettings
+    cfg = write(tmp_path / "node1.toml", 'pg_dsn = "host=127.0.0.1 port=5432"\nsafekeepers = "a:1,b:2,c:3"\n'
+                "insecure = true\n[failover-gate]\nstandby_dsn = \"host=127.0.0.1 port=5432\"\n"
+                'safekeeper_readers = "a:11,b:12,c:13"\ntimeout = 5\n'
+                f'[follow-leader]\npatroni_url = "http://127.0.0.1:8008"\nsidecar_config = "{tmp_path}/node1.toml"\n')
+    start = load(StartSettings, {}, cfg)
+    gate = load(FailoverGateSettings, {}, cfg)
+    follow = load(FollowLeaderSettings, {}, cfg)
+    assert start.pg_dsn == gate.standby_dsn and gate.quorum == 2 and gate.timeout == 5  # type: ignore[attr-defined]
+    assert [str(a) for a in gate.safekeeper_readers] == ["a:11", "b:12", "c:13"]  # type: ignore[attr-defined]
+    assert follow.sidecar_config == cfg  # type: ignore[attr-defined]
+    no_standby = write(tmp_path / "bare.toml", 'safekeepers = "a:1,b:2,c:3"\ninsecure = true\n')
+    with pytest.raises(ConfigError, match="standby_dsn"):
+        load(FailoverGateSettings, {}, no_standby)

@@ -29,6 +29,9 @@ class FakeMember:
     def stop(self) -> None:
         self.running = False
 
+    def kill(self) -> None:
+        self.running, self.killed = False, True
+
 
 class FakeDeployment:
     def __init__(self) -> None:
@@ -119,7 +122,7 @@ def test_with_a_standby_the_primary_exiting_leaves_the_others_running_for_a_fail
 
 def test_answers_to_bad_requests(sup: Supervisor) -> None:
     assert answer(sup, {"action": "explode"}) == {"ok": False, "message": "unknown action 'explode': one of "
-                                                  "members, stop, start, restart"}
+                                                  "members, stop, start, restart, kill"}
     assert "needs a MEMBER" in answer(sup, {"action": "stop"})["message"]
     assert "no member 'sk9'" in answer(sup, {"action": "start", "member": "sk9"})["message"]
     assert [m["name"] for m in answer(sup, {"action": "members"})["members"]] == ["primary", "safekeeper1",
@@ -203,3 +206,18 @@ def test_nothing_to_wait_for_adds_nothing(sup: Supervisor) -> None:
     back = Settling(sup, pending=0, how="")
     sup.back = back
     assert answer(sup, {"action": "start", "member": "proposer"})["message"] == "started proposer (pid None)"
+
+
+def test_a_member_killed_on_request_stays_down_until_started_and_members_describe_it() -> None:
+    d = FakeDeployment()
+    clock = Clock()
+    sup = Supervisor(d, Log(), clock=clock, describe=lambda name: "primary, timeline 2" if name == "proposer" else None)  # type: ignore[arg-type]
+    assert answer(sup, {"action": "kill", "member": "proposer"})["ok"]
+    assert getattr(d.members["proposer"], "killed", False)
+    clock.now += 3600
+    sup.tick()
+    assert d.members["proposer"].starts == 0  # a host loss on request is not undone by the supervisor
+    states = {r["name"]: r["state"] for r in sup.members()}
+    assert states["proposer"] == "stopped"
+    sup.start("proposer")
+    assert {r["name"]: r["state"] for r in sup.members()}["proposer"] == "running: primary, timeline 2"
