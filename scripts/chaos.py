@@ -592,8 +592,7 @@ def _raise_interrupted(signum: int, frame: object) -> None:
                    "`partition` runs each safekeeper in a network namespace of its own (needs root and iproute2).")
 @click.option("--keep", is_flag=True, help="Keep the data directory even when every check passes.")
 @click.option("--link-security", type=click.Choice(["tls", "auth-only"]), default="tls", show_default=True,
-              help="The safekeeper links: TLS, or auth-only (certificates checked, no encryption), whose "
-                   "streams a safekeeper serves in a thread of its own (safekeeper/streamthread.py).")
+              help="The safekeeper links: TLS, or auth-only (certificates checked, no encryption).")
 @click.option("--json", "json_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the summary as JSON to this file.")
 def main(rounds: int, seed: int | None, base_dir: Path | None, writers: int, round_timeout: float,
