@@ -984,8 +984,7 @@ def _raise_interrupted(signum: int, frame: object) -> None:
                    "`partition` runs each safekeeper in a network namespace of its own (needs root and iproute2).")
 @click.option("--keep", is_flag=True, help="Keep the data directory even when every check passes.")
 @click.option("--link-security", type=click.Choice(["tls", "auth-only"]), default="tls", show_default=True,
-              help="The safekeeper links: TLS, or auth-only (certificates checked, no encryption), whose "
-                   "streams a safekeeper serves in a thread of its own (safekeeper/streamthread.py).")
+              help="The safekeeper links: TLS, or auth-only (certificates checked, no encryption).")
 @click.option("--archive-store", type=click.Choice(["file", "s3"]), default="file", show_default=True,
               help="With archive-corruption rounds: the safekeepers' archive, a file:// directory under the run's, or "
                    "a bucket of a moto_server this script starts on 127.0.0.1.")

@@ -1,12 +1,11 @@
 """Protocol frames over asyncio: a buffered protocol around the frame decoder (`codec.FrameDecoder`), and its writer.
 
 asyncio's StreamReader copies every byte several times (into its buffer, out again with
-`readexactly`, and shifts the rest down), and a safekeeper receives all WAL through it.
-`FrameReader` is a buffered protocol instead: the kernel receives into the decoder's own
+`readexactly`, and shifts the rest down). `FrameReader` is a buffered protocol instead: the kernel receives into the decoder's own
 memory (a large Append into a buffer that becomes its `data`), and decoded messages queue
 until `read_message()` takes them. `Writer` is the other half: writes, flow control and
-closing, on the same protocol. The safekeeper's server and the proposer's links to
-safekeepers both use them.
+closing, on the same protocol. The proposer's links to safekeepers and the tools' probes use
+them; the safekeeper's own port is served by blocking threads (safekeeper/proposerport.py).
 """
 
 from __future__ import annotations
@@ -15,19 +14,12 @@ import asyncio
 import collections
 import ssl
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any
 
 from sidecar.consensus import codec, limits
 from sidecar.consensus.messages import Append, Message
-from sidecar.tlslayer import TlsProtocol
 
 _PAUSE_AT = 8 * 1024 * 1024  # decoded WAL waiting for the reader before reading pauses
-
-
-class Admitted(Protocol):
-    """What `start_server`'s `admit` gives an accepted connection: released once it is closed."""
-
-    def release(self) -> None: ...
 
 
 class FrameReader(asyncio.BufferedProtocol):
@@ -38,8 +30,6 @@ class FrameReader(asyncio.BufferedProtocol):
     Frames longer than `max_frame` are refused; it starts at the limit for a peer nobody has
     authenticated yet, and whoever authenticates the peer raises it.
     """
-
-    admitted: Admitted | None = None  # a server's connection: its place (start_server's `admit`)
 
     def __init__(self, loop: asyncio.AbstractEventLoop, max_frame: int = limits.PREAUTH_MAX_FRAME) -> None:
         self._loop = loop
@@ -55,11 +45,6 @@ class FrameReader(asyncio.BufferedProtocol):
         self._error: BaseException | None = None
         self._eof = False
         self._closed: asyncio.Future[None] = loop.create_future()
-
-    @property
-    def decoder(self) -> codec.FrameDecoder:
-        """The decoder; whoever reads the socket instead of the transport (the safekeeper's stream thread) feeds it."""
-        return self._decoder
 
     @property
     def max_frame(self) -> int:
@@ -157,14 +142,6 @@ class FrameReader(asyncio.BufferedProtocol):
         """True if a decoded message waits for read_message()."""
         return bool(self._messages)
 
-    def unread(self, messages: list[Message], error: BaseException | None = None) -> None:
-        """Queue messages decoded elsewhere (the safekeeper's stream thread), then the error that followed them."""
-        for msg in messages:
-            self._push(msg)
-        if error is not None and self._error is None:
-            self._error = error
-        self._wake()
-
     async def read_message(self) -> Message:
         """The next message; ProtocolError, ConnectionError or IncompleteReadError when there is none."""
         while not self._messages:
@@ -232,64 +209,28 @@ def write(writer: Writer, *parts: bytes | bytearray | memoryview) -> bool:
 
 async def start_server(
     connected: Callable[[FrameReader, Writer], Awaitable[None]], host: str, port: int,
-    tls: ssl.SSLContext | None = None, handshake_timeout: float = 10.0,
-    admit: Callable[[asyncio.BaseTransport], Admitted | None] | None = None, **kwargs: Any,
+    tls: ssl.SSLContext | None = None, handshake_timeout: float = 10.0, **kwargs: Any,
 ) -> asyncio.Server:
-    """Like asyncio.start_server, with a FrameReader and a Writer in place of the streams.
-
-    With `tls`, connections are served over `tlslayer` rather than the loop's TLS, so that their TLS
-    state can be handed to a thread; the handler sees a connection only once its handshake is done.
-    `admit` is called as each connection is accepted, before any handshake: None closes it at once;
-    otherwise the handler finds what it returned as `reader.admitted`, released when the connection is lost.
-    """
+    """Like asyncio.start_server, with a FrameReader and a Writer in place of the streams (the
+    proposer's tests serve fake safekeepers with it; the safekeeper's own port is proposerport.py)."""
     loop = asyncio.get_running_loop()
     tasks: set[asyncio.Task[None]] = set()
-
-    def _admit(reader: FrameReader, transport: asyncio.BaseTransport) -> bool:
-        if admit is None:
-            return True
-        reader.admitted = admit(transport)
-        if reader.admitted is None:
-            transport.abort()  # type: ignore[attr-defined]
-        return reader.admitted is not None
-
-    def _release(reader: FrameReader) -> None:
-        if reader.admitted is not None:
-            reader.admitted.release()
 
     class _ServerFrameReader(FrameReader):
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)
-            if tls is None and not _admit(self, transport):
-                return
             task = loop.create_task(connected(self, Writer(transport, self)))  # type: ignore[arg-type]
             tasks.add(task)
             task.add_done_callback(_finished)
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            super().connection_lost(exc)
-            _release(self)
-
-    class _AdmittedTls(TlsProtocol):
-        app: _ServerFrameReader
-
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            if _admit(self.app, transport):
-                super().connection_made(transport)
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            super().connection_lost(exc)
-            _release(self.app)  # before the handshake the app never saw the connection
 
     def _finished(task: asyncio.Task[None]) -> None:
         tasks.discard(task)
         if not task.cancelled():
             task.exception()  # the handler logged it; no "exception was never retrieved" on top
 
-    if tls is None:
-        return await loop.create_server(lambda: _ServerFrameReader(loop), host, port, **kwargs)
-    return await loop.create_server(lambda: _AdmittedTls(tls, _ServerFrameReader(loop), handshake_timeout),
-                                    host, port, **kwargs)
+    if tls is not None:
+        kwargs.update(ssl=tls, ssl_handshake_timeout=handshake_timeout)
+    return await loop.create_server(lambda: _ServerFrameReader(loop), host, port, **kwargs)
 
 
 async def open_connection(host: str, port: int, max_frame: int = codec.REPLY_MAX_FRAME,

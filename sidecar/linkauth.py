@@ -67,21 +67,23 @@ class LinkAuth:
         self.key = key
         self.cert_der = self.cert.public_bytes(serialization.Encoding.DER)
 
-    async def accept(self, reader: framing.FrameReader, writer: framing.Writer) -> Identity | None:
-        """The safekeeper's side: challenge, verify the answer, prove itself; who the peer is.
-
-        LinkAuthError (or the reader's error) if the peer fails: nothing has been answered then.
-        """
+    def challenge(self) -> tuple[bytes, bytes]:
+        """The safekeeper's side, first: its nonce, and the encoded AuthChallenge to send."""
         server_nonce = os.urandom(limits.AUTH_NONCE)
-        writer.write(codec.encode(AuthChallenge(server_nonce, self.cert_der)))
-        msg = await reader.read_message()
+        return server_nonce, codec.encode(AuthChallenge(server_nonce, self.cert_der))
+
+    def confirm(self, server_nonce: bytes, msg: object, port: int | None) -> tuple[Identity | None, bytes]:
+        """The safekeeper's side, then: verify the answer to `challenge()` that arrived on `port`; who
+        the peer is, and the encoded AuthConfirm that proves this end.
+
+        LinkAuthError if the peer fails: nothing has been answered then. Sans IO, so that whoever owns
+        the connection (the safekeeper's connection thread) does the reading and the deadline.
+        """
         if type(msg) is not AuthResponse:
             raise LinkAuthError(f"expected AuthResponse, got {type(msg).__name__}")
         cert = self._verify_certificate(msg.certificate)
         if not names_host(self.cert, msg.host):
             raise LinkAuthError(f"the peer dialled {msg.host!r}, a name this safekeeper's certificate does not have")
-        here = writer.get_extra_info("sockname")
-        port = here[1] if isinstance(here, tuple) and len(here) >= 2 else None
         if msg.port != port:
             # Another listener on this host passing on what it was sent (audit M-3), or a port
             # translated on the way, which auth-only cannot tell apart from one.
@@ -89,8 +91,8 @@ class LinkAuth:
                                 "or port translation (auth-only needs the safekeeper's own port)")
         signed = transcript(self.cert_der, msg.certificate, server_nonce, msg.nonce, msg.host, msg.port)
         _verify_signature(cert, msg.signature, CLIENT_CONTEXT + signed)
-        writer.write(codec.encode(AuthConfirm(self.cert_der, self.key.sign(SERVER_CONTEXT + signed, _SIGNATURE))))
-        return identity(cert)
+        return identity(cert), codec.encode(AuthConfirm(self.cert_der, self.key.sign(SERVER_CONTEXT + signed,
+                                                                                     _SIGNATURE)))
 
     async def authenticate(self, reader: framing.FrameReader, writer: framing.Writer, host: str,
                            port: int) -> Identity | None:

@@ -81,6 +81,10 @@ class Acceptor:
 
     Every field of a message is checked before anything changes: a refused message raises
     AcceptorError and leaves the state, the positions and the term's owner as they were.
+
+    Not thread-safe, and sans IO: no method may run concurrently with another. The safekeeper calls
+    every method from whichever thread under its one acceptor lock (`server.Safekeeper`); readers
+    of its fields without the lock (views, the reader port) see values replaced whole.
     """
 
     def __init__(self, node_id: int, state: AcceptorState, write_lsn: int,

@@ -28,7 +28,12 @@ class Role(enum.Enum):
 
 
 class AcceptorSession:
-    """Greeting-first, role gating and term ownership for one connection to the shared acceptor."""
+    """Greeting-first, role gating and term ownership for one connection to the shared acceptor.
+
+    Used by its connection's executor only, and under the lock that guards the shared acceptor
+    (the safekeeper's `acceptor_lock`): `holds_term` reads the acceptor's owner, which another
+    connection's Elected or `closed()` changes.
+    """
 
     def __init__(self, acceptor: Acceptor, role: Role = Role.PROPOSER, conn: object = None) -> None:
         self.acceptor = acceptor

@@ -31,11 +31,12 @@ class TermLearner:
     """Asks the peers for their terms until the acceptor has learned its own."""
 
     def __init__(self, acceptor: Acceptor, peers: Sequence[str], security: Security,
-                 execute: Callable[[list[AcceptorAction]], Awaitable[None]]) -> None:
+                 transition: Callable[[Callable[[], list[AcceptorAction]]], Awaitable[list[AcceptorAction]]]) -> None:
         self.acceptor = acceptor
         self.peers = tuple(peers)
         self.security = security
-        self.execute = execute  # carries out the acceptor's Persist (the server's persist lock)
+        # Runs an acceptor transition under the server's acceptor lock and carries out its actions.
+        self.transition = transition
         self.log = get_logger(node=acceptor.node_id)
         self.terms: dict[int, int] = {}  # node id -> the highest term it answered
         self.answered: dict[str, int] = {}  # peer address -> its node id
@@ -51,15 +52,15 @@ class TermLearner:
         rounds = 0
         while acc.amnesic:
             await asyncio.gather(*(self._ask(p) for p in self.waiting_for))
+            terms = dict(self.terms)
             try:
-                actions = acc.on_peer_terms(self.terms)
+                actions = await self.transition(lambda: acc.on_peer_terms(terms))
             except AcceptorError as e:  # a term out of range: ask everyone again
                 self.log.warning("a peer told an impossible term; asking again", reason=str(e))
                 self.terms.clear()
                 self.answered.clear()
                 actions = []
             if actions:
-                await self.execute(actions)
                 self.log.info("learned the term from the peers; voting from now on", term=acc.state.term,
                               peer_terms={str(k): v for k, v in sorted(self.terms.items())})
                 return

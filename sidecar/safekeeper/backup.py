@@ -241,11 +241,12 @@ class Uploader:
                 self._waiting = lsn
                 return lsn + seg
             lsn += seg
-            await self.sk.backed_up(lsn)
+            # Cleared before backup_lsn moves past it: nobody sees the segment archived and still reported.
             if self.mismatch is not None and self.mismatch.lsn < lsn:
                 self.log.info("the archived object now matches this safekeeper's segment", segment=self.mismatch.name)
                 self.mismatch, self._mismatches = None, set()
                 self.sk.archive_mismatch(None)
+            await self.sk.backed_up(lsn)
         return lsn + seg
 
     def _store(self, state: AcceptorState) -> Storage:

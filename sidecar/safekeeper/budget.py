@@ -12,6 +12,7 @@ free, as PostgreSQL's superuser_reserved_connections does (audit M-5).
 from __future__ import annotations
 
 import resource
+import threading
 from collections.abc import Callable
 
 # Every connection on the consensus port, from accept until it is closed.
@@ -24,7 +25,7 @@ PROPOSER_RESERVED = 4
 # reserved places stay free, so a proposer's new connection is never turned away by them.
 OTHERS_MAX = MAX_CONNECTIONS - MAX_HANDSHAKING - PROPOSER_RESERVED
 # Descriptors besides the connections: the listening sockets, the data directory's files, the
-# stream thread's duplicate socket, the event loop's own, the archive's and the broker's connections.
+# event loop's own, the archive's and the broker's connections.
 FD_MARGIN = 128
 
 
@@ -48,7 +49,12 @@ class Place:
 
 
 class ConnectionBudget:
-    """Places on the consensus port; single-threaded (the event loop's)."""
+    """Places on the consensus port.
+
+    Thread contract: `admit` (the accept thread), `Place.authenticated` and `Place.release` (each
+    connection's thread, or whoever drops it) may run concurrently with each other; each takes the
+    budget's lock, and a dropped connection's `drop` is called under it (it must not block).
+    """
 
     def __init__(self, limit: int = MAX_CONNECTIONS, handshaking: int = MAX_HANDSHAKING,
                  reserved: int = PROPOSER_RESERVED, proposer_role: str = "proposer") -> None:
@@ -58,6 +64,7 @@ class ConnectionBudget:
         self.others_max = limit - handshaking - reserved
         self._proposer_role = proposer_role
         self._handshaking: dict[Place, None] = {}  # oldest first
+        self._lock = threading.Lock()
         self.proposers = 0
         self.others = 0
 
@@ -74,10 +81,14 @@ class ConnectionBudget:
 
         The dropped one is released here and its `drop` called; the caller logs both.
         """
+        with self._lock:
+            return self._admit(drop, peer)
+
+    def _admit(self, drop: Callable[[], None], peer: str) -> tuple[Place | None, Place | None]:
         evicted = None
         if self._handshaking and (len(self._handshaking) >= self.max_handshaking or self.total >= self.limit):
             evicted = next(iter(self._handshaking))
-            self._release(evicted)
+            self._release_locked(evicted)
             evicted.drop()
         if self.total >= self.limit:  # only authenticated proposers' connections: there is no one to drop
             return None, evicted
@@ -86,6 +97,10 @@ class ConnectionBudget:
         return place, evicted
 
     def _authenticated(self, place: Place, role: str) -> bool:
+        with self._lock:
+            return self._authenticated_locked(place, role)
+
+    def _authenticated_locked(self, place: Place, role: str) -> bool:
         if place.released or place.role is not None:
             return not place.released
         if role != self._proposer_role and self.others >= self.others_max:
@@ -99,6 +114,10 @@ class ConnectionBudget:
         return True
 
     def _release(self, place: Place) -> None:
+        with self._lock:
+            self._release_locked(place)
+
+    def _release_locked(self, place: Place) -> None:
         if place.released:
             return
         place.released = True

@@ -10,8 +10,8 @@ removal, and every second while it holds WAL back.
 
 from __future__ import annotations
 
-import asyncio
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,14 +35,20 @@ def measure(path: Path, wal_bytes: int) -> DiskUsage:
 
 
 class DiskGuard:
-    """Whether new WAL may be taken; the server waits on `resumed()` while it may not."""
+    """Whether new WAL may be taken; the proposer's connection thread waits in `wait_resumed()` while it may not.
+
+    Thread contract: `update` runs on the loop (the remover) and in a proposer connection's thread
+    (a new segment begun), one at a time under the guard's own lock; `active`, `reason` and
+    `wait_resumed` may be used from any thread at any time.
+    """
 
     def __init__(self, limit: DiskLimit | None, path: Path) -> None:
         self.limit, self.path = limit, path
         self.usage = DiskUsage(0, 0, 0)
         self.reason: str | None = None  # why WAL is refused now; None: it is taken
-        self._resumed = asyncio.Event()
+        self._resumed = threading.Event()
         self._resumed.set()
+        self._lock = threading.Lock()
 
     @property
     def active(self) -> bool:
@@ -50,6 +56,10 @@ class DiskGuard:
 
     def update(self, wal_bytes: int, holder: str) -> bool:
         """Measure again; `holder` says what keeps WAL from being removed. True if the guard flipped."""
+        with self._lock:  # one flip is reported once, whichever thread measured it
+            return self._update(wal_bytes, holder)
+
+    def _update(self, wal_bytes: int, holder: str) -> bool:
         self.usage = u = measure(self.path, wal_bytes)
         if self.limit is None:
             return False
@@ -69,5 +79,6 @@ class DiskGuard:
             self._resumed.set()
         return over != was
 
-    async def resumed(self) -> None:
-        await self._resumed.wait()
+    def wait_resumed(self, timeout: float | None = None) -> bool:
+        """Block until WAL may be taken again (True), or `timeout` seconds passed (False)."""
+        return self._resumed.wait(timeout)

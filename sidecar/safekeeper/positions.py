@@ -1,7 +1,8 @@
 """The safekeeper's positions, published in one place for any number of asyncio tasks to wait on.
 
 Like Neon's `commit_lsn_watch`/`term_flush_lsn_watch`: the server publishes after it carries out
-the acceptor's actions (after the fsync for flush_lsn, when an Append moves commit_lsn); readers
+the acceptor's actions (after the fsync for flush_lsn, when an Append moves commit_lsn), from the
+proposer connection's thread or the loop; readers
 (the monitor today, a WAL sender or an archiver later) read the latest value or wait for one that
 satisfies them. Positions only move forward, except that an Elected may cut WAL: flush_lsn (and
 commit_lsn, when the cut is below it) then moves back and `generation` is bumped, so a reader knows
@@ -11,6 +12,7 @@ to re-read from the new end.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -30,41 +32,54 @@ class Positions(NamedTuple):
 class PositionWatch:
     """The latest `Positions`; `wait(predicate)` and `changed()` wake every waiter on a publish.
 
-    Published on the event loop (`publish`), or stored from another thread (`store`, under the
-    caller's lock), which then asks the loop to `wake` the waiters only if the new value satisfies
-    one of them. A waiter registers its predicate before it checks the value, so neither way is a
-    publish missed.
+    Thread contract: `publish` and `value` may be called from any thread, concurrently with the
+    loop's waiters; publishers serialize among themselves (the safekeeper publishes under its
+    acceptor lock, so values are published in the order the acceptor reached them). `wait` and
+    `changed` run on the event loop that the waiters share. A publish that satisfies a waiter
+    asks that loop to wake them with `call_soon_threadsafe`, once until the wake has run however
+    many publishes come meanwhile, so a proposer's thread costs the loop one wake-up per batch of
+    acknowledgements, not one per commit, and none while nobody waits. A waiter registers its
+    predicate before it checks the value, so no publish is missed.
     """
 
     def __init__(self, initial: Positions = Positions()) -> None:
         self._value = initial
         self._wake: asyncio.Event | None = None  # made by the first waiter, replaced on each wake
         self._watching: list[Callable[[Positions], bool]] = []  # what the waiters wait for
+        self._loop: asyncio.AbstractEventLoop | None = None  # the waiters' loop, once one waited
+        self._lock = threading.Lock()  # guards _wake_pending against two publishers' threads
+        self._wake_pending = False
 
     @property
     def value(self) -> Positions:
         return self._value
 
     def publish(self, new: Positions) -> None:
-        """Make `new` the latest value and wake all waiters; ValueError if it moves back without a cut."""
-        if new != self._value:
-            self.store(new)
-            self.wake()
-
-    def store(self, new: Positions) -> bool:
-        """Make `new` the latest value (from any thread); True if a waiter waits for it."""
+        """Make `new` the latest value (from any thread) and wake the waiters it satisfies; ValueError
+        if it moves back without a cut."""
         old = self._value
         if new == old:
-            return False
+            return
         cut = new.generation > old.generation
         if new.term < old.term or new.generation < old.generation or \
                 ((new.flush_lsn < old.flush_lsn or new.commit_lsn < old.commit_lsn) and not cut):
             raise ValueError(f"positions move back from {old} to {new}")
         self._value = new
-        return any(predicate(new) for predicate in list(self._watching))
+        loop = self._loop
+        if loop is None or not any(predicate(new) for predicate in list(self._watching)):
+            return
+        with self._lock:
+            if self._wake_pending:
+                return
+            self._wake_pending = True
+        try:
+            loop.call_soon_threadsafe(self._wake_all)
+        except RuntimeError:  # the loop is closed: nobody is left to wake
+            self._wake_pending = False
 
-    def wake(self) -> None:
-        """Wake every waiter to look at the value again (on the loop)."""
+    def _wake_all(self) -> None:
+        with self._lock:
+            self._wake_pending = False
         wake, self._wake = self._wake, None
         if wake is not None:
             wake.set()
@@ -81,12 +96,13 @@ class PositionWatch:
         return await self.wait(lambda p: p != seen)
 
     async def _next(self, predicate: Callable[[Positions], bool]) -> None:
+        self._loop = asyncio.get_running_loop()
         if self._wake is None:
             self._wake = asyncio.Event()
         wake = self._wake
         self._watching.append(predicate)
         try:
-            if not predicate(self._value):  # stored by a thread since the caller looked
+            if not predicate(self._value):  # published by a thread since the caller looked
                 await wake.wait()
         finally:
             self._watching.remove(predicate)

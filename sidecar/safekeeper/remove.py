@@ -38,7 +38,12 @@ class Removed(Protocol):
 
 
 class Remover:
-    """One safekeeper's removal task; `horizon` is the latest one computed, for status and metrics."""
+    """One safekeeper's removal task; `horizon` is the latest one computed, for status and metrics.
+
+    Thread contract: `run` and `pass_once` on the event loop; `wake` from any thread; `guard_check`
+    on the loop or in the elected proposer's connection thread (a new segment begun), concurrently
+    with a pass (the guard serializes its measurements).
+    """
 
     def __init__(self, sk: Removed, guard: DiskGuard, keep_bytes: int | None = None,
                  backup_lsn: Callable[[], int | None] = lambda: None) -> None:

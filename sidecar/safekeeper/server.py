@@ -5,10 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import fcntl
 import ssl
-import struct
-import termios
 import threading
 import time
 from collections.abc import Callable
@@ -16,9 +13,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
-from sidecar import framing, linkauth, tls
+from sidecar import linkauth, tls
 from sidecar.address import cannot_listen
 from sidecar.consensus import codec
+from sidecar.consensus.groupcommit import Decision, GroupCommit
 from sidecar.consensus.acceptor import (
     Acceptor, AcceptorAction, AcceptorError, AdoptTimeline, Persist, RecordEnd, Reply, Truncate, Write,
 )
@@ -42,35 +40,45 @@ from sidecar.safekeeper.publish import Publisher
 from sidecar.safekeeper.remove import Remover
 from sidecar.readerauth import MOCK_SECRET_FILE, mock_secret
 from sidecar.safekeeper.slots import SlotLimits, Slots
-from sidecar.safekeeper import streamthread
 from sidecar.safekeeper.budget import (
     MAX_CONNECTIONS, ConnectionBudget, Place, TooFewDescriptors, descriptors_needed, raise_descriptor_limit,
 )
+from sidecar.safekeeper.proposerport import IdleTimeout, Link, ProposerPort
 from sidecar.safekeeper.startup import open_data_dir
 from sidecar.safekeeper.storage import DiskFull, NoWal, StorageError, WalInDoubt, WalPin, WalStorage, is_disk_full
 from sidecar.safekeeper.view import SafekeeperView, SlotView
 from sidecar.safekeeper.walcheck import StartupError, record_end
 from sidecar.sizes import DiskLimit
 
-# Unsynced WAL up to this much is fdatasync'ed on the event loop once the proposer's socket is
-# drained (group commit, as pg_receivewal does it): the hop to a thread and back costs more CPU
-# and latency than the sync itself. More than this is synced in a thread while reading goes on.
-INLINE_FLUSH_MAX = 256 * 1024
-_FIONREAD = struct.Struct("i")
 # A connection that does not hold the term and sends nothing for this long is closed; the
 # elected proposer sends a heartbeat every second and is exempt.
 IDLE_TIMEOUT = 60.0
-_STATEFUL = (Persist, Truncate, AdoptTimeline)
+# While the disk guard holds the elected proposer's WAL back, look at a stop this often.
+_GUARD_POLL = 1.0
 # Out of descriptors: what an open, dup or accept found, never a write's or a sync's.
 _NO_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
 
-__all__ = ["INLINE_FLUSH_MAX", "Safekeeper", "StartupError"]
+__all__ = ["Safekeeper", "StartupError"]
 
 
 class Safekeeper:
     """One acceptor process: owns the data directory, serves proposers on one port.
 
     Built ready to serve by `Safekeeper.open()`. Observers read `view()` and wait on `positions`.
+
+    Thread contract. The proposer port's threads (proposerport.py: one per connection, each the
+    only one to read and write its socket) run `converse`, concurrently with each other and with
+    the event loop. Every acceptor transition holds `acceptor_lock` from the event to the end of
+    `_carry_out`, which carries out its actions but the replies (writes, saves of the control file,
+    cuts) and publishes the positions: a connection's message (`_receive`, with the flush and scan
+    a vote or Elected needs), a connection's acknowledgement (`_acknowledge`, whose fdatasync runs
+    before it takes the lock), and the loop's events (`transition`, in a worker: `backed_up`, the
+    term learned from the peers). So transitions, saves and cuts happen in one order. Without the
+    lock, from any thread: `view`, `reader_state`, `read_wal`, `pin_wal`, `read_partial` (a
+    sequence lock on the cut generation) and the properties, which read values the lock's holder
+    replaces whole; and `_stop`, under its own lock. Everything else runs on the event loop:
+    `serve`, the reader port, the remover, the uploader, the publisher and the learner, which
+    wait on `positions`.
     """
 
     def __init__(self, node_id: int, data_dir: Path, host: str, port: int, security: linkauth.Security,
@@ -101,20 +109,14 @@ class Safekeeper:
         self.acceptor.reader_port = reader_port.port if reader_port is not None else 0
         self.uploader = uploader_for(self, archive.url, archive.s3_endpoint, archive.cluster, archive.takeover,
                                      stats.archived.inc) if archive is not None else None
-        self._server: asyncio.Server | None = None  # while serve() runs
-        self._serving: asyncio.Task[None] | None = None
-        self._flush_lock = asyncio.Lock()
-        self._persist_lock = asyncio.Lock()  # see _execute_stateful
-        self._saved_term = self.acceptor.state.term  # the term on disk: see _save
-        self._flush_wanted = asyncio.Event()
-        self._sessions: set[AcceptorSession] = set()
         self.budget = ConnectionBudget()  # the consensus port's places, from accept on
-        self._handlers: set[asyncio.Task[None]] = set()  # every connection's task, ended before storage closes
-        # The elected proposer's stream may run in a thread (streamthread.py): the acceptor changes
-        # under this lock, and while the term's owner is `threaded` its thread alone syncs and acknowledges.
+        self._port = ProposerPort(node_id, host, port, security, self.budget, self.converse, self.log)
+        self._loop: asyncio.AbstractEventLoop | None = None  # while serve() runs
+        self._serving: asyncio.Task[None] | None = None
+        self._saved_term = self.acceptor.state.term  # the term on disk: see _save
+        # Every acceptor transition, with what it flushes, scans, writes, saves and cuts (`_carry_out`).
         self.acceptor_lock = threading.Lock()
-        self.threaded: set[AcceptorSession] = set()
-        self.publish_pending = False
+        self._stop_lock = threading.Lock()  # one thread says why the safekeeper stopped
         self.fatal: BaseException | None = None  # the error that stops the process
         self.stopped: str | None = None  # why nothing is accepted any more (a full disk, or fatal)
         self.publisher: Publisher | None = None  # with --broker: runs while serving
@@ -153,10 +155,15 @@ class Safekeeper:
         return sk
 
     @property
-    def _stream(self) -> framing.Writer | None:
-        """The connection of the elected proposer: where flush acknowledgements go."""
+    def listening_port(self) -> int | None:
+        """The proposer port's number once it listens (a --listen port 0 picks one)."""
+        return self._port.port
+
+    @property
+    def _stream(self) -> Link | None:
+        """The connection of the elected proposer."""
         owner = self.acceptor.owner
-        return cast(framing.Writer, owner.conn) if isinstance(owner, AcceptorSession) else None
+        return cast(Link, owner.conn) if isinstance(owner, AcceptorSession) else None
 
     @property
     def link_security(self) -> str | None:
@@ -231,8 +238,9 @@ class Safekeeper:
         """The segment being written, up to flush_lsn, and the term that wrote its last byte; None at a
         segment boundary.
 
-        Bytes below flush_lsn change only by a cut, and every cut comes with an Elected: so they are read
-        under the flush lock after checking that no Elected was applied since flush_lsn was taken.
+        Bytes below flush_lsn change only by a cut, and every cut comes after an Elected bumped the
+        cut generation: so the bytes read are kept only if the generation is the same after the read
+        as before it (a sequence lock; the connection threads are never held up by the upload).
         """
         acc, st = self.acceptor, self.storage
         for _ in range(3):  # an Elected in between: take the new flush_lsn
@@ -243,10 +251,9 @@ class Safekeeper:
             start = end - end % seg
             if end == start:
                 return None
-            async with self._flush_lock:
-                if acc.cut_generation != generation:
-                    continue
-                data = await asyncio.to_thread(st.read, start, end - start)
+            data = await asyncio.to_thread(st.read, start, end - start)
+            if acc.cut_generation != generation:
+                continue
             term = next((e.term for e in reversed(history) if e.start_lsn < end), history[0].term)
             return PartialSegment(segment_file_name(acc.state.timeline, start // seg, seg), term, end,
                                   data + bytes(seg - len(data)))
@@ -254,10 +261,8 @@ class Safekeeper:
 
     async def backed_up(self, lsn: int) -> None:
         """The archive holds every segment below `lsn`: persist it as backup_lsn."""
-        with self.acceptor_lock:
-            actions = self.acceptor.on_backed_up(lsn)
+        actions = await self.transition(lambda: self.acceptor.on_backed_up(lsn))
         if actions:
-            await self._save_persisted(actions)
             self.remover.wake()  # the horizon may move with backup_lsn
 
     def archive_mismatch(self, name: str | None) -> None:
@@ -277,15 +282,9 @@ class Safekeeper:
             or acc.cut_generation != p.generation
 
     def _publish(self) -> None:
-        """Publish the acceptor's positions once its actions are carried out, if they moved."""
+        """Publish the acceptor's positions once its actions are carried out, if they moved (under the lock)."""
         if self.positions_moved():
-            with self.acceptor_lock:  # not older than what the stream thread stored
-                self.positions.publish(self._positions())
-
-    def wake_positions(self) -> None:
-        """The stream thread stored positions that a waiter waits for: wake it."""
-        self.publish_pending = False
-        self.positions.wake()
+            self.positions.publish(self._positions())
 
     def _log_context(self, node: object) -> dict[str, object]:
         if node != self.node_id:
@@ -295,16 +294,15 @@ class Safekeeper:
     # ---- serving ----------------------------------------------------------------------------
 
     async def serve(self) -> None:
-        """Listen and serve until cancelled."""
+        """Listen and serve until cancelled (a signal) or stopped by a fatal error."""
+        self._loop = asyncio.get_running_loop()  # before the first connection: _stop may need it
+        self._serving = asyncio.current_task()
         try:
-            self._server = await framing.start_server(self._connection, self.host, self.port, tls=self.ssl_context,
-                                                      handshake_timeout=tls.HANDSHAKE_TIMEOUT, admit=self._admit)
+            self._port.start()
         except OSError as e:
             raise cannot_listen(self.host, self.port, "the safekeeper (--listen)", e) from e
-        self.log.info("listening", address=f"{self.host}:{self.port}", tls=self.ssl_context is not None,
+        self.log.info("listening", address=f"{self.host}:{self._port.port}", tls=self.ssl_context is not None,
                       link_security=self.link_security or "insecure")
-        self._serving = asyncio.current_task()
-        flusher = asyncio.create_task(self._flusher())
         slot_saver = asyncio.create_task(self.slots.run())
         publisher = asyncio.create_task(self.publisher.run()) if self.publisher is not None else None
         remover = asyncio.create_task(self.remover.run())
@@ -314,25 +312,25 @@ class Safekeeper:
             if self.readers is not None:
                 await self.readers.start()
                 self.acceptor.reader_port = self.readers.port
-            async with self._server:
-                await self._server.serve_forever()
+            if self.fatal is None:
+                await asyncio.Event().wait()  # the connections are the port's threads'
         finally:
-            self._server.close()
+            # The connection threads end before the storage closes: each may be writing or syncing it.
+            # Waited for in a worker, shielded: a second signal must not leave them running.
+            closing = asyncio.ensure_future(asyncio.to_thread(self._port.close))
+            while not closing.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(closing)
             if self.readers is not None:
                 await self.readers.close()
-            for task in (flusher, slot_saver, remover, *(t for t in (publisher, uploader, learner) if t is not None)):
+            for task in (slot_saver, remover, *(t for t in (publisher, uploader, learner) if t is not None)):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            # The connections end before the storage closes: a stream thread or a vote's step may be
-            # writing or syncing it (each waits for its thread when cancelled).
-            handlers = list(self._handlers)
-            for task in handlers:
-                task.cancel()
-            await asyncio.gather(*handlers, return_exceptions=True)
             if self.uploader is not None and self.fatal is None:
                 await self.uploader.close()
             self.storage.close()
+            self.log.info("stopped")  # with the term and the flush acknowledged last (the log context)
 
     def _role_of(self, ident: tls.Identity | None) -> Role:
         """What a connection may do: a proposer under --insecure; otherwise what its certificate says."""
@@ -340,64 +338,34 @@ class Safekeeper:
             return Role.PROPOSER
         return Role(ident.role) if ident is not None else Role.CLIENT
 
-    def _admit(self, transport: asyncio.BaseTransport) -> Place | None:
-        """A connection accepted on the consensus port: its place, before any handshake (budget.py)."""
-        peer = _peer_name(transport)
-        place, evicted = self.budget.admit(cast(asyncio.Transport, transport).abort, peer)
-        if evicted is not None:
-            self.log.warning("too many connections authenticating; dropping the oldest", peer=evicted.peer,
-                             limit=self.budget.max_handshaking)
-        if place is None:
-            self.log.warning("connection limit reached; closing the new connection", peer=peer,
-                             limit=self.budget.limit)
-        return place
-
-    async def _connection(self, reader: framing.FrameReader, writer: framing.Writer) -> None:
-        handler = asyncio.current_task()
-        if handler is not None:
-            self._handlers.add(handler)
-            handler.add_done_callback(self._handlers.discard)
-        # A TLS handshake without a certificate from the deployment's CA never gets here.
-        ident = tls.peer_role(writer) if self.ssl_context is not None else None
-        log = self.log.bind(peer=_peer_name(writer), **({"peer_cert": str(ident)} if ident else {}))
-        if self.link_auth is not None:
-            try:
-                # auth-only: nothing else is read or answered before the peer proves its certificate
-                ident = await asyncio.wait_for(self.link_auth.accept(reader, writer), tls.HANDSHAKE_TIMEOUT)
-            except Exception as e:
-                reason = f"no answer within {tls.HANDSHAKE_TIMEOUT:g}s" if isinstance(e, asyncio.TimeoutError) \
-                    else str(e) or type(e).__name__
-                log.warning("authentication failed; closing the connection", reason=reason)
-                writer.close()
-                return
-            log = log.bind(peer_cert=str(ident))
+    def converse(self, link: Link, ident: tls.Identity | None, place: Place | None, log: Any) -> None:
+        """One authenticated connection, in its own thread until it ends: messages in, replies out, and
+        for the elected proposer's Appends, group commit (consensus/groupcommit.py)."""
         acc = self.acceptor
         try:
             role = self._role_of(ident)
-            session = AcceptorSession(acc, role, conn=writer)
+            session = AcceptorSession(acc, role, conn=link)
         except Exception as e:  # a certificate the hook cannot map: this connection only
             log.warning("connection refused", reason=str(e))
-            writer.close()
             return
-        place = cast(Place | None, reader.admitted)
         if place is not None and not place.authenticated(role.value):
             log.warning("connection limit for this role reached; the remaining places are the proposer's",
                         role=role.value, limit=self.budget.others_max)
-            writer.close()
             return
-        self._sessions.add(session)
         self.stats.connections.inc()
+        commit = GroupCommit()
         try:
             while True:
                 if session.holds_term and self.guard.active:
                     # Not read, not refused: the proposer sees a slow safekeeper and commits go on with
                     # the others; what was received before is still flushed and acknowledged.
-                    self._flush_wanted.set()
-                    await self.guard.resumed()
-                if session.holds_term:  # the elected proposer sends at least a heartbeat a second
-                    msg = await reader.read_message()
-                else:
-                    msg = await asyncio.wait_for(reader.read_message(), IDLE_TIMEOUT)
+                    self._acknowledge(session, link, commit)
+                    while not self.guard.wait_resumed(_GUARD_POLL):
+                        if self._port.closing or self.stopped is not None:
+                            return
+                # The elected proposer sends at least a heartbeat a second; anyone else may idle this long.
+                link.timeout = None if session.holds_term else IDLE_TIMEOUT
+                msg = link.read()
                 if self.fatal is not None:  # exiting: the failure was reported once, where it happened
                     break
                 if self.stopped is not None:  # a full disk: say why to whoever asks, change nothing
@@ -405,46 +373,27 @@ class Safekeeper:
                 if type(msg) is InfoRequest and self.guard.reason is not None:  # `check` and `status` say why
                     raise AcceptorError(self.guard.reason)
                 began_segment = acc.write_lsn // seg if (seg := acc.state.wal_seg_size) else 0
-                if type(msg) is Append:  # the hot path: no coroutine hops for a plain append
-                    with self.acceptor_lock:
-                        actions = session.receive(msg)
-                else:
-                    actions = await self._dispatch(session, msg, log)
-                    reader.max_frame = session.max_frame
+                replies = self._receive(session, msg, log)
+                if type(msg) is not Append:
+                    link.max_frame = session.max_frame
                     seg = acc.state.wal_seg_size  # a greeting may have just set it
-                if any(type(a) in _STATEFUL for a in actions):
-                    await self._execute_stateful(actions, writer)
-                else:
-                    self._apply(actions, writer)
+                if replies:
+                    link.send(replies)
                 if seg and acc.write_lsn // seg != began_segment and self.guard.limit is not None:
                     # A new segment file: measured before the next message is read, so the guard
                     # stops within one segment of its limit, not whenever the remover runs next.
                     self.remover.guard_check(self.positions.value)
-                self._publish()
-                self._sync_when_drained(reader, writer)
-                if writer.transport.get_write_buffer_size() > 1 << 20:
-                    await writer.drain()  # a proposer that stops reading stops being read
-                elif session.holds_term \
-                        and not reader.has_messages() \
-                        and writer.transport.get_write_buffer_size() == 0 \
-                        and not self._flush_lock.locked() and not self._flush_wanted.is_set():
-                    back = await streamthread.stream(self, session, reader, writer)
-                    reader.unread(back.messages, back.error)
-                    if back.actions:  # a batch that persists state: in turn with every other state change
-                        await self._execute_stateful(back.actions, writer)
-                        self._publish()
-                        self._sync_when_drained(reader, writer)
-        except streamthread.OutOfDescriptors as e:  # this connection's own descriptor: nothing stored is touched
-            log.warning("out of file descriptors; closing the connection", reason=str(e), role=session.role.value)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            log.info("connection closed")
-        except asyncio.TimeoutError:
+                if session.holds_term and commit.decide(acc.write_lsn, acc.flush_lsn, link.more_waiting(), False,
+                                                        time.monotonic()) is Decision.SYNC_NOW:
+                    self._acknowledge(session, link, commit)
+        except IdleTimeout:
             log.info("idle connection closed", idle_seconds=IDLE_TIMEOUT)
+        except ConnectionError as e:
+            log.info("connection closed", reason=str(e) or type(e).__name__, role=session.role.value)
         except (AcceptorError, codec.FieldError) as e:  # a FieldError is well-formed: the peer is told why
             log.warning("message refused; closing the connection", reason=str(e), term=acc.state.term)
-            with contextlib.suppress(ConnectionError, RuntimeError):
-                framing.write(writer, codec.encode(Refusal(str(e)[:1000])))
-                await writer.drain()
+            with contextlib.suppress(ConnectionError):
+                link.send(codec.encode(Refusal(str(e)[:1000])))
         except codec.ProtocolError as e:
             log.warning("malformed message; closing the connection", reason=str(e))
         except _OwnEncodeError as e:
@@ -452,18 +401,24 @@ class Safekeeper:
         except Exception as e:  # a storage or control-file failure: state may be half-applied
             self._stop(e, log)
         finally:
-            session.closed()
-            self._sessions.discard(session)
-            writer.close()
-
-    async def _dispatch(self, session: AcceptorSession, msg: Message, log: Any) -> list[AcceptorAction]:
-        """Everything but a plain Append: a vote or Elected as one step with its scan, log, count."""
-        acc = session.acceptor
-        if type(msg) in (VoteRequest, Elected):
-            actions = await self._one_step(session, msg)
-        else:
             with self.acceptor_lock:
-                actions = session.receive(msg)
+                session.closed()
+
+    def _receive(self, session: AcceptorSession, msg: Message, log: Any) -> bytes:
+        """One message as one transition; its replies, encoded, to send once the lock is let go."""
+        if type(msg) is Append:  # the hot path: nothing to log or count
+            with self.acceptor_lock:
+                return self._carry_out(session.receive(msg))
+        acc = session.acceptor
+        with self.acceptor_lock:
+            # A vote or Elected is one step with its flush and scan (docs/protocol.md, invariant 3):
+            # writes and acknowledgements take the same lock, so nothing is acknowledged in the old
+            # term between the scan and the promise or the cut, and a safekeeper never reports less
+            # than it acknowledged, which quorum intersection needs.
+            end = self._flushed_record_end() if session.needs_record_end(msg) else None
+            actions = session.receive(msg, end)
+            replies = self._carry_out(actions)
+            elected = type(msg) is Elected and session.holds_term and acc.elected_term == msg.term
         match msg:
             case Greeting():
                 log.info("greeting", proposer=msg.proposer_id, term=acc.state.term)
@@ -474,87 +429,92 @@ class Safekeeper:
                 log.info("vote", term=msg.term, granted=granted, flush_lsn=format_lsn(flush))
                 if msg.term:  # term 0 is the proposer's pre-vote probe, not a vote
                     (self.stats.votes_granted if granted else self.stats.votes_refused).inc()
-            case Elected() if session.holds_term and acc.elected_term == msg.term:
+            case Elected() if elected:
                 self.stats.elections.inc()
                 log.info("elected", term=msg.term, start_lsn=format_lsn(msg.start_lsn),
                          truncate_lsn=format_lsn(acc.write_lsn))
-        return actions
+        return replies
 
-    async def _execute_stateful(self, actions: list[AcceptorAction], writer: framing.Writer) -> None:
-        # A batch that saves state or cuts WAL runs whole under the persist lock, queued in the
-        # order the acceptor produced the batches (nothing yields in between). So when two
-        # proposers' connections interleave, an older state is never saved over a newer one, saves
-        # never share the temp file, and an Elected's cut precedes any save of its history.
-        async with self._persist_lock:
-            for a in actions:
-                match a:
-                    case Persist():
-                        await self._save(a.state)
-                    case Truncate():
-                        async with self._flush_lock:
-                            st = self._storage_for_write()
-                            await asyncio.to_thread(st.truncate if st.segments() else st.open_at, a.lsn)
-                    case AdoptTimeline():
-                        async with self._flush_lock:
-                            await asyncio.to_thread(self._storage_for_write().adopt_timeline, a.timeline, a.history)
-                        self.log.info("following the primary's timeline", timeline=a.timeline,
-                                      switches=[f"{e.timeline}@{format_lsn(e.switch_lsn)}" for e in a.history])
-                    case _:
-                        self._apply((a,), writer)
+    def _acknowledge(self, session: AcceptorSession, link: Link, commit: GroupCommit) -> None:
+        """fdatasync what was written, then acknowledge it, if this connection still holds the term."""
+        st = self.storage
+        if not isinstance(st, WalStorage) or self.acceptor.flush_lsn >= self.acceptor.write_lsn:
+            return
+        began = time.perf_counter()
+        flushed = st.flush()  # outside the lock: a vote's scan waits for the decision below, not the sync
+        commit.synced()
+        self.stats.fsync.observe(time.perf_counter() - began)
+        with self.acceptor_lock:
+            # Decided under the lock a vote or Elected holds through its scan: once another
+            # connection took the term nothing is sent, and once a higher term was promised the
+            # reply carries it, which the old proposer does not count (the vote may have reported less).
+            if not session.holds_term:
+                return
+            replies = self._carry_out(self.acceptor.on_flushed(flushed))
+        link.send(replies)
 
-    async def _save(self, state: AcceptorState) -> None:
-        """Save `state` (under the persist lock), unless a higher term is on disk already.
+    async def transition(self, event: Callable[[], list[AcceptorAction]]) -> list[AcceptorAction]:
+        """An acceptor transition from the event loop (no connection's): `event()` and its actions under
+        the acceptor lock, in a worker so that the loop never waits for a connection's write or sync."""
+        def step() -> list[AcceptorAction]:
+            with self.acceptor_lock:
+                actions = event()
+                self._carry_out(actions)
+                return actions
+        return await asyncio.to_thread(step)
 
-        A batch the stream thread built before a vote reaches the loop after the vote's own save
-        can: saved then, it would put the disk's term below a promise made, and a restart could
-        promise that term again. The acceptor's states are ordered and each holds all of the ones
-        before it, so the newer state on disk already has whatever the older one carried.
+    def _carry_out(self, actions: list[AcceptorAction]) -> bytes:
+        """Carry out a transition's actions in order (under the acceptor lock, so that saves and cuts
+        follow the transitions' order), publish the positions they moved; the replies, encoded."""
+        replies = []
+        for a in actions:
+            match a:
+                case Write():
+                    self._storage_for_write().write(a.lsn, a.data)
+                    self.stats.wal_written.inc(len(a.data))
+                case Reply():
+                    message = a.message
+                    if type(message) is InfoReply:  # the core knows no slots: `check` reads them here
+                        message = replace(message, slot_wal_limit=self.slots.limits.max_wal_keep or 0,
+                                          slots=self.slots.holding(self.positions.value.flush_lsn))
+                    replies.append(_encode_own(message))
+                case Persist():
+                    self._save(a.state)
+                case Truncate():
+                    st = self._storage_for_write()
+                    (st.truncate if st.segments() else st.open_at)(a.lsn)
+                case AdoptTimeline():
+                    self._storage_for_write().adopt_timeline(a.timeline, a.history)
+                    self.log.info("following the primary's timeline", timeline=a.timeline,
+                                  switches=[f"{e.timeline}@{format_lsn(e.switch_lsn)}" for e in a.history])
+                case _:
+                    raise AssertionError(f"the safekeeper does not know the action {a!r}")
+        self._publish()
+        return b"".join(replies)
+
+    def _save(self, state: AcceptorState) -> None:
+        """Save `state` (under the acceptor lock), unless a higher term is on disk already.
+
+        Transitions are saved in their order, so an older state should never come after a newer
+        one; were one to, saving it would put the disk's term below a promise made, and a restart
+        could promise that term again. Each state holds all of the ones before it.
         """
         if state.term < self._saved_term:
             self.log.info("not saving a state older than a promise on disk", term=state.term,
                           saved_term=self._saved_term)
             return
-        await asyncio.to_thread(save_control, self.data_dir, ControlData(self.node_id, state))
+        save_control(self.data_dir, ControlData(self.node_id, state))
         self._saved_term = state.term
 
-    async def _save_persisted(self, actions: list[AcceptorAction]) -> None:
-        """Save the Persist actions of a batch outside a session, in turn with every other state change."""
-        async with self._persist_lock:
-            for a in actions:
-                if isinstance(a, Persist):
-                    await self._save(a.state)
-
-    async def _persist_learned(self, actions: list[AcceptorAction]) -> None:
-        """The term learned from the peers: saved in turn with every other state change."""
+    async def _persist_learned(self, event: Callable[[], list[AcceptorAction]]) -> list[AcceptorAction]:
+        """The term learned from the peers: a transition like any other."""
         try:
-            await self._save_persisted(actions)
-        except Exception as e:  # the acceptor already votes on a term the disk does not hold
+            return await self.transition(event)
+        except AcceptorError:  # a peer's impossible term: the learner asks again
+            raise
+        except Exception as e:  # the acceptor may already vote on a term the disk does not hold
             self._stop(e, self.log)
-            return
-        self._publish()
-
-    def _apply(self, actions: list[AcceptorAction] | tuple[AcceptorAction, ...], writer: framing.Writer) -> None:
-        """Carry out Write and Reply actions, which need no lock and never wait."""
-        for a in actions:
-            if type(a) is Write:
-                self.write_wal(a)
-            elif type(a) is Reply:
-                message = a.message
-                if type(message) is InfoReply:  # the core knows no slots: `check` reads them here
-                    message = replace(message, slot_wal_limit=self.slots.limits.max_wal_keep or 0,
-                                      slots=self.slots.holding(self.positions.value.flush_lsn))
-                framing.write(writer, _encode_own(message))
-            else:
-                raise AssertionError(f"{type(a).__name__} needs the persist lock (see _execute_stateful)")
-
-    def write_wal(self, a: Write) -> None:
-        """Carry out a Write, on the loop or in the stream thread."""
-        self._storage_for_write().write(a.lsn, a.data)
-        self.stats.wal_written.inc(len(a.data))
-
-    def flushed_replies(self, flushed: int) -> bytes:
-        """The acknowledgement of the WAL synced up to `flushed`, encoded."""
-        return b"".join(codec.encode(a.message) for a in self.acceptor.on_flushed(flushed) if isinstance(a, Reply))
+            return []
 
     def _storage_for_write(self) -> WalStorage:
         st = self.storage
@@ -564,32 +524,8 @@ class Safekeeper:
                                            _disk_full_reporter(self.stats, self.log), s.timeline_history)
         return st
 
-    async def _one_step(self, session: AcceptorSession, msg: VoteRequest | Elected) -> list[AcceptorAction]:
-        """A vote or Elected: flush, scan and apply in one step under the acceptor lock (docs/protocol.md,
-        invariant 3).
-
-        The stream thread writes and acknowledges under the same lock, so nothing is acknowledged in
-        the old term between the scan and the promise (or the Elected's cut): a safekeeper never
-        reports less than it acknowledged, which quorum intersection needs. The flush lock keeps the
-        loop's own syncs and cuts out as well. The step runs in a worker thread so that the loop goes
-        on; the stream thread, and the loop only where it takes the lock, wait for one scan.
-        """
-        async with self._flush_lock:
-            step = asyncio.ensure_future(asyncio.to_thread(self._step, session, msg))
-            try:
-                return await asyncio.shield(step)
-            except asyncio.CancelledError:
-                # A stop: the step may be syncing or scanning the storage, which closes after it.
-                await asyncio.wait([step])
-                raise
-
-    def _step(self, session: AcceptorSession, msg: VoteRequest | Elected) -> list[AcceptorAction]:
-        with self.acceptor_lock:
-            end = self._flushed_record_end() if session.needs_record_end(msg) else None
-            return session.receive(msg, end)
-
     def _flushed_record_end(self) -> RecordEnd:
-        """Sync the WAL and find the end of its last complete record (in a worker, under both locks)."""
+        """Sync the WAL and find the end of its last complete record (under the acceptor lock)."""
         st = self.storage
         if isinstance(st, NoWal):
             return RecordEnd(0)
@@ -598,76 +534,38 @@ class Safekeeper:
         with st.pin(st.first_lsn() or 0, "the end-of-WAL scan of a vote"):
             return record_end(st, self.acceptor.state)
 
-    def _sync_when_drained(self, reader: framing.FrameReader, writer: framing.Writer) -> None:
-        """Group commit: sync once the socket is drained, so one fdatasync covers all WAL received."""
-        st, acc = self.storage, self.acceptor
-        if st.flush_lsn >= acc.write_lsn or acc.owner in self.threaded:
-            return
-        unsynced = acc.write_lsn - st.flush_lsn
-        if unsynced > INLINE_FLUSH_MAX or self._flush_lock.locked():
-            self._flush_wanted.set()
-        elif not reader.has_messages() and not _bytes_waiting(writer):
-            # Blocking the loop for one small sync is cheaper than any hand-off; WAL arriving
-            # meanwhile waits in the socket and the next sync covers it.
-            began = time.perf_counter()
-            self._synced(st.flush(), began)
-        # Otherwise the next message is already here: the sync after it covers this one too.
-
-    def _synced(self, flushed: int, began: float) -> None:
-        """Record the sync's duration and acknowledge what it made durable."""
-        self.stats.fsync.observe(time.perf_counter() - began)
-        stream = self._stream
-        if stream is not None and self.acceptor.owner not in self.threaded:
-            framing.write(stream, self.flushed_replies(flushed))
-            self._publish()
-
-    async def _flusher(self) -> None:
-        """Syncs batches too large to sync on the loop in a thread, while reading goes on."""
-        while True:
-            await self._flush_wanted.wait()
-            self._flush_wanted.clear()
-            async with self._flush_lock:
-                st, acc = self.storage, self.acceptor
-                if st.flush_lsn >= acc.write_lsn or self.stopped is not None:
-                    continue
-                began = time.perf_counter()
-                try:
-                    flushed = await asyncio.to_thread(st.flush)
-                except Exception as e:  # as fatal here as on the loop: nobody else would notice
-                    self._stop(e, self.log)
-                    return
-            self._synced(flushed, began)
-
     def _stop(self, e: BaseException, log: Any) -> None:
-        """Stop for good after a storage or control-file failure, saying why once.
+        """Stop for good after a storage or control-file failure, saying why once (from any thread).
 
         A full disk leaves the process up but refusing everything, so `check`, /health and the
         metrics say why; any other failure (an fdatasync above all, as PostgreSQL PANICs)
         stops the process.
         """
-        if self.stopped is not None:
-            return
-        st = self.storage
-        if is_disk_full(e) and not isinstance(e, WalInDoubt):
-            if not isinstance(e, DiskFull):  # a WAL write's was counted where it happened
-                self.stats.disk_full.inc()
-            self.stopped = str(e) if str(e).startswith("disk full") else f"disk full: {e}"
-            log.critical("disk full: no longer acknowledging WAL; free space, then restart the safekeeper",
-                         error=self.stopped, flush_lsn=format_lsn(st.flush_lsn) if isinstance(st, WalStorage) else None)
-            return
-        self.stopped = f"stopped after a fatal error: {e}"
-        self.fatal = e
-        doubt = {}
-        if isinstance(st, WalStorage) and _leaves_wal_in_doubt(e):
-            # Whatever failed (a control-file fsync as much as the WAL's), this process's view of
-            # the WAL above its last good flush is not to be trusted at the next start either.
-            st.mark_in_doubt(str(e))
-            doubt = {"in_doubt_from": format_lsn(st.flush_lsn), "in_doubt_to": format_lsn(st.write_lsn)}
-        log.critical("fatal error; stopping the safekeeper", error=str(e), **doubt)
-        if self._server is not None:
-            self._server.close()
-        if self._serving is not None:
-            self._serving.cancel()  # uvloop's close() does not end serve_forever()
+        with self._stop_lock:
+            if self.stopped is not None:
+                return
+            st = self.storage
+            if is_disk_full(e) and not isinstance(e, WalInDoubt):
+                if not isinstance(e, DiskFull):  # a WAL write's was counted where it happened
+                    self.stats.disk_full.inc()
+                self.stopped = str(e) if str(e).startswith("disk full") else f"disk full: {e}"
+                log.critical("disk full: no longer acknowledging WAL; free space, then restart the safekeeper",
+                             error=self.stopped,
+                             flush_lsn=format_lsn(st.flush_lsn) if isinstance(st, WalStorage) else None)
+                return
+            self.stopped = f"stopped after a fatal error: {e}"
+            self.fatal = e
+            doubt = {}
+            if isinstance(st, WalStorage) and _leaves_wal_in_doubt(e):
+                # Whatever failed (a control-file fsync as much as the WAL's), this process's view of
+                # the WAL above its last good flush is not to be trusted at the next start either.
+                st.mark_in_doubt(str(e))
+                doubt = {"in_doubt_from": format_lsn(st.flush_lsn), "in_doubt_to": format_lsn(st.write_lsn)}
+            log.critical("fatal error; stopping the safekeeper", error=str(e), **doubt)
+        loop, serving = self._loop, self._serving
+        if loop is not None and serving is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has ended: serve() is over already
+                loop.call_soon_threadsafe(serving.cancel)
 
 
 def _leaves_wal_in_doubt(e: BaseException) -> bool:
@@ -705,20 +603,3 @@ def _encode_own(msg: Message) -> bytes:
 
 class _OwnEncodeError(Exception):
     """A reply this safekeeper built cannot be encoded (a bug or a limit missed on the way in)."""
-
-
-def _peer_name(writer: asyncio.StreamWriter | asyncio.BaseTransport) -> str:
-    """HOST:PORT of the peer; asyncio leaves peername None if the peer reset at once."""
-    peer = writer.get_extra_info("peername")
-    return "%s:%s" % peer[:2] if isinstance(peer, tuple) and len(peer) >= 2 else "unknown"
-
-
-def _bytes_waiting(writer: asyncio.StreamWriter) -> bool:
-    """True if the connection's socket holds bytes not read yet."""
-    sock = writer.get_extra_info("socket")
-    if sock is None:
-        return False
-    try:
-        return _FIONREAD.unpack(fcntl.ioctl(sock.fileno(), termios.FIONREAD, bytes(_FIONREAD.size)))[0] > 0
-    except OSError:
-        return False

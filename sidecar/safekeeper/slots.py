@@ -84,7 +84,11 @@ def reserve_from(s: ServerState) -> tuple[int, int]:
 
 
 class Slots:
-    """The slots of one safekeeper; changes are saved durably (creation and removal at once)."""
+    """The slots of one safekeeper; changes are saved durably (creation and removal at once).
+
+    Thread contract: everything runs on the event loop, except that iterating (`holding`, for an
+    InfoReply) may run in a proposer-port connection's thread at any time; it reads a copy.
+    """
 
     def __init__(self, data_dir: Path, limits: SlotLimits = SlotLimits()) -> None:
         self.path = data_dir / FILE_NAME
@@ -108,7 +112,8 @@ class Slots:
             raise SlotsFileError(f"cannot read the reader slots in {self.path}: {e}") from None
 
     def __iter__(self):  # noqa: ANN204 - an iterator of Slot
-        return iter(sorted(self._slots.values(), key=lambda s: s.name))
+        # list() copies in one step under the GIL: `check`'s InfoReply iterates from a connection thread.
+        return iter(sorted(list(self._slots.values()), key=lambda s: s.name))
 
     def __len__(self) -> int:
         return len(self._slots)

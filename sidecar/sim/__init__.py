@@ -21,8 +21,13 @@ schedules them, `checker` reads their state, `nodes`, after every step):
   service's race between `link.drop()` and the next `_one_term`). Connections can be
   slow (a per-connection delay), partitions stop chosen proposer/safekeeper pairs in
   both directions until they heal.
-* Safekeepers (`safekeepers`, their disks `wal.Disk`). WAL is written at arbitrary offsets
-  and is durable only once fsynced (group commit: one fsync covers everything written). A crash keeps the
+* Safekeepers (`safekeepers`, their disks `wal.Disk`). Each connection is served in the steps its
+  thread takes on a real safekeeper (`safekeeper/proposerport.py`): a message and its writes
+  under the acceptor lock; for the term's connection, the real `consensus.GroupCommit` asked
+  whether to read on or sync; the fdatasync; then, under the lock, `on_flushed` and the reply.
+  Other connections' messages, a vote or an Elected above all, are scheduled between any two of
+  those steps. WAL is written at arbitrary offsets and is durable only once fsynced (one fsync
+  covers everything written). A crash keeps the
   fsynced bytes plus any prefix of the unsynced ones (all of them for a process kill,
   none to some for a power loss), sometimes followed by torn junk. The control file is
   atomic. A restart finds the end of the last complete record (`wal.record_end`) and cuts

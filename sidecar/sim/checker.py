@@ -29,6 +29,9 @@ was configured with):
    or persisted), persists a granted term before the VoteReply leaves, and persists the
    new term history before the ElectedReply leaves. A lost disk takes its promises with it (the
    checker forgets them): what keeps its votes to one per term then is one owner per term.
+   A VoteReply never reports less than the safekeeper acknowledged (the end of the last complete
+   record at or below the highest flush it put in an AppendReply since its WAL was last cut):
+   quorum intersection counts on it.
 5. Readers, through the real `ReadCursor`: a piece of WAL sent to a reader never ends above the
    commit position (nor the flush position) of the safekeeper that served it, at the moment it is
    sent; and every complete record a reader receives is the acknowledged record at that position
@@ -54,7 +57,7 @@ import itertools
 
 from sidecar.consensus import history as hist
 from sidecar.consensus import lineage
-from sidecar.consensus.messages import ElectedReply, GreetingReply, Message, TimelineFence, VoteReply
+from sidecar.consensus.messages import AppendReply, ElectedReply, GreetingReply, Message, TimelineFence, VoteReply
 from sidecar.consensus.proposer import Proposer, ReportStatus
 from sidecar.consensus.quorum import majority
 from sidecar.sim.nodes import Service, SimSafekeeper
@@ -88,6 +91,7 @@ class Checker:
         self.term_owner: dict[int, str] = {}
         self.streaming_owner: dict[int, str] = {}
         self.promised: dict[str, int] = {}
+        self.acked: dict[str, int] = {}  # safekeeper -> highest flush acknowledged since its last cut
         # Whole records readers received beyond the acknowledged WAL (only when invariant 5 is not
         # checked): compared once acknowledged WAL covers them, so invariant 6 stands on its own.
         self.read_ahead: list[tuple[str, int, bytes]] = []
@@ -123,6 +127,13 @@ class Checker:
         What it fsynced in a term stays counted (invariant 4 is about what was flushed when reported).
         """
         self.promised.pop(sk.name, None)
+        self.acked.pop(sk.name, None)
+
+    def truncated(self, sk: SimSafekeeper, lsn: int) -> None:
+        """An Elected cut sk's WAL at `lsn`: what it acknowledged above was never committed (or
+        invariant 1 says so), and a vote may report less from now on."""
+        if self.acked.get(sk.name, 0) > lsn:
+            self.acked[sk.name] = lsn
 
     def accepted(self, sk: SimSafekeeper, term: int, sender: str, what: str) -> None:
         owner = self.term_owner.setdefault(term, sender)
@@ -137,6 +148,17 @@ class Checker:
                        f"{sk.name} wrote WAL of term {term} after promising term {promise}")
 
     def replied(self, sk: SimSafekeeper, msg: Message) -> None:
+        if isinstance(msg, AppendReply):
+            if msg.flush_lsn > self.acked.get(sk.name, 0):
+                self.acked[sk.name] = msg.flush_lsn
+            return
+        if isinstance(msg, VoteReply):
+            acked = self.acked.get(sk.name, 0)
+            last = sk.disk.last_record(acked) if acked and sk.disk.start is not None else None
+            if last is not None and msg.flush_lsn < last[1]:
+                self._fail("3 a vote reports every flush acknowledged",
+                           f"{sk.name} voted (term {msg.term}) with flush {pos(msg.flush_lsn)}, below the record "
+                           f"ending at {pos(last[1])} it acknowledged (flush {pos(acked)})")
         if isinstance(msg, VoteReply) and msg.granted:
             self.promised[sk.name] = max(self.promised.get(sk.name, 0), msg.term)
             if sk.persisted.term < msg.term:

@@ -87,7 +87,7 @@ class Network:
     def eof(self) -> bool:
         """An end whose peer has closed reads the rest of the stream, then sees EOF."""
         cands = [(c, True) for sk in self.safekeepers for c in sk.conns
-                 if (not c.prop_open or c.lingering) and not c.to_sk]
+                 if (not c.prop_open or c.lingering) and not c.to_sk and not c.busy]
         cands += [(c, False) for svc in self.services for c in svc.links.values()
                   if c is not None and (not c.sk_open or c.lingering) and not c.to_prop]
         if not cands:

@@ -10,13 +10,18 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import cast
 
-from sidecar.consensus.acceptor import Acceptor
+from sidecar.consensus.acceptor import Acceptor, RecordEnd
+from sidecar.consensus.groupcommit import GroupCommit
 from sidecar.consensus.messages import Message
 from sidecar.consensus.proposer import FetchWal, Proposer, ReportStatus, VerifyPrimary
 from sidecar.consensus.session import AcceptorSession
 from sidecar.consensus.state import AcceptorState
 from sidecar.consensus.statusschedule import StatusSchedule
 from sidecar.sim.wal import Disk, Primary
+
+
+# The simulator's clock is its step count: the oldest unsynced byte waits at most this many steps.
+SIM_MAX_DELAY = 4
 
 
 @dataclass(eq=False)
@@ -66,6 +71,18 @@ class Connection:
     # The proposer closed its writer at the end of a term but its reader still holds
     # replies already received, which the next term's core will read before the EOF.
     lingering: bool = False
+    # The safekeeper's thread for this connection (proposerport.py), between the steps of one
+    # message: group commit's policy, a sync it decided on, the flush it got and has yet to
+    # acknowledge under the lock, a vote's scan not yet applied (only with the one-step rule off).
+    commit: GroupCommit = field(default_factory=lambda: GroupCommit(max_delay=SIM_MAX_DELAY))
+    sync_wanted: bool = False
+    flushed: int | None = None
+    scanned: tuple[Message, RecordEnd] | None = None
+
+    @property
+    def busy(self) -> bool:
+        """True while its thread is between the steps of one message: it reads nothing meanwhile."""
+        return self.sync_wanted or self.flushed is not None or self.scanned is not None
 
     @property
     def carries_replies(self) -> bool:

@@ -1,5 +1,19 @@
 """The simulated safekeeper processes: every connection through the real `AcceptorSession`, the
-acceptor's actions carried out against a simulated disk, group fsyncs, crashes and restarts."""
+acceptor's actions carried out against a simulated disk, group fsyncs, crashes and restarts.
+
+Each connection is served as the real safekeeper's thread for it serves it (proposerport.py,
+server.py `converse`), one step per piece that runs under the acceptor lock or outside it:
+
+- receive a message and carry out its actions, writes included (under the lock); a vote or an
+  Elected flushes and scans in the same step (the one-step rule, docs/protocol.md invariant 3);
+- for the elected proposer's Appends, ask the real `GroupCommit`; reading on while it says
+  LATER (input is already here), else a sync is due:
+- fdatasync (outside the lock);
+- take the lock, `on_flushed` and reply, if the connection still holds the term.
+
+The scheduler interleaves any other connection's steps between them: after the write, after
+the fdatasync, before the reply.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +23,7 @@ from sidecar.consensus import history as hist
 from sidecar.consensus.acceptor import (
     Acceptor, AcceptorAction, AcceptorError, AdoptTimeline, Persist, RecordEnd, Reply, Truncate, Write,
 )
+from sidecar.consensus.groupcommit import Decision
 from sidecar.consensus.messages import Append, Elected, Message, Refusal, VoteRequest
 from sidecar.consensus.quorum import peers_to_learn_from
 from sidecar.consensus.state import AcceptorState
@@ -33,12 +48,25 @@ class Safekeepers:
         for sk in nodes:
             sk.acceptor = Acceptor(sk.node_id, sk.persisted, 0, MIN_SEG_SIZE)
 
-    def receive(self, c: Connection, msg: Message) -> bool:
-        """The server's `_connection` loop body: the session decides, then its actions run in order."""
+    def vote_is_one_step(self) -> bool:
+        """The rule of docs/protocol.md beside invariant 3: a vote's or an Elected's flush and scan
+        and its taking effect are one step under the acceptor lock (a teeth test turns it off)."""
+        return True
+
+    def receive(self, c: Connection, msg: Message, end: RecordEnd | None = None) -> bool:
+        """The thread's step for one message (`server.converse` and `_receive`): the session decides,
+        then its actions run in order; `end`: the scan of an earlier step (the rule turned off)."""
         sk, session = c.sk, c.session
         acc = session.acceptor
         try:
-            end = self._flushed_record_end(sk) if session.needs_record_end(msg) else None
+            if end is None and session.needs_record_end(msg):
+                end = self._flushed_record_end(sk)
+                if not self.vote_is_one_step():
+                    c.scanned = (msg, end)
+                    return True
+                scanned = True
+            else:
+                scanned = end is not None
             actions = session.receive(msg, end)
         except AcceptorError as e:
             self.ctx.event(sk.name, "refuses", c.label, str(e))
@@ -47,7 +75,7 @@ class Safekeepers:
                 c.to_prop.append(Refusal(str(e)))
             self.net.close_sk_end(c)
             return False
-        if end is None and type(msg) in (VoteRequest, Elected):
+        if not scanned and type(msg) in (VoteRequest, Elected):
             self.ctx.count("scans reused by a vote or Elected")
         if type(msg) is Append and msg.term == acc.elected_term and msg.term >= acc.state.term:
             self.checker.accepted(sk, msg.term, c.sender, "Append")
@@ -55,6 +83,12 @@ class Safekeepers:
             self.checker.accepted(sk, msg.term, c.sender, "Elected")
         self._execute(sk, c, actions)
         return True
+
+    def _group_commit(self, c: Connection) -> Decision:
+        """After an Append on the term's connection: the real policy, with input already here."""
+        acc = c.session.acceptor
+        more = bool(c.to_sk) and (c.svc is None or self.net.reachable(c.svc, c.sk))
+        return c.commit.decide(acc.write_lsn, acc.flush_lsn, more, False, self.ctx.step)
 
     def _flushed_record_end(self, sk: SimSafekeeper) -> RecordEnd:
         assert sk.acceptor is not None
@@ -85,6 +119,7 @@ class Safekeepers:
                     ctx.event(sk.name, "truncates at", a.lsn)
                     sk.truncations.append(a.lsn)
                     sk.disk.truncate(a.lsn)
+                    self.checker.truncated(sk, a.lsn)
                 case AdoptTimeline():
                     # Segment names and .history files: the disk model stores bytes by position only.
                     ctx.event(sk.name, "follows timeline", a.timeline)
@@ -111,32 +146,66 @@ class Safekeepers:
     # ---- scheduled events ------------------------------------------------------------------------
 
     def deliver(self) -> bool:
-        """A message reaches a safekeeper that is up."""
+        """A message reaches a safekeeper that is up, and its connection's thread, idle, reads it;
+        while group commit says input is waiting it reads on, as the thread does."""
         cands = [c for sk in self.nodes if sk.acceptor is not None for c in sk.conns
-                 if c.to_sk and (c.svc is None or self.net.reachable(c.svc, sk))]
+                 if c.to_sk and not c.busy and (c.svc is None or self.net.reachable(c.svc, sk))]
         c = self.net.pick(cands)
         if c is None:
             return False
-        msg = c.to_sk.popleft()
-        self.ctx.delivered(c.label, True, msg)
-        self.receive(c, msg)
-        return True
+        while True:
+            msg = c.to_sk.popleft()
+            self.ctx.delivered(c.label, True, msg)
+            if not self.receive(c, msg) or c.sk.acceptor is None or not c.sk_open:
+                return True
+            if type(msg) is not Append or not c.session.holds_term:
+                return True
+            decision = self._group_commit(c)
+            if decision is Decision.SYNC_NOW:
+                c.sync_wanted = True
+            if decision is not Decision.LATER:
+                return True
 
-    def fsync(self) -> bool:
-        cands = [sk for sk in self.nodes if sk.acceptor is not None and sk.disk.durable < sk.disk.end]
+    def _busy(self, what: str) -> list[Connection]:
+        return [c for sk in self.nodes if sk.acceptor is not None for c in sk.conns if getattr(c, what)]
+
+    def sync(self) -> bool:
+        """A thread's fdatasync (outside the acceptor lock): durable now, acknowledged in a later step."""
+        cands = self._busy("sync_wanted")
         if not cands:
             return False
-        sk = self.ctx.rng.choice(cands)
-        acc = sk.acceptor
-        assert acc is not None
-        if sk.disk.durable >= acc.write_lsn:
-            return False  # the flusher only runs for WAL the acceptor handed over
-        flushed = sk.disk.fsync()
+        c = self.ctx.rng.choice(cands)
+        sk = c.sk
+        c.sync_wanted = False
+        c.flushed = sk.disk.fsync()
+        c.commit.synced()
         sk.changed()
         self.checker.durable(sk)
-        self.ctx.event(sk.name, "fsync", flushed)
-        if sk.stream is not None:
-            self._execute(sk, sk.stream, acc.on_flushed(flushed))
+        self.ctx.event(sk.name, "fsync", c.flushed, c.label)
+        return True
+
+    def acknowledge(self) -> bool:
+        """The thread takes the lock again: it acknowledges what its sync made durable, if the
+        connection still holds the term (`server._acknowledge`)."""
+        cands = [c for c in self._busy("flushed")]
+        if not cands:
+            return False
+        c = self.ctx.rng.choice(cands)
+        flushed, c.flushed = c.flushed, None
+        assert flushed is not None and c.sk.acceptor is not None
+        if c.session.holds_term:
+            self._execute(c.sk, c, c.sk.acceptor.on_flushed(flushed))
+        return True
+
+    def apply_scan(self) -> bool:
+        """Only with the one-step rule off: a vote or Elected takes effect with the end scanned earlier."""
+        cands = [c for c in self._busy("scanned")]
+        if not cands:
+            return False
+        c = self.ctx.rng.choice(cands)
+        assert c.scanned is not None
+        (msg, end), c.scanned = c.scanned, None
+        self.receive(c, msg, end)
         return True
 
     def crash_one(self) -> bool:

@@ -74,7 +74,7 @@ class World:
         sks, svcs, pgs, net, hostile, readers = self.sks, self.svcs, self.pgs, self.net, self.hostile, self.readers
         fails = self.failovers
         table = [
-            (30, sks.deliver), (30, svcs.deliver), (8, sks.fsync),
+            (30, sks.deliver), (30, svcs.deliver), (4, sks.sync), (4, sks.acknowledge), (8, sks.apply_scan),
             (10, pgs.write), (8, pgs.flush), (14, svcs.stream_piece),
             (6, svcs.catchup_piece), (4, svcs.verify), (3, svcs.heartbeat),
             (1.5, svcs.election_timeout), (5, svcs.reconnect), (4, net.eof),
@@ -162,7 +162,8 @@ class World:
 
     def _calm_step(self) -> bool:
         self.ctx.step += 1
-        calm = [self.sks.deliver, self.svcs.deliver, self.sks.fsync, self.svcs.stream_piece,
+        calm = [self.sks.deliver, self.svcs.deliver, self.sks.sync, self.sks.acknowledge, self.sks.apply_scan,
+                self.svcs.stream_piece,
                 self.svcs.catchup_piece, self.svcs.verify, self.net.eof]
         self.ctx.rng.shuffle(calm)
         done = any(h() for h in calm)

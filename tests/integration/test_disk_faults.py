@@ -39,7 +39,7 @@ from sidecar.consensus.messages import (
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE as SEG
 from sidecar.lsn import format_lsn, parse_lsn, parse_segment_file_name
 from sidecar.safekeeper.monitor import SafekeeperMonitor
-from sidecar.safekeeper.server import INLINE_FLUSH_MAX, Safekeeper
+from sidecar.safekeeper.server import Safekeeper
 from sidecar.safekeeper.storage import WalStorage
 
 SYSID = 7_300_000_000_000_000_009
@@ -395,13 +395,13 @@ def test_a_missing_last_completed_segment_is_a_clean_error(tmp_path: Path) -> No
     assert "000000010000000000000002" in r.stderr and "missing" in r.stderr, r.stderr
 
 
-# ---- a failed fdatasync in the background flusher -----------------------------------------------
+# ---- a failed fdatasync in the proposer's connection thread -------------------------------------
 
-@pytest.mark.parametrize("rest", [INLINE_FLUSH_MAX + 100_000, 50_000], ids=["flusher thread", "event loop"])
-def test_a_failed_fdatasync_stops_the_safekeeper(tmp_path: Path, monkeypatch, rest: int) -> None:
-    """DOS-6: an Append above INLINE_FLUSH_MAX is synced by the flusher thread, a smaller one on the
-    event loop; EIO is fatal at once on either path."""
+def test_a_failed_fdatasync_stops_the_safekeeper(tmp_path: Path, monkeypatch) -> None:
+    """DOS-6: the connection's thread syncs what it wrote (group commit); EIO there is fatal at once."""
     from support.walbuilder import WalBuilder
+
+    rest = 300_000
 
     b = WalBuilder(SEG, seg_size=SEG, sysid=SYSID)
     b.fill_to(SEG + 100_000 + rest, 300)
@@ -412,8 +412,8 @@ def test_a_failed_fdatasync_stops_the_safekeeper(tmp_path: Path, monkeypatch, re
         sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
         mon = SafekeeperMonitor(sk)
         server = asyncio.ensure_future(sk.serve())
-        await until(lambda: sk._server is not None and sk._server.sockets, "the safekeeper to listen")
-        port = sk._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        await until(lambda: sk.listening_port is not None, "the safekeeper to listen")
+        port = sk.listening_port
         reader, writer = await framing.open_connection("127.0.0.1", port)
 
         async def send(msg):
@@ -423,7 +423,7 @@ def test_a_failed_fdatasync_stops_the_safekeeper(tmp_path: Path, monkeypatch, re
         assert isinstance(await send(Greeting(PROTOCOL_VERSION, "p", SYSID, 1, SEG, 15)), GreetingReply)
         assert isinstance(await send(VoteRequest(1)), VoteReply)
         assert isinstance(await send(Elected(1, SEG, (TermEntry(1, SEG),))), ElectedReply)
-        first = await send(Append(1, SEG, 0, 0, wal[:durable - SEG]))  # synced on the loop
+        first = await send(Append(1, SEG, 0, 0, wal[:durable - SEG]))
         assert isinstance(first, AppendReply) and first.flush_lsn == durable
 
         def eio(fd: int) -> None:
@@ -431,7 +431,6 @@ def test_a_failed_fdatasync_stops_the_safekeeper(tmp_path: Path, monkeypatch, re
 
         monkeypatch.setattr(os, "fdatasync", eio)
         tail = wal[durable - SEG:]
-        assert (len(tail) > INLINE_FLUSH_MAX) == (rest > INLINE_FLUSH_MAX)
         framing.write(writer, codec.encode(Append(1, durable, 0, 0, tail)))
         await until(lambda: sk.fatal is not None, "the failed sync to stop the safekeeper")
         health = mon.health()
@@ -475,8 +474,8 @@ def test_a_full_disk_is_what_check_health_and_metrics_say(tmp_path: Path) -> Non
         sk = Safekeeper.open(1, small, "127.0.0.1", 0)
         mon = SafekeeperMonitor(sk)
         server = asyncio.ensure_future(sk.serve())
-        await until(lambda: sk._server is not None and sk._server.sockets, "the safekeeper to listen")
-        addr = "127.0.0.1:%d" % sk._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        await until(lambda: sk.listening_port is not None, "the safekeeper to listen")
+        addr = "127.0.0.1:%d" % sk.listening_port
         reader, writer = await framing.open_connection(*addr.split(":"))
 
         async def send(msg):

@@ -312,14 +312,11 @@ def test_a_fatal_error_is_reported_once_without_an_unretrieved_task(tmp_path: Pa
 
 
 def test_a_peer_without_an_address_is_named_unknown() -> None:
-    # K-3: asyncio leaves peername None when the peer reset before getpeername().
-    from sidecar.safekeeper.server import _peer_name
+    # K-3: the address is the one accept() returned; anything else is named, never an exception.
+    from sidecar.safekeeper.proposerport import peer_name
 
-    class Gone:
-        def get_extra_info(self, name: str) -> None:
-            return None
-
-    assert _peer_name(Gone()) == "unknown"  # type: ignore[arg-type]
+    assert peer_name(("127.0.0.1", 5432)) == "127.0.0.1:5432"
+    assert peer_name(None) == "unknown" and peer_name(()) == "unknown"
 
 
 def test_the_new_owner_is_acknowledged_while_the_old_connection_stays_open(target: Target) -> None:

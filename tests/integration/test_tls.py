@@ -168,17 +168,19 @@ def thread_names(pid: int) -> set[str]:
     return names
 
 
-def test_over_tls_the_append_stream_is_served_by_its_own_thread(deployment: Deployment) -> None:
+def test_over_tls_the_proposer_connection_is_served_by_a_thread_of_its_own(deployment: Deployment) -> None:
     d = deployment
     pid = d.safekeepers[1].pid
     assert pid is not None
     with d.sql() as c:
         commit_lsn_of(c, "INSERT INTO load VALUES (1, 'over TLS')")
-    # The thread decrypts the Appends and encrypts the replies with the connection's own TLS state.
-    wait_for(lambda: "stream-1" in thread_names(pid), timeout=30, what="safekeeper 1's stream thread")
+    # The connection's thread (proposerport.py) does the handshake, decrypts the Appends and
+    # encrypts the replies with the stdlib's blocking SSLSocket.
+    wait_for(lambda: any(n.startswith("conn-1-") for n in thread_names(pid)), timeout=30,
+             what="safekeeper 1's connection thread")
     with d.sql() as c:
         lsn = commit_lsn_of(c, "INSERT INTO load SELECT g, repeat('t', 200) FROM generate_series(2, 20000) g")
-    wait_replayed(d, lsn, "every safekeeper to acknowledge the WAL it received in its stream thread")
+    wait_replayed(d, lsn, "every safekeeper to acknowledge the WAL it received in its connection thread")
 
 
 def test_commands_refuse_to_start_without_certificates_or_insecure(tmp_path: Path) -> None:

@@ -16,8 +16,8 @@ from support.helpers import until
 async def serving(sk: Safekeeper) -> tuple[asyncio.Future[None], int]:
     """`sk` serving: the task (cancel it to stop) and the port it listens on."""
     server = asyncio.ensure_future(sk.serve())
-    await until(lambda: sk._server is not None and sk._server.sockets, "the safekeeper to listen")
-    return server, sk._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    await until(lambda: sk.listening_port is not None, "the safekeeper to listen")
+    return server, sk.listening_port
 
 
 @contextlib.asynccontextmanager

@@ -14,7 +14,6 @@ import pytest
 from support.helpers import run
 from support.pki import TestPKI
 from sidecar import framing, tls
-from sidecar.safekeeper import streamthread
 from sidecar.consensus import codec, limits
 from sidecar.consensus.messages import (
     PROTOCOL_VERSION, Append, AppendReply, Elected, Greeting, Message, TermEntry, VoteRequest,
@@ -324,27 +323,3 @@ def test_data_received_delivers_the_frames_before_a_bad_one() -> None:
             await reader.read_message()
 
     run(main())
-
-
-@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-def test_the_stream_thread_does_not_take_a_connection_that_has_ended(loop: str) -> None:
-    """The peer's EOF or TLS close can come with its last messages: the loop then reads that end itself."""
-    async def main() -> None:
-        accepted: asyncio.Future[tuple[framing.FrameReader, framing.Writer]] = \
-            asyncio.get_running_loop().create_future()
-
-        async def handle(reader: framing.FrameReader, writer: framing.Writer) -> None:
-            accepted.set_result((reader, writer))
-
-        server = await framing.start_server(handle, "127.0.0.1", 0)
-        _, client = await framing.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
-        reader, writer = await accepted
-        writer.close()
-        await writer.wait_closed()
-        back = await streamthread.stream(None, None, reader, writer)  # type: ignore[arg-type]
-        assert back == streamthread.HandBack()
-        client.close()
-        server.close()
-        await server.wait_closed()
-
-    _run_on(loop, main())

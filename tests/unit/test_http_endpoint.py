@@ -75,8 +75,8 @@ def test_safekeeper_answers_info_without_binding_itself(tmp_path: Path) -> None:
         server = asyncio.ensure_future(sk.serve())
         try:
             from support.helpers import until
-            await until(lambda: sk._server is not None and sk._server.sockets, "the safekeeper to listen")
-            port = sk._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            await until(lambda: sk.listening_port is not None, "the safekeeper to listen")
+            port = sk.listening_port
             info = await probe_safekeeper(f"127.0.0.1:{port}", 5)
             assert (info.node_id, info.system_id, info.term, info.proposer_connected) == (4, 0, 0, False)
             ep = mon.endpoint("127.0.0.1", 0)

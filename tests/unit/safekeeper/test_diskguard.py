@@ -17,11 +17,10 @@ def test_a_byte_limit_counts_wal_files_and_flips_both_ways(tmp_path: Path) -> No
         assert not guard.update(1 << 20, "the retention (--keep-wal)") and not guard.active
         assert guard.update((1 << 20) + 1, 'reader slot "s1" at 0/1000000') and guard.active
         assert guard.reason is not None and 'held by reader slot "s1"' in guard.reason
-        waiter = asyncio.ensure_future(guard.resumed())
-        await asyncio.sleep(0)
-        assert not waiter.done()
+        assert not guard.wait_resumed(0)
+        waiter = asyncio.ensure_future(asyncio.to_thread(guard.wait_resumed))
         assert guard.update(0, "flush_lsn") and not guard.active
-        await asyncio.wait_for(waiter, 5)
+        assert await asyncio.wait_for(waiter, 5)
     run(main())
 
 

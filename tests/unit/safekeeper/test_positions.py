@@ -4,6 +4,7 @@ unless the WAL was cut (and then the generation says so)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -87,19 +88,34 @@ def test_a_cut_moves_flush_back_and_bumps_the_generation() -> None:
         w.publish(Positions(3, 40, 30, generation=2))  # commit never moves back without a cut
 
 
-def test_a_value_stored_from_a_thread_wakes_only_a_waiter_it_satisfies() -> None:
-    """The stream thread stores positions without the loop; the loop is woken only when a waiter wants them."""
+def test_publishes_from_a_thread_wake_only_a_waiter_they_satisfy_once_per_batch() -> None:
+    """A proposer's thread publishes per commit; the loop is asked to wake once, and only for a waiter that wants it."""
     async def main() -> None:
         loop = asyncio.get_running_loop()
         w = PositionWatch(Positions(1, 10, 10))
         segment = asyncio.create_task(w.wait(lambda p: p.flush_lsn >= 1000))
         await asyncio.sleep(0)  # parked
-        wanted = await asyncio.to_thread(w.store, Positions(1, 500, 500))
-        assert not wanted and w.value == Positions(1, 500, 500)  # readable at once, nobody woken
-        wanted = await asyncio.to_thread(w.store, Positions(1, 1000, 900))
-        assert wanted
-        await asyncio.to_thread(loop.call_soon_threadsafe, w.wake)
-        assert await segment == Positions(1, 1000, 900)
+        asked: list[object] = []
+        real = loop.call_soon_threadsafe
+
+        def counting(callback, *args):  # type: ignore[no-untyped-def]
+            asked.append(callback)
+            return real(callback, *args)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        try:
+            def publisher() -> None:
+                for lsn in range(100, 2001, 100):
+                    w.publish(Positions(1, lsn, lsn))
+
+            # Joined while the loop is blocked: every publish happens before any wake can run.
+            t = threading.Thread(target=publisher)
+            t.start()
+            t.join()
+            assert w.value == Positions(1, 2000, 2000)
+            assert len(asked) == 1  # nine publishes satisfied nobody, eleven shared one wake
+            assert await segment == Positions(1, 2000, 2000)
+        finally:
+            loop.call_soon_threadsafe = real  # type: ignore[method-assign]
 
     run(main())
-

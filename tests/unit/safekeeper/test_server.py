@@ -22,7 +22,7 @@ from sidecar.safekeeper.server import Safekeeper
 from sidecar.safekeeper.storage import NoWal, WalStorage
 from sidecar.safekeeper.walcheck import StartupError
 from sidecar.linkauth import client_security, dial, server_security
-from support.helpers import run, until
+from support.helpers import run
 from support.serving import serving, talking_to
 from support.pki import TestPKI
 from support.walbuilder import WalBuilder
@@ -43,13 +43,13 @@ def test_a_fresh_data_dir_opens_ready_to_serve_without_a_wal_store(tmp_path: Pat
 
 
 def test_a_state_built_before_a_newer_promise_is_never_saved_over_it(tmp_path: Path) -> None:
-    """The stream thread's batch (a commit hint in term 3) reaches the loop after a vote saved term 4."""
+    """A state of term 3 to be saved after a vote saved term 4 (transitions are saved in order; this is the guard)."""
     from sidecar.safekeeper.control import load_control
     sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
     old = AcceptorState(SYSID, SEG, 15, 1, 3, commit_lsn=5 * SEG)
     new = AcceptorState(SYSID, SEG, 15, 1, 4, commit_lsn=5 * SEG)
-    run(sk._save(new))
-    run(sk._save(old))
+    sk._save(new)
+    sk._save(old)
     assert load_control(tmp_path).state.term == 4
     reopened = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
     assert reopened.acceptor.state.term == 4
@@ -167,12 +167,15 @@ def test_a_promoted_primary_s_timeline_is_persisted_and_laid_out_as_its_pg_wal(t
         again.storage.close()
 
 
-def test_a_stop_while_the_stream_thread_serves_waits_for_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Cancelling serve() (SIGTERM) ends the thread before the storage closes: nothing fails in it, nothing is fatal."""
+def test_a_stop_while_a_proposer_streams_ends_its_thread_before_the_storage_closes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cancelling serve() (SIGTERM) ends the connection threads first: nothing fails in them, nothing is fatal,
+    and what was acknowledged is on disk."""
     failures: list[BaseException | None] = []
     monkeypatch.setattr(threading, "excepthook", lambda args: failures.append(args.exc_value))
     b = WalBuilder(SEG, seg_size=SEG, sysid=SYSID)
     b.fill_to(SEG + 20_000, 200)
+    end = b.records[-1].end_lsn
 
     async def main() -> None:
         sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
@@ -181,15 +184,22 @@ def test_a_stop_while_the_stream_thread_serves_waits_for_it(tmp_path: Path, monk
         for msg in (Greeting(PROTOCOL_VERSION, "p", SYSID, 1, SEG, 15), VoteRequest(1),
                     Elected(1, SEG, (TermEntry(1, SEG),)), Append(1, SEG, 0, 0, b.bytes())):
             framing.write(writer, codec.encode(msg))
-            await asyncio.wait_for(reader.read_message(), 10)
-        await until(lambda: sk.threaded, "the stream to be served by the thread")
+            reply = await asyncio.wait_for(reader.read_message(), 10)
+        assert isinstance(reply, AppendReply) and reply.flush_lsn == end
+        assert sk.view().proposer_connected
         server.cancel()
         await asyncio.gather(server, return_exceptions=True)
-        assert not sk.threaded and sk.fatal is None and sk.stopped is None
+        assert not [t for t in threading.enumerate() if t.name.startswith(("conn-1-", "accept-1"))]
+        assert sk.fatal is None and sk.stopped is None and not sk.view().proposer_connected
         writer.close()
 
     run(main())
     assert failures == []
+    again = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
+    try:
+        assert again.acceptor.write_lsn == end
+    finally:
+        again.storage.close()
 
 
 # ---- the consensus port's places (budget.py) ------------------------------------------------------
@@ -228,44 +238,40 @@ def test_read_only_clients_cannot_take_the_proposers_places(tmp_path: Path, pki:
     run(main())
 
 
-def test_no_descriptor_for_a_connection_closes_it_and_marks_nothing_in_doubt(
+def test_no_descriptor_for_a_connection_marks_nothing_in_doubt(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Audit M-1/I-1: EMFILE on the connection's own descriptor (the stream thread's dup) is that
-    connection's end, not a storage failure that stops the safekeeper and marks its WAL in doubt."""
+    """Audit M-1/I-1: EMFILE on accept is a connection not had, not a storage failure that stops the
+    safekeeper and marks its WAL in doubt; the port accepts again."""
     import errno
-    import os
+    import socket
 
     b = WalBuilder(SEG, seg_size=SEG, sysid=SYSID)
     b.fill_to(SEG + 20_000, 200)
-    real_dup = os.dup
+    real_accept = socket.socket.accept
+    failed = threading.Event()
 
-    def no_descriptors(fd: int) -> int:
-        raise OSError(errno.EMFILE, "Too many open files")
+    def no_descriptor_once(self: socket.socket):  # type: ignore[no-untyped-def]
+        if not failed.is_set():
+            failed.set()
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_accept(self)
 
     async def main() -> None:
         sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
-        server, port = await serving(sk)
-        reader, writer = await framing.open_connection("127.0.0.1", port)
-        try:
-            for msg in (Greeting(PROTOCOL_VERSION, "p", SYSID, 1, SEG, 15), VoteRequest(1)):
-                framing.write(writer, codec.encode(msg))
-                await asyncio.wait_for(reader.read_message(), 10)
-            # Once elected, the connection's Appends go to the stream thread, on a dup of its socket.
-            monkeypatch.setattr(os, "dup", no_descriptors)
-            framing.write(writer, codec.encode(Elected(1, SEG, (TermEntry(1, SEG),))))
-            framing.write(writer, codec.encode(Append(1, SEG, 0, 0, b.bytes())))
-            with pytest.raises((asyncio.IncompleteReadError, ConnectionError)):
-                while True:  # the replies, then the end of the connection
-                    await asyncio.wait_for(reader.read_message(), 10)
-            monkeypatch.setattr(os, "dup", real_dup)
+        async with talking_to(sk) as send:
+            for msg in (Greeting(PROTOCOL_VERSION, "p", SYSID, 1, SEG, 15), VoteRequest(1),
+                        Elected(1, SEG, (TermEntry(1, SEG),)), Append(1, SEG, 0, 0, b.bytes())):
+                await send(msg)
+            monkeypatch.setattr(socket.socket, "accept", no_descriptor_once)
+            reader, writer = await framing.open_connection("127.0.0.1", sk.listening_port)  # type: ignore[arg-type]
+            try:
+                framing.write(writer, codec.encode(Greeting(PROTOCOL_VERSION, "q", SYSID, 1, SEG, 15)))
+                assert isinstance(await asyncio.wait_for(reader.read_message(), 10), GreetingReply)
+            finally:
+                writer.close()
+            assert failed.is_set()
             assert sk.fatal is None and sk.stopped is None, sk.stopped
             assert isinstance(sk.storage, WalStorage) and sk.storage.in_doubt() is None
-            async with talking_to(sk) as send:  # and it goes on serving
-                assert isinstance(await send(Greeting(PROTOCOL_VERSION, "p", SYSID, 1, SEG, 15)), GreetingReply)
-        finally:
-            writer.close()
-            server.cancel()
-            await asyncio.gather(server, return_exceptions=True)
 
     run(main())
 

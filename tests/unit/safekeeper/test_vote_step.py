@@ -1,8 +1,9 @@
-"""A vote or an Elected is one step against the elected proposer's stream thread.
+"""A vote or an Elected is one step against the elected proposer's connection thread.
 
-Once elected, a proposer's Appends are written, synced and acknowledged by a thread of their own
-(streamthread.py), while a VoteRequest or Elected from another connection is handled on the event
-loop: the WAL is flushed and scanned, then the acceptor answers with the end it found. Quorum
+Every proposer-port connection is served by a thread of its own (proposerport.py): the elected
+proposer's thread writes, syncs and acknowledges its Appends, while another connection's thread
+handles a VoteRequest or Elected: the WAL is flushed and scanned, then the acceptor answers with
+the end it found. Quorum
 intersection needs a voter never to report less than it acknowledged, so nothing may be
 acknowledged in the old term between that scan and the message taking effect. These tests hold the
 scan at that seam (an injected pause, released only once the thread has either acknowledged or is
@@ -58,7 +59,8 @@ class HeldScan:
 
 
 class WatchedLock:
-    """The acceptor lock, recording when the stream thread has to wait for it."""
+    """The acceptor lock, recording when a thread has to wait for it (the elected proposer's, here:
+    the loop never takes it)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -67,8 +69,7 @@ class WatchedLock:
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         if self._lock.acquire(False):
             return True
-        if threading.current_thread().name.startswith("stream-"):
-            self.thread_waited.set()
+        self.thread_waited.set()
         return self._lock.acquire(blocking, timeout)
 
     def release(self) -> None:
@@ -117,10 +118,10 @@ def _record_end_past(ends: list[int], lsn: int) -> int:
 
 
 async def _old_term_streaming(sk: Safekeeper, wal: bytes, first: int) -> tuple[Conn, Conn, asyncio.Future[None]]:
-    """`sk` serving; connection A elected in term 1 and streaming through the thread up to `first`; B greeted."""
+    """`sk` serving; connection A elected in term 1 and streaming up to `first`; B greeted."""
     serving = asyncio.ensure_future(sk.serve())
-    await until(lambda: sk._server is not None and sk._server.sockets, "the safekeeper to listen")
-    port = sk._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    await until(lambda: sk.listening_port is not None, "the safekeeper to listen")
+    port = sk.listening_port
     a = Conn(*await framing.open_connection("127.0.0.1", port))
     b = Conn(*await framing.open_connection("127.0.0.1", port))
     await a.ask(Greeting(PROTOCOL_VERSION, "A", SYSID, 1, SEG, 15))
@@ -128,7 +129,6 @@ async def _old_term_streaming(sk: Safekeeper, wal: bytes, first: int) -> tuple[C
     assert isinstance(await a.ask(Elected(1, SEG, HISTORY)), ElectedReply)
     ack = await a.ask(Append(1, SEG, 0, 0, wal[:first - SEG]))
     assert isinstance(ack, AppendReply) and (ack.term, ack.flush_lsn) == (1, first)
-    await until(lambda: sk.threaded, "A's stream to be served by the thread")
     await b.ask(Greeting(PROTOCOL_VERSION, "B", SYSID, 1, SEG, 15))
     return a, b, serving
 

@@ -18,6 +18,7 @@ from sidecar.consensus.proposer import Phase, ReportStatus
 from sidecar.sim.cli import main as simulate
 from sidecar.sim.cli import report_failure
 from sidecar.sim.runner import Outcome, first_violation, run_seed, run_seeds
+from sidecar.sim.safekeepers import Safekeepers
 from sidecar.sim.wal import BOOT
 from sidecar.consensus.session import AcceptorSession
 from sidecar.sim.world import SimConfig, World
@@ -33,6 +34,7 @@ LOCAL_RULES = frozenset({
     "3 promise persisted before the reply",
     "3 history persisted before the reply",
     "3 no WAL below the promise",
+    "3 a vote reports every flush acknowledged",
 })
 
 
@@ -147,6 +149,14 @@ def test_electing_from_a_connection_that_did_not_ask_for_the_vote_is_caught(
     # The Elected half: any greeted connection may claim the current term.
     monkeypatch.setattr(AcceptorSession, "_asked_for", lambda self, term: True)
     assert _found(30).invariant == "3 one proposer per term"
+
+
+def test_a_vote_scanned_apart_from_its_application_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Without the one-step rule (docs/protocol.md beside invariant 3) a vote's flush and scan is one
+    # step and its taking effect another: the term's connection writes, syncs and acknowledges in
+    # between, and the vote reports less than the safekeeper acknowledged.
+    monkeypatch.setattr(Safekeepers, "vote_is_one_step", lambda self: False)
+    assert _found(300).invariant == "3 a vote reports every flush acknowledged"
 
 
 def test_cutting_below_commit_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
