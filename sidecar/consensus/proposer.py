@@ -466,7 +466,7 @@ class Proposer:
         if ended:
             return ended
         donor, dv, start = self._donor(votes)
-        self.fence = self._fence_of_term(votes, dv, start)
+        self.fence = self._fence_of_term(votes, start)
         self.term_start = start
         self.history = hist.extend(dv.term_history if dv.flush_lsn else (), self.term, start)
         self.phase = Phase.VERIFYING
@@ -475,11 +475,13 @@ class Proposer:
             return actions + self._start_streaming()  # the probe already checked this very log
         return actions + [VerifyPrimary(self.term, start, donor, dv.tail_lsn, dv.tail_crc, dv.timeline_history)]
 
-    def _fence_of_term(self, votes: dict[str, VoteReply], donor: VoteReply, start: int) -> TimelineFence:
-        """The voters' latest fence, carried on; or the one a failover's term sets: the donor's timeline ends at E."""
+    def _fence_of_term(self, votes: dict[str, VoteReply], start: int) -> TimelineFence:
+        """The voters' latest fence, carried on; or the one a failover's term sets: the timeline of the standby it
+        promotes ends at E, so that only that standby (which switches away from it at E or above) and its
+        descendants stream again. Not the voters' timeline: a standby may be a sibling of it, equal below E."""
         match self.config.failover:
             case FailoverTerm.END:
-                return TimelineFence(self.term, donor.timeline or self.config.timeline, start)
+                return TimelineFence(self.term, self.config.timeline, start)
             case FailoverTerm.LIFT:
                 return TimelineFence(self.term)
         return lineage.latest(*(v.fence for v in votes.values()))

@@ -22,7 +22,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from sidecar.address import Address
 from sidecar.config import FailoverBase, FailoverSettings
-from sidecar.consensus import primary_check
+from sidecar.consensus import lineage, primary_check
 from sidecar.timelines import TimelineHistory
 from sidecar.consensus.proposer import FailoverTerm, ProposerConfig, VerifyPrimary
 from sidecar.linkauth import client_security
@@ -279,7 +279,7 @@ class Failover:
             if not ended.timeline:
                 return "no failover fence is set on the safekeepers: there is nothing to undo"
             now = fence.probed_timeline(a.donor)
-            if now and now != ended.timeline:
+            if now and now != ended.timeline and lineage.fenced_out(ended, now, a.timeline_history) is None:
                 return (f"the safekeepers' WAL goes on on timeline {now}, after the failover of term {ended.term} "
                         f"ended timeline {ended.timeline}: the promoted standby's sidecar streams; a promoted "
                         "failover cannot be undone (rejoin the old primary as a standby with pg_rewind)")

@@ -42,8 +42,8 @@ was configured with):
    primary rewrote) and the reader re-requests them from its last record end, as a standby does.
 7. A failover is final: once a failover promoted a standby after its fence term ended timeline T at
    E, no primary still on T (or on a timeline that left T below E) has a position above E reported
-   as flushed, in any term: the old primary, alive or brought back, never has another commit
-   acknowledged.
+   as flushed, in any later term, until a later failover promotes another standby: the old primary,
+   alive or brought back, never has another commit acknowledged.
 4. Reports to the primary, per replication stream: the flush position never decreases,
    never exceeds the WAL the stream received, and never exceeds the Q-th highest position
    that safekeepers really had fsynced while in the proposer's term (positions below the
@@ -190,7 +190,10 @@ class Checker:
             self._fail("4 no acknowledgement beyond the WAL received",
                        f"{svc.label} reported flush {pos(st.flush_lsn)}, received only {pos(stream.pos)}")
         self._flushed_by_quorum(svc, core, st)
-        for fence, promoted in self.fences:
+        # The failover that decides is the latest one that promoted before this term: a later failover may
+        # choose another lineage (its standby holds every acknowledged commit, as any standby it promotes).
+        deciding = sorted(((f, promoted) for f, promoted in self.fences if f.term < core.term), key=lambda x: x[0].term)
+        for fence, promoted in deciding[-1:]:
             pg = svc.primary
             if st.flush_lsn > fence.lsn and lineage.fenced_out(fence, pg.timeline, pg.history) is not None:
                 self._fail("7 a failover is final",

@@ -178,6 +178,9 @@ class Services:
 
     def end_term(self, svc: Service) -> None:
         """The service's `_end_term`: the core goes, every link is dropped."""
+        if svc.fence:  # a failover whose term ends stops there: the operator runs it again
+            self.stop(svc, "failover stops: its term ended (run it again)")
+            return
         core = svc.core
         if core is not None:
             svc.last_term = max(svc.last_term, core.term)
@@ -247,7 +250,7 @@ class Services:
     def primary_gone(self, pg: Primary) -> None:
         """Its replication connections break: every term streaming from it ends."""
         for svc in self.all:
-            if svc.primary is pg and svc.core is not None:
+            if svc.primary is pg and svc.core is not None and not svc.fence:  # a failover needs no primary
                 self.end_term(svc)
 
     # ---- scheduled events ------------------------------------------------------------------------
@@ -277,7 +280,7 @@ class Services:
         return True
 
     def new_term(self) -> bool:
-        cands = [svc for svc in self.all if svc.alive and svc.core is None]
+        cands = [svc for svc in self.all if svc.alive and svc.core is None and not svc.fence]
         if not cands or not self.primaries.live():
             return False
         self.new_core(self.ctx.rng.choice(cands))
