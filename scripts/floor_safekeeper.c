@@ -37,7 +37,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#define PROTOCOL_VERSION 2
+#define PROTOCOL_VERSION 3
+#define FENCE 20 /* a TimelineFence (term, timeline, lsn) after the histories of VoteReply and Elected */
 #define MAX_FRAME (16u * 1024 * 1024 + 1024)
 #define RECV_BUF (2 * (size_t)MAX_FRAME + 64)
 #define MAX_HISTORY 256
@@ -313,7 +314,7 @@ static int on_vote(const unsigned char *b, size_t n) {
     uint32_t count = 0;
     while (count < nhist && hist_start[count] <= flush_lsn)
         count++;
-    unsigned char *p = frame('V', 37 + 16 * (size_t)count + 4);
+    unsigned char *p = frame('V', 37 + 16 * (size_t)count + 4 + FENCE);
     if (p == NULL)
         return -1;
     p = put64(p, term);
@@ -325,7 +326,8 @@ static int on_vote(const unsigned char *b, size_t n) {
     p = put32(p, count);
     for (uint32_t i = 0; i < count; i++)
         p = put64(put64(p, hist_term[i]), hist_start[i]);
-    put32(p, 0); /* no timeline switches */
+    p = put32(p, 0); /* no timeline switches */
+    memset(p, 0, FENCE); /* no failover fence: this stand-in never takes part in a failover */
     return 0;
 }
 
@@ -334,8 +336,9 @@ static int on_elected(const unsigned char *b, size_t n) {
         return -1;
     uint64_t t = be64(b), start = be64(b + 8);
     uint32_t tli = be32(b + 16), count = be32(b + 20);
-    if (count == 0 || count > MAX_HISTORY || n != 24 + 16 * (size_t)count + 4 || be32(b + n - 4) != 0)
-        return -1; /* a history this stand-in cannot keep, or timeline switches: not the happy path */
+    if (count == 0 || count > MAX_HISTORY || n != 24 + 16 * (size_t)count + 4 + FENCE
+        || be32(b + 24 + 16 * (size_t)count) != 0 || be64(b + n - FENCE) != 0)
+        return -1; /* a history this stand-in cannot keep, timeline switches or a failover's fence: not the happy path */
     if (t < term) {
         unsigned char *p = frame('E', 16);
         if (p == NULL)

@@ -124,19 +124,7 @@ class Embedded:
 
     def _lock(self) -> IO[str]:
         """Hold DIR/up.pid locked while running: a second `up` on the same --dir stops here."""
-        f = open(self.base / UP_LOCK, "a+")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            pid = f.read().strip() or "?"
-            f.close()
-            raise DeploymentError(f"another `walsidecar up` (pid {pid}) is running in {self.base}: stop it with "
-                                  f"Ctrl-C, use it (`walsidecar ctl --dir {self.base} members`), or give another --dir") from None
-        f.truncate(0)
-        f.write(f"{os.getpid()}\n")
-        f.flush()
-        return f
+        return _lock_dir(self.base)
 
     def _start(self) -> None:
         pg = self.d.pg
@@ -204,7 +192,7 @@ class Embedded:
 
 
 def _lock_dir(base: Path) -> IO[str]:
-    """Hold DIR/up.pid locked (as Embedded._lock): for `up --ha`, which has no Embedded."""
+    """Hold DIR/up.pid locked while `up` (or `up --ha`) runs: a second `up` on the same --dir stops here."""
     f = open(base / UP_LOCK, "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
