@@ -118,6 +118,7 @@ class ProposerService:
         self._timeline = 0
         self._history: TimelineHistory = ()  # the primary's timeline switches, from TIMELINE_HISTORY
         self._refusal: PrimaryMismatch | None = None
+        self._reported_flush = 0  # the flush last handed to a stream for the primary (0: none yet)
         self._seg_size = 0
         self._pending: list[memoryview] = []
         self._pending_lsn = 0
@@ -393,7 +394,7 @@ class ProposerService:
         self.log.critical(f"terminated {ended} of {len(waiting)} commits waiting in SyncRep on this fenced-out "
                           "primary: their clients get an error, never an acknowledgement; commits that start "
                           "now wait until it is stopped and rejoined as a standby", term=self.term,
-                          terminated=ended, waiting=len(waiting), reported_flush_lsn=format_lsn(self._sent_flush))
+                          terminated=ended, waiting=len(waiting), reported_flush_lsn=format_lsn(self._reported_flush))
 
     async def _terminate_waiter(self, sql: psycopg.AsyncConnection, w: primary.SyncRepWaiter, reason: str,
                                 **seconds: float) -> bool:
@@ -403,7 +404,7 @@ class ProposerService:
         # pg_xact_status(xid) tells the transaction's outcome later.
         fields = dict(pid=w.key.pid, xid=w.xid, user=w.user, application_name=w.application_name,
                       client_addr=w.client_addr, term=self.term, reason=reason,
-                      commit_lsn_above=format_lsn(self._sent_flush) if self._sent_flush else None,
+                      commit_lsn_above=format_lsn(self._reported_flush) if self._reported_flush else None,
                       commit_lsn_at_most=format_lsn(w.flush_lsn),
                       **{f"{k}_seconds": round(v, 1) for k, v in seconds.items()})
         try:
@@ -530,6 +531,7 @@ class ProposerService:
     def _hand_status(self, stream: repl.ReplicationStream, write: int, flush: int, apply: int) -> None:
         try:
             stream.report(write, flush, apply)
+            self._reported_flush = flush  # a flush move goes out at once: what the waiters' commits lie above
         except ValueError as e:
             # The stream refuses a flush it never sent or one going backwards: never tell the
             # primary that. It means a bug; end the term rather than report it.

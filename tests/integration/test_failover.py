@@ -182,19 +182,22 @@ def test_a_fenced_old_primary_gets_nothing_acknowledged_until_failover_undo(depl
         # `check` on it names the failover that ended its timeline, and the undo.
         check = walsidecar("check", "--pg-dsn", d.pg.dsn(), "--safekeepers", ",".join(d.addresses), *d.tls("client"))
         assert "ended this server's timeline 1" in check.stdout and "failover --undo" in check.stdout, check.stdout
-        # Its commits wait: nothing is acknowledged on a fenced timeline.
+        # Its commits wait: nothing is acknowledged on a fenced timeline. A sidecar started on it again stops
+        # again, and first terminates the waiting commit, whose client gets an error, never an acknowledgement.
         thread, result = start_commit(d.pg.dsn(), "INSERT INTO load VALUES (-5, 'while fenced')")
         wait_for(lambda: syncrep_waiters(d) >= 1, timeout=30, what="a commit on the fenced primary to wait")
         d.start("proposer")
         wait_for(lambda: not d.members["proposer"].running, timeout=60,
                  what="a restarted sidecar on the fenced primary to stop again")
-        assert not result
+        thread.join(timeout=60)
+        assert "error" in result and "done" not in result, result
+        assert "terminated 1 of 1 commits waiting in SyncRep" in d.members["proposer"].log_path.read_text()
 
         proc = undo(d)
         assert proc.returncode == 0 and "undone in term" in proc.stdout, proc.stdout
         d.start("proposer")
-        thread.join(timeout=60)
-        assert result.get("done"), result
+        with psycopg.connect(d.pg.dsn(), autocommit=True) as c:
+            c.execute("INSERT INTO load VALUES (-6, 'after the undo')")  # acknowledged: the timeline is back
         assert rows(d.pg.dsn(), acked) == len(acked)
         # A second undo has nothing to lift, and says so.
         proc = undo(d)

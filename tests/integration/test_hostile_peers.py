@@ -48,9 +48,10 @@ def raw_vote(term: int) -> bytes:
 
 
 def raw_elected(term: int, start: int, history: list[tuple[int, int]]) -> bytes:
-    # term, start, timeline 1, the term history, then an empty timeline history (protocol version 2)
+    # term, start, timeline 1, the term history, an empty timeline history, then no fence (protocol version 3)
     return frame("e", struct.pack(">QQII", term, start, 1, len(history))
-                 + b"".join(struct.pack(">QQ", *e) for e in history) + struct.pack(">I", 0))
+                 + b"".join(struct.pack(">QQ", *e) for e in history) + struct.pack(">I", 0)
+                 + struct.pack(">QIQ", 0, 0, 0))
 
 
 class Peer:
