@@ -303,11 +303,11 @@ class Safekeeper:
             raise cannot_listen(self.host, self.port, "the safekeeper (--listen)", e) from e
         self.log.info("listening", address=f"{self.host}:{self._port.port}", tls=self.ssl_context is not None,
                       link_security=self.link_security or "insecure")
-        slot_saver = asyncio.create_task(self.slots.run())
-        publisher = asyncio.create_task(self.publisher.run()) if self.publisher is not None else None
-        remover = asyncio.create_task(self.remover.run())
-        learner = asyncio.create_task(self.learner.run()) if self.learner is not None else None
-        uploader = asyncio.create_task(self.uploader.run()) if self.uploader is not None else None
+        slot_saver = self._background(self.slots.run(), "slot saving")
+        publisher = self._background(self.publisher.run(), "publishing") if self.publisher is not None else None
+        remover = self._background(self.remover.run(), "WAL removal")
+        learner = self._background(self.learner.run(), "term learning") if self.learner is not None else None
+        uploader = self._background(self.uploader.run(), "archiving") if self.uploader is not None else None
         try:
             if self.readers is not None:
                 await self.readers.start()
@@ -331,6 +331,18 @@ class Safekeeper:
                 await self.uploader.close()
             self.storage.close()
             self.log.info("stopped")  # with the term and the flush acknowledged last (the log context)
+
+    def _background(self, coro: Any, what: str) -> asyncio.Task[None]:
+        """A task of the loop's that runs until the safekeeper stops: if it ever ends otherwise, say so."""
+        def ended(task: asyncio.Task[None]) -> None:
+            if task.cancelled():
+                return
+            e = task.exception()
+            self.log.critical(f"{what} stopped: a bug; restart the safekeeper", error=repr(e),
+                              exc_info=(type(e), e, e.__traceback__) if e is not None else None)
+        task = asyncio.create_task(coro)
+        task.add_done_callback(ended)
+        return task
 
     def _role_of(self, ident: tls.Identity | None) -> Role:
         """What a connection may do: a proposer under --insecure; otherwise what its certificate says."""

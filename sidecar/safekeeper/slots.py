@@ -95,6 +95,7 @@ class Slots:
         self.limits = limits
         self._slots: dict[str, Slot] = {}
         self._dirty = asyncio.Event()
+        self._saving = asyncio.Lock()  # saves write through one temporary file: one at a time
         self.on_change: Callable[[], None] = lambda: None  # a slot moved, came or went
         self._load()
 
@@ -128,9 +129,11 @@ class Slots:
         return json.dumps({"slots": slots}, indent=1).encode() + b"\n"
 
     async def save(self) -> None:
-        """Write every persistent slot durably, in a thread."""
-        self._dirty.clear()
-        await asyncio.to_thread(write_durably, self.path, self._doc())
+        """Write every persistent slot durably, in a thread; one save at a time (the slot saver, a slot's
+        creation and the remover's invalidation all save, through the same temporary file)."""
+        async with self._saving:
+            self._dirty.clear()
+            await asyncio.to_thread(write_durably, self.path, self._doc())
 
     async def create(self, name: str, temporary: bool, restart_lsn: int, timeline: int, reader: str = "",
                      owner: object | None = None) -> Slot:

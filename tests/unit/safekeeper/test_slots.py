@@ -30,6 +30,17 @@ def test_slots_are_saved_and_loaded(tmp_path: Path) -> None:
     assert doc["slots"][0] == {"name": "archive1", "restart_lsn": "0/1000000", "timeline": 1}
 
 
+def test_saves_at_the_same_time_both_succeed(tmp_path: Path) -> None:
+    """The slot saver, a slot's creation and the remover's invalidation save through one temporary file: two
+    saves at once once made one fail with FileNotFoundError, and killed the remover that made it."""
+    async def main() -> None:
+        s = Slots(tmp_path)
+        await s.create("archive1", False, 0x1000000, 1)
+        await asyncio.gather(*(s.save() for _ in range(20)))
+    run(main())
+    assert [x.name for x in Slots(tmp_path)] == ["archive1"]
+
+
 def test_create_and_drop_refusals(tmp_path: Path) -> None:
     async def main() -> None:
         s = Slots(tmp_path)
