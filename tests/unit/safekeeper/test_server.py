@@ -22,7 +22,7 @@ from sidecar.safekeeper.server import Safekeeper
 from sidecar.safekeeper.storage import NoWal, WalStorage
 from sidecar.safekeeper.walcheck import StartupError
 from sidecar.linkauth import client_security, dial, server_security
-from support.helpers import run
+from support.helpers import run, until
 from support.serving import serving, talking_to
 from support.pki import TestPKI
 from support.walbuilder import WalBuilder
@@ -263,13 +263,17 @@ def test_no_descriptor_for_a_connection_marks_nothing_in_doubt(
                         Elected(1, SEG, (TermEntry(1, SEG),)), Append(1, SEG, 0, 0, b.bytes())):
                 await send(msg)
             monkeypatch.setattr(socket.socket, "accept", no_descriptor_once)
+            # The accept thread is already inside the real accept(): one connection gets it out, and its
+            # next accept() is the one without a descriptor.
+            _, first = await framing.open_connection("127.0.0.1", sk.listening_port)  # type: ignore[arg-type]
+            await until(failed.is_set, "an accept() without a descriptor")
+            first.close()
             reader, writer = await framing.open_connection("127.0.0.1", sk.listening_port)  # type: ignore[arg-type]
             try:
                 framing.write(writer, codec.encode(Greeting(PROTOCOL_VERSION, "q", SYSID, 1, SEG, 15)))
                 assert isinstance(await asyncio.wait_for(reader.read_message(), 10), GreetingReply)
             finally:
                 writer.close()
-            assert failed.is_set()
             assert sk.fatal is None and sk.stopped is None, sk.stopped
             assert isinstance(sk.storage, WalStorage) and sk.storage.in_doubt() is None
 
