@@ -94,10 +94,28 @@ def test_a_new_safekeeper_replaces_a_dead_one_from_the_archive_and_its_peers(
     wait_for(gone, timeout=90, what=f"the primary to recycle {first} and the safekeepers to remove it")
     check = walsidecar("check", "--pg-dsn", d.pg.dsn(), "--safekeepers", ",".join(d.addresses), *d.tls("client"))
     assert "the primary keeps" in check.stdout and "bytes of WAL for the safekeepers" in check.stdout, check.stdout
+    # Audit I-1: the archived copy of what only the archive holds is damaged. Reading it again gives the
+    # same bytes, so catch-up must stop there and say so once, not retry for ever, while commits go on.
+    archived = next((test_dir / "archive").glob(f"*/*/wal/{first}"))
+    good = archived.read_bytes()
+    archived.write_bytes(b"\xff" * 8 + good[8:])  # no page header any more
     d.proposer.kill9()
     del d.members["safekeeper3"]
     d.add(SafekeeperMember(d, "safekeeper4", node_id=4, port=d.pick_port()))
     d.start("safekeeper4")  # not archiving: it keeps every byte it gets, for the comparison below
+    d.start_proposer(*proposer_args)
+    d.wait_sync()
+    stopped = "catch-up stopped: a segment in the archive fails the WAL checks"
+    wait_for(lambda: stopped in d.proposer.log_text(), timeout=60, what="the catch-up to stop at the damaged segment")
+    with d.sql() as c:
+        for i in range(200):
+            c.execute("INSERT INTO load VALUES (%s, 'while the archive is damaged')", (i,))
+    log = d.proposer.log_text()
+    assert log.count(stopped) == 1 and first in log, log[-3000:]
+    assert "catch-up failed; will retry" not in log
+    # The operator puts the good object back; the next connection catches up from it.
+    archived.write_bytes(good)
+    d.proposer.kill9()
     d.start_proposer(*proposer_args)
     d.wait_sync()
     with d.sql() as c:
