@@ -1,26 +1,34 @@
-"""The consensus port's places against a real `walsidecar safekeeper` process (audit M-1, E9): connections
-count from accept, silent ones cannot keep the proposer out or exhaust descriptors, and the descriptor
-limit is raised at start or the safekeeper refuses to start."""
+"""The consensus port's places against real `walsidecar safekeeper` processes (audit M-1, E9; audit-2 M-5,
+E21): connections count from accept, silent ones cannot keep the proposer out or exhaust descriptors, the
+descriptor limit is raised at start or the safekeeper refuses to start, and read-only clients cannot take
+the proposer's places."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import socket
+import ssl
 import sys
 from pathlib import Path
 
 import pytest
 
+from sidecar import tls
 from sidecar.consensus.messages import (
-    PROTOCOL_VERSION, Append, AppendReply, Elected, Greeting, GreetingReply, Message, TermEntry, VoteReply, VoteRequest,
+    PROTOCOL_VERSION, Append, AppendReply, Elected, Greeting, GreetingReply, InfoReply, InfoRequest, Message,
+    TermEntry, VoteReply, VoteRequest,
 )
 from sidecar.consensus import codec
 from sidecar.linkauth import LinkAuth, dial
+from sidecar.safekeeper.budget import MAX_CONNECTIONS
+from sidecar.safekeeper.server import IDLE_TIMEOUT
+from support.deployment import Deployment, start_commit
 from support.helpers import free_port, run, wait_for
 from support.pki import TestPKI
 from support.procs import ManagedProcess, ProcessTracker
 from support.walbuilder import WalBuilder
+from support.wire import read_frame
 
 SEG, SYSID = 1 << 20, 7300000000000000001
 SILENT = 128
@@ -42,6 +50,7 @@ def _descriptors(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+@pytest.mark.usefixtures("needs_prlimit")
 def test_silent_connections_neither_keep_the_proposer_out_nor_stop_the_safekeeper(
         procs: ProcessTracker, test_dir: Path, pki: TestPKI) -> None:
     # E9: a soft limit of 64, as a shell or container may give; the hard limit allows more.
@@ -99,6 +108,7 @@ def test_silent_connections_neither_keep_the_proposer_out_nor_stop_the_safekeepe
     assert not marker.exists() or not marker.read_bytes().strip(b"\0"), marker.read_bytes()
 
 
+@pytest.mark.usefixtures("needs_prlimit")
 def test_a_hard_descriptor_limit_below_the_connection_limits_refuses_to_start(
         procs: ProcessTracker, test_dir: Path, pki: TestPKI) -> None:
     sk, _ = start(procs, test_dir, pki, "64")
@@ -107,7 +117,81 @@ def test_a_hard_descriptor_limit_below_the_connection_limits_refuses_to_start(
     assert "file descriptor limit (RLIMIT_NOFILE) is 64" in sk.log_text(), sk.log_text()
 
 
-@pytest.fixture(autouse=True)
-def _needs_prlimit() -> None:
+@pytest.fixture
+def needs_prlimit() -> None:
     if not Path("/usr/bin/prlimit").exists():
         pytest.skip("util-linux prlimit is not installed")
+
+
+# ---- audit-2 M-5: read-only clients leave the proposer its places --------------------------------------
+
+
+def info_client(port: int, context: ssl.SSLContext) -> ssl.SSLSocket | None:
+    """A connection with the client certificate that got its InfoRequest answered; None if the safekeeper
+    refused or closed it instead."""
+    s = None
+    try:
+        s = context.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=30),
+                                server_hostname=tls.server_hostname("127.0.0.1"))
+        if answers(s):
+            return s
+    except OSError:  # ssl.SSLError included: refused during or right after the handshake
+        pass
+    if s is not None:
+        s.close()
+    return None
+
+
+def answers(s: ssl.SSLSocket) -> bool:
+    try:
+        s.sendall(codec.encode(InfoRequest()))
+        return isinstance(read_frame(s), InfoReply)
+    except OSError:
+        return False
+
+
+def proposer_closes(d: Deployment, i: int) -> int:
+    """How many times safekeeper i logged a proposer's connection ending."""
+    return sum(1 for line in d.log_path(f"safekeeper{i}").read_text().splitlines()
+               if "connection closed" in line and "role=proposer" in line)
+
+
+def test_client_certificates_holding_every_place_they_may_leave_the_proposer_its_own(
+        deployment: Deployment, pki: TestPKI) -> None:
+    d = deployment
+    client = tls.client_context(pki.certs("client"))
+    quorum = (1, 2)  # without these two, no commit is acknowledged
+    terms = {i: d.term(i) for i in quorum}
+    closes = {i: proposer_closes(d, i) for i in quorum}
+    # The sidecar restarts, as after a blip; its places on the safekeepers are free once they saw it go.
+    d.stop("proposer")
+    wait_for(lambda: all(proposer_closes(d, i) > closes[i] for i in quorum), timeout=30,
+             what="safekeepers 1 and 2 to see the proposer's connection end")
+    held: dict[int, list[ssl.SSLSocket]] = {i: [] for i in quorum}
+    turned_away = dict.fromkeys(quorum, 0)
+    try:
+        for i in quorum:
+            # A stolen client key takes every place the safekeeper lets it have, and tries for more.
+            for _ in range(MAX_CONNECTIONS + 8):
+                s = info_client(d.ports[i - 1], client)
+                if s is None:
+                    turned_away[i] += 1
+                else:
+                    held[i].append(s)
+        d.start("proposer")
+        _, result = start_commit(d.pg.dsn(), "INSERT INTO load VALUES (1, 'past the crowd')")
+        # Within IDLE_TIMEOUT of the clients' InfoRequests, so their places cannot have been freed by
+        # their idleness: only places kept for the proposer can let it in.
+        wait_for(lambda: result, timeout=IDLE_TIMEOUT - 15,
+                 what="a commit acknowledged while client certificates hold every place they may have")
+        still = {i: sum(answers(s) for s in held[i]) for i in quorum}
+    finally:
+        for i in quorum:
+            for s in held[i]:
+                s.close()
+    assert result.get("done"), result
+    for i in quorum:
+        assert d.term(i) > terms[i], f"safekeeper {i} voted in no new term"
+        assert held[i] and turned_away[i] > 0, (len(held[i]), turned_away[i])
+        assert still[i] == len(held[i]), f"safekeeper {i} closed {len(held[i]) - still[i]} clients' connections"
+        assert "connection limit for this role reached" in d.log_path(f"safekeeper{i}").read_text()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from support.helpers import data_files, free_port, wait_for
+from support.helpers import data_files, free_port, peak_rss, wait_for
 from support.procs import ManagedProcess, ProcessTracker
 from sidecar.consensus import codec, limits
 from sidecar.consensus.messages import (
@@ -234,16 +234,9 @@ def _info(port: int) -> bool:
         p.close()
 
 
-def _peak_rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
-
-
 def test_huge_frame_headers_and_idle_sockets_cost_little(target: Target) -> None:
     # DOS-2: 16 MiB announced in 5 bytes used to allocate 16 MiB on each of any number of sockets.
-    before, peak = data_files(target.data_dir), _peak_rss(target.proc.pid)
+    before, peak = data_files(target.data_dir), peak_rss(target.proc.pid)
     socks = [socket.create_connection(("127.0.0.1", target.port), timeout=30) for _ in range(200)]
     for s in socks:
         s.sendall(struct.pack(">IB", 16 << 20, ord("g")))
@@ -253,7 +246,7 @@ def test_huge_frame_headers_and_idle_sockets_cost_little(target: Target) -> None
                 assert s.recv(1) == b""
             except ConnectionResetError:
                 pass
-    assert _peak_rss(target.proc.pid) - peak < 64 << 20
+    assert peak_rss(target.proc.pid) - peak < 64 << 20
     # Idle connections count against the limit; the elected proposer holds one.
     idle, answered = [], 0
     while True:

@@ -1,29 +1,35 @@
 """What a reader may do on a safekeeper's reader port, against real safekeeper processes over real sockets
-(audit-2 M-4, L-2, L-3, M-6, L-5): the in-process tests are in tests/unit/safekeeper/test_pgserver.py.
+(audit-2 M-4, L-2, L-3, M-6, L-5, L-4): the in-process tests are in tests/unit/safekeeper/test_pgserver.py.
 
 Each test here fails on the code the audit reviewed (16afbeb): slots held WAL without bound and `check`
 said OK (M-4), any password reader read above the commit position with TERM and a wrong term was told the
 right one (L-2), a temporary slot's end removed whatever slot then had its name (L-3), the mock salt of an
-unknown name was shorter than a real one and changed at every restart (M-6), and no SCRAM-SHA-256-PLUS
-was offered, so libpq's channel_binding=require could not connect (L-5).
+unknown name was shorter than a real one and changed at every restart (M-6), no SCRAM-SHA-256-PLUS
+was offered, so libpq's channel_binding=require could not connect (L-5), and a reader that asked for a
+reply to every status message and read none was read on while the replies piled up in memory (L-4).
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import socket
 import ssl
 import struct
+import threading
 import types
 import urllib.request
+from pathlib import Path
 
 import psycopg
 import pytest
+from scramp import ScramClient
 
-from support.deployment import Deployment
-from support.helpers import free_port, wait_for, walsidecar
-from sidecar import pgwire
+from support.deployment import Deployment, Writer, commit_lsn_of
+from support.helpers import free_port, peak_rss, wait_for, walsidecar
+from sidecar import pgrepl, pgwire
+from sidecar.safekeeper.walsender import WAL_SENDER_TIMEOUT
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE as SEG, format_lsn, parse_lsn, parse_segment_file_name
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -237,3 +243,125 @@ def test_channel_binding_is_offered_over_tls_and_libpq_can_require_it(deployment
     # libpq insists on SCRAM-SHA-256-PLUS with channel_binding=require: a relay cannot pass it on.
     with replication(d, 1, channel_binding="require") as r:
         assert r.execute("IDENTIFY_SYSTEM").fetchone()[1] == 1
+
+
+# ---- L-4: a reader that asks for replies and never reads them is not read from ------------------------
+
+# What the safekeeper's peak resident memory may grow by while a reader floods it (16afbeb's grew by
+# more than the reader sent: a buffered reply for every status message read).
+MEMORY_BOUND = 24 << 20
+STATUS_REQUEST = pgwire.copy_data(pgrepl.encode_status(0, 0, 0, 0, reply_requested=True))
+REPLY_SIZE = len(pgwire.copy_data(pgrepl.encode_keepalive(0, 0)))
+CLIENT_RCVBUF = 4096
+
+
+def flood_bound() -> int:
+    """The most a reader that never reads can push into a safekeeper that stops reading once the replies it
+    owes do not drain: the reader's send buffer and the safekeeper's receive buffer at their largest
+    (tcp_wmem, tcp_rmem), and the requests whose replies fill the safekeeper's send buffer (tcp_wmem) and
+    the reader's small receive buffer; 8 MiB for the TLS records and the event loop's buffers."""
+    wmem = int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
+    rmem = int(Path("/proc/sys/net/ipv4/tcp_rmem").read_text().split()[2])
+    replied = (wmem + 2 * CLIENT_RCVBUF) // REPLY_SIZE * len(STATUS_REQUEST)
+    return wmem + rmem + replied + (8 << 20)
+
+
+def logged_in(d: Deployment, i: int) -> ssl.SSLSocket:
+    """A replication connection to safekeeper i's reader port over verified TLS, logged in with
+    SCRAM-SHA-256 by hand: a frontend that reads only when it chooses to, which libpq is not."""
+    user, password = d.reader_passfile.read_text().strip().split(":")[3:5]  # *:*:*:user:password
+    reader = d.members[f"safekeeper{i}"].reader_address  # type: ignore[attr-defined]
+    raw = socket.socket()
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, CLIENT_RCVBUF)  # before connect: the window it offers
+    raw.settimeout(30)
+    raw.connect((reader.host, reader.port))
+    raw.sendall(struct.pack(">II", 8, pgwire.SSL_REQUEST_CODE))
+    assert raw.recv(1) == b"S"
+    context = ssl.create_default_context(cafile=str(d.certs_dir("reader", "client") / "ca.crt"))
+    s = context.wrap_socket(raw, server_hostname=reader.host)
+    params = f"user\0{user}\0database\0replication\0replication\0true\0\0".encode()
+    s.sendall(struct.pack(">II", 8 + len(params), pgwire.PROTOCOL_3_0) + params)
+    kind, body = message(s)
+    assert kind == b"R" and body[:4] == struct.pack(">I", 10), (kind, body[:80])
+    scram = ScramClient(["SCRAM-SHA-256"], user, password)
+    first = scram.get_client_first().encode()
+    s.sendall(pgwire.message(b"p", b"SCRAM-SHA-256\0" + struct.pack(">I", len(first)) + first))
+    kind, body = message(s)
+    assert kind == b"R" and body[:4] == struct.pack(">I", 11), (kind, body[:80])
+    scram.set_server_first(body[4:].decode())
+    s.sendall(pgwire.message(b"p", scram.get_client_final().encode()))
+    kind, body = message(s)
+    assert kind == b"R" and body[:4] == struct.pack(">I", 12), (kind, body[:80])
+    scram.set_server_final(body[4:].decode())
+    while kind != b"Z":
+        kind, body = message(s)
+        assert kind != b"E", body
+    return s
+
+
+class StatusFlood(threading.Thread):
+    """Standby status messages asking for a reply, pushed as fast as the socket takes them until `limit`
+    bytes went out or the socket fails; nothing is ever read."""
+
+    def __init__(self, s: ssl.SSLSocket, limit: int) -> None:
+        super().__init__(daemon=True)
+        self.s, self.limit = s, limit
+        s.settimeout(None)  # a send the safekeeper does not take blocks until it does, or until stop()
+        self.pushed = 0
+        self.error: OSError | None = None
+
+    def run(self) -> None:
+        chunk = STATUS_REQUEST * 1000
+        try:
+            while self.pushed < self.limit:
+                self.s.sendall(chunk)
+                self.pushed += len(chunk)
+        except OSError as e:
+            self.error = e
+
+    def stop(self) -> None:
+        """Unblock a send the safekeeper does not take: shut the socket down under it."""
+        with socket.fromfd(self.s.fileno(), socket.AF_INET, socket.SOCK_STREAM) as dup:
+            with contextlib.suppress(OSError):
+                dup.shutdown(socket.SHUT_RDWR)
+        self.join(timeout=30)
+        assert not self.is_alive(), "the flood's send did not end with its socket shut down"
+        self.s.close()
+
+
+def test_a_reader_asking_for_replies_it_never_reads_is_not_read_from_and_commits_go_on(
+        deployment: Deployment) -> None:
+    d = deployment
+    pid = d.safekeepers[1].pid
+    limit = flood_bound()
+    s = logged_in(d, 1)
+    s.sendall(pgwire.message(b"Q", f"START_REPLICATION PHYSICAL {format_lsn(commit_position(d, 1))}\0".encode()))
+    kind, body = message(s)
+    assert kind == b"W", body  # CopyBothResponse: streaming
+    log = d.log_path("safekeeper1")
+    peak = peak_rss(pid)
+    writer = Writer(d.pg.dsn())
+    writer.start()
+    flood = StatusFlood(s, limit)
+    flood.start()
+    try:
+        # The safekeeper stops reading once the replies it owes do not drain, and ends the stream once
+        # they (or the WAL the writer's commits make it send) stayed untaken for WAL_SENDER_TIMEOUT;
+        # 16afbeb's read on meanwhile, as long as it was sent status messages.
+        wait_for(lambda: "stream ended" in log.read_text() or not flood.is_alive(), timeout=WAL_SENDER_TIMEOUT + 120,
+                 what="the safekeeper to end the stream, or the flood to end")
+        pushed, grown = flood.pushed, peak_rss(pid) - peak
+    finally:
+        flood.stop()
+        acked = writer.stop()
+    assert pushed < limit, \
+        f"the safekeeper read {pushed >> 20} MiB of status messages whose replies were never read ({flood.error!r})"
+    assert grown < MEMORY_BOUND, f"the safekeeper grew by {grown >> 20} MiB for a reader that reads nothing"
+    ended = [line for line in log.read_text().splitlines() if "stream ended" in line]
+    assert len(ended) == 1 and "the reader took no" in ended[0], ended
+    # Meanwhile the proposer's stream went on: commits acknowledged, and safekeeper 1 has them.
+    assert acked and writer.error is None, writer.error
+    with d.sql() as c:
+        end = commit_lsn_of(c, "INSERT INTO load VALUES (-1, 'after the flood')")
+    wait_for(lambda: commit_position(d, 1) >= end, timeout=60,
+             what="safekeeper 1's commit position to pass the commits made during the flood")

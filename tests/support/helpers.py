@@ -98,6 +98,14 @@ def walsidecar(*args: str, env: dict[str, str] | None = None, timeout: float = 6
                           stdin=subprocess.DEVNULL, env=full)
 
 
+def peak_rss(pid: int) -> int:
+    """The most resident memory process `pid` has had so far (VmHWM), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for {pid}")
+
+
 def data_files(data_dir: Path) -> dict[str, bytes]:
     """Every file of a safekeeper's data directory (control file, segments), byte for byte, by relative path.
 
