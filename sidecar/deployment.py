@@ -782,8 +782,8 @@ class LocalDeployment:
             self.wait_streaming(timeout)
 
     def _wait_terms_learned(self, timeout: float) -> None:
-        """Until every running safekeeper has a control file: an empty one first learns its term from
-        its peers (safekeeper/amnesia.py), so the proposer then finds them all ready to vote."""
+        """Until every running safekeeper has a control file: a founding one has it from its creation, an empty
+        one (a lost disk) once it learned its term from its peers (safekeeper/amnesia.py)."""
         from sidecar.safekeeper.control import control_path
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not all(

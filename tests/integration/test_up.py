@@ -346,9 +346,14 @@ def test_a_wiped_safekeeper_under_up_grants_no_term_until_its_wal_holds_a_later_
     assert isinstance(peer.ask(greeting), GreetingReply)
     peer.refused(VoteRequest(1), "empty data directory")  # term 1: it granted it when `up` began
     assert rows(up.status())[2]["state"] == "lost disk: learning its term"
+    check = walsidecar("check", "--config", str(up.config))
+    assert check.returncode == 1 and "an empty data directory (a lost disk) that has not learned its term" \
+        in check.stdout, check.stdout
     assert up.ctl("start", "safekeeper3").returncode == 0
     wait_for(lambda: "learned the term from the peers" in log.read_text(), timeout=60,
              what="the wiped safekeeper to learn its term from both peers")
+    own = rows(up.status())[2]["own"]
+    assert own["amnesic"] is False and own["lost_disk_term"] >= term and own["members"] == 3, own
     peer = Peer(port)
     assert isinstance(peer.ask(greeting), GreetingReply)
     for old in (1, term):

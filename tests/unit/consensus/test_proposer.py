@@ -142,6 +142,16 @@ def test_a_vote_withheld_by_a_lost_disk_is_logged_not_counted_and_the_peer_joins
     assert of(p.peer_message("a", ElectedReply(1, BOOT)), proposer_mod.PeerJoined)
 
 
+def test_a_lost_disk_reconnecting_while_streaming_withholds_its_vote_and_is_sent_elected() -> None:
+    p, _ = streaming()
+    p.peer_disconnected("c")
+    out = p.peer_connected("c") + p.peer_message("c", GreetingReply(ord("c"), 0))
+    assert [s.message for s in sends(out, VoteRequest)] == [VoteRequest(1)]
+    out = p.peer_message("c", VoteReply(1, False, 0, (), (), lost_disk_term=1))
+    assert of(out, proposer_mod.VoteWithheld) and [s.peer for s in sends(out, Elected)] == ["c"]
+    assert p.phase is Phase.STREAMING and p.term == 1
+
+
 def test_higher_term_vote_reply_restarts_the_campaign_above_it() -> None:
     p = Proposer(config())
     greet(p, {"a": 0, "b": 0, "c": 0})
