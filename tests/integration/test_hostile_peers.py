@@ -49,7 +49,7 @@ def raw_vote(term: int) -> bytes:
 
 
 def raw_elected(term: int, start: int, history: list[tuple[int, int]]) -> bytes:
-    # term, start, timeline 1, the term history, an empty timeline history, then no fence (protocol version 3)
+    # term, start, timeline 1, the term history, an empty timeline history, then no fence (as since protocol version 3)
     return frame("e", struct.pack(">QQII", term, start, 1, len(history))
                  + b"".join(struct.pack(">QQ", *e) for e in history) + struct.pack(">I", 0)
                  + struct.pack(">QIQ", 0, 0, 0))
