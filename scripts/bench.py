@@ -350,6 +350,9 @@ class FloorSafekeeper(SafekeeperMember):
         exe = floor_binary(self.d.base.parent)  # Setup's base is in the run's scratch directory
         return [str(exe), "--id", str(self.node_id), "--listen", self.address, "--data-dir", str(self.data_dir)]
 
+    def create_once(self) -> None:
+        """Nothing: the stand-in keeps no control file, and remembers no term across a restart anyway."""
+
 
 class Setup:
     """A primary copied from the template plus the configuration's receivers, as a LocalDeployment."""

@@ -37,7 +37,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define PROTOCOL_VERSION 3
+#define PROTOCOL_VERSION 4
 #define FENCE 20 /* a TimelineFence (term, timeline, lsn) after the histories of VoteReply and Elected */
 #define MAX_FRAME (16u * 1024 * 1024 + 1024)
 #define RECV_BUF (2 * (size_t)MAX_FRAME + 64)
@@ -283,7 +283,8 @@ static void on_term(int sig) {
 /* ---- messages: 0 handled, -1 close the connection */
 
 static int on_greeting(const unsigned char *b, size_t n) {
-    if (n < 26 || be32(b) != PROTOCOL_VERSION || n != 26 + ((size_t)b[24] << 8 | b[25]))
+    /* version, system id, timeline, segment size, major version, members (u16), then the proposer id */
+    if (n < 28 || be32(b) != PROTOCOL_VERSION || n != 28 + ((size_t)b[26] << 8 | b[27]))
         return -1;
     uint64_t sys = be64(b + 4);
     uint32_t tli = be32(b + 12), seg = be32(b + 16);
@@ -314,7 +315,7 @@ static int on_vote(const unsigned char *b, size_t n) {
     uint32_t count = 0;
     while (count < nhist && hist_start[count] <= flush_lsn)
         count++;
-    unsigned char *p = frame('V', 37 + 16 * (size_t)count + 4 + FENCE);
+    unsigned char *p = frame('V', 37 + 16 * (size_t)count + 4 + FENCE + 8);
     if (p == NULL)
         return -1;
     p = put64(p, term);
@@ -327,7 +328,7 @@ static int on_vote(const unsigned char *b, size_t n) {
     for (uint32_t i = 0; i < count; i++)
         p = put64(put64(p, hist_term[i]), hist_start[i]);
     p = put32(p, 0); /* no timeline switches */
-    memset(p, 0, FENCE); /* no failover fence: this stand-in never takes part in a failover */
+    memset(p, 0, FENCE + 8); /* no failover fence (this stand-in never takes part in a failover), no lost disk */
     return 0;
 }
 

@@ -11,7 +11,7 @@ import click
 from sidecar import __version__
 from sidecar.address import parse_address, parse_listen
 from sidecar.config import (CtlSettings, FollowLeaderSettings, ReaderSlotSettings, ReadersSettings,
-                            SafekeeperSettings, StartSettings, UpSettings, configured)
+                            SafekeeperInitSettings, SafekeeperSettings, StartSettings, UpSettings, configured)
 from sidecar.logs import get_logger
 
 
@@ -90,6 +90,25 @@ def safekeeper(s: SafekeeperSettings) -> None:
         raise click.ClickException(str(e)) from e
     if sk.fatal is not None:
         sys.exit(1)
+
+
+@main.command("safekeeper-init")
+@configured(SafekeeperInitSettings)
+def safekeeper_init(s: SafekeeperInitSettings) -> None:
+    """Create a safekeeper's data directory in a new cluster: once, when the cluster is made, never on a restart.
+
+    Afterwards a data directory without its control file is a lost disk, which learns its term from its --peers
+    before it votes.
+    """
+    from sidecar.safekeeper.control import ControlFileError
+    from sidecar.safekeeper.create import CreateError, create_data_dir
+
+    try:
+        create_data_dir(s.id, s.data_dir, s.members)
+    except (CreateError, ControlFileError, OSError) as e:
+        raise click.ClickException(str(e)) from e
+    get_logger(node=s.id).info("safekeeper created in a new cluster", data_dir=str(s.data_dir), members=s.members,
+                               term=0)
 
 
 def _publisher(s: SafekeeperSettings, sk: Any) -> Any:

@@ -288,14 +288,28 @@ class SafekeeperBrokerSettings(BrokerSettings):
         return self
 
 
-class SafekeeperSettings(ArchiveSettings, SafekeeperBrokerSettings, TlsSettings):
+class SafekeeperDataSettings(Settings):
+    """Which safekeeper, and where it keeps its state."""
+
+    id: int = Field(ge=1, description="This safekeeper's id (stable, unique, 1 or more).")
+    data_dir: Path = Field(description="Where the control file and WAL segments live.")
+
+
+class SafekeeperInitSettings(SafekeeperDataSettings):
+    """walsidecar safekeeper-init: create a safekeeper's data directory as a member of a new cluster."""
+
+    command: ClassVar[str] = "safekeeper-init"
+    members: int = Field(ge=1, le=1000, description="How many safekeepers the new cluster has (the proposer's "
+                                                   "--safekeepers): a safekeeper that later loses its disk learns "
+                                                   "its term from N-Q+1 of them before it votes.")
+
+
+class SafekeeperSettings(SafekeeperDataSettings, ArchiveSettings, SafekeeperBrokerSettings, TlsSettings):
     """walsidecar safekeeper: store WAL durably and vote in proposer elections."""
 
     command: ClassVar[str] = "safekeeper"
     cert_role: ClassVar[str] = "safekeeper"
-    id: int = Field(ge=1, description="This safekeeper's id (stable, unique, 1 or more).")
     listen: PeerAddress = Field("127.0.0.1:7601", description="HOST:PORT to accept proposers on.")
-    data_dir: Path = Field(description="Where the control file and WAL segments live.")
     metrics: Metrics = None
     pg_listen: Endpoint = Field(None, description="HOST:PORT to serve WAL to readers on (pg_receivewal, standbys, "
                                                   "restore-wal) over PostgreSQL's replication protocol; off when not "
@@ -318,10 +332,12 @@ class SafekeeperSettings(ArchiveSettings, SafekeeperBrokerSettings, TlsSettings)
                                                                     "of all readers together.")
     max_slots_per_reader: int = Field(10, ge=1, le=10_000, description="Reader slots one reader name (of "
                                                                        "--pg-auth-file) may create.")
-    peers: Safekeepers = Field((), description="The other safekeepers' --listen addresses (HOST:PORT,...). When "
-                                             "the data directory is empty (new, or a lost disk), it votes only "
-                                             "after N-Q+1 of them told their term, so it cannot vote twice in a "
-                                             "term it forgot. Without it, an empty safekeeper votes at once.")
+    peers: Safekeepers = Field((), description="The other safekeepers' --listen addresses (HOST:PORT,...), every "
+                                             "one of them. When the data directory is empty (a lost disk: a new "
+                                             "cluster's are created by `safekeeper-init`), it votes only after "
+                                             "N-Q+1 of them that did not lose theirs told their term, so it cannot "
+                                             "vote twice in a term it forgot. Without it, an empty safekeeper never "
+                                             "votes.")
     max_disk_usage: DiskLimitText = Field(None, description="Stop taking new WAL while this safekeeper's WAL files "
                                                             "take more than SIZE, or its filesystem is more than PCT% "
                                                             "full; commits go on with the other safekeepers, and it "

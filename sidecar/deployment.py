@@ -25,6 +25,7 @@ import psycopg
 
 from sidecar.address import Address
 from sidecar.certs import ensure_node
+from sidecar.durable import write_durably
 from sidecar.pgcluster import LocalCluster
 from sidecar.processes import Child, read_log, sidecar_argv, tail, tls_args, walsidecar_argv
 
@@ -550,11 +551,36 @@ class SafekeeperMember(SidecarMember):
     def __init__(self, d: LocalDeployment, name: str, **kwargs: Any) -> None:
         super().__init__(d, name, **kwargs)
         self.reader_port = d.pick_port() if d.reader_auth is not None else None
+        # One of the safekeepers the cluster is made with (created at its first start); one added later
+        # joins an existing cluster as a lost disk does: empty, learning its term from its peers.
+        self.founding = False
 
     @property
     def reader_address(self) -> Address | None:
         """HOST:PORT of its reader port (--pg-listen), None when the deployment has no readers."""
         return Address(self.place.address, self.reader_port) if self.reader_port is not None else None
+
+    @property
+    def created_marker(self) -> Path:
+        """Beside the data directory, not in it: says the safekeeper was created, so that a wiped directory
+        is known for a lost disk and never created again."""
+        return self.d.base / f"{self.name}.created"
+
+    def start(self, *extra: str) -> Child:
+        self.create_once()
+        return super().start(*extra)
+
+    def create_once(self) -> None:
+        """`walsidecar safekeeper-init` of a founding safekeeper, the first time it starts in this deployment."""
+        from sidecar.safekeeper.control import control_path
+        from sidecar.safekeeper.create import create_data_dir
+        if not self.founding or self.created_marker.exists():
+            return
+        if not control_path(self.data_dir).exists():  # made before the marker was (an older walsidecar): keep it
+            assert self.node_id is not None
+            create_data_dir(self.node_id, self.data_dir, len(self.d.addresses))
+        write_durably(self.created_marker, b"")
+        self.d.note("created", process=self.name, members=len(self.d.addresses))
 
     def args(self) -> list[str]:
         readers = [] if self.reader_port is None or self.d.reader_auth is None else \
@@ -613,7 +639,7 @@ class LocalDeployment:
                  extra: Mapping[str, Sequence[str]] | None = None, spawn: Spawn = start_child,
                  pick_port: Callable[[], int] = free_port, log: Any = None,
                  safekeeper_kind: Callable[..., Member] = SafekeeperMember,
-                 proposer_kind: Callable[..., Member] = ProposerMember, readers: bool = True, peers: bool = False) -> None:
+                 proposer_kind: Callable[..., Member] = ProposerMember, readers: bool = True, peers: bool = True) -> None:
         self.base = Path(base).absolute()
         self.peers = peers  # each safekeeper gets the others as --peers (an empty one learns its term first)
         self.pick_port = pick_port
@@ -636,8 +662,10 @@ class LocalDeployment:
         self.add(Primary(server))
         for i in range(1, safekeepers + 1):
             name = f"safekeeper{i}"
-            self.add(safekeeper_kind(self, name, node_id=i, place=places.get(name),
-                                     port=sk_ports[i - 1] if sk_ports is not None else pick_port()))
+            member = self.add(safekeeper_kind(self, name, node_id=i, place=places.get(name),
+                                              port=sk_ports[i - 1] if sk_ports is not None else pick_port()))
+            if isinstance(member, SafekeeperMember):
+                member.founding = True
         if proposer and safekeepers:
             self.add(proposer_kind(self, "proposer"))
 
@@ -754,8 +782,8 @@ class LocalDeployment:
             self.wait_streaming(timeout)
 
     def _wait_terms_learned(self, timeout: float) -> None:
-        """Until every running safekeeper has a control file: an empty one first learns its term from
-        its peers (safekeeper/amnesia.py), so the proposer then finds them all ready to vote."""
+        """Until every running safekeeper has a control file: a founding one has it from its creation, an empty
+        one (a lost disk) once it learned its term from its peers (safekeeper/amnesia.py)."""
         from sidecar.safekeeper.control import control_path
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not all(

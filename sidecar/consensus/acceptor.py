@@ -15,9 +15,10 @@ from sidecar.consensus import history as hist
 from sidecar.consensus import limits, lineage
 from sidecar.consensus.messages import (
     PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply,
-    InfoReply, Message, VoteReply, VoteRequest,
+    InfoReply, Message, TermHistory, VoteReply, VoteRequest,
 )
 from sidecar.timelines import TimelineHistory
+from sidecar.consensus.quorum import peers_to_learn_from
 from sidecar.consensus.state import AcceptorState
 from sidecar.lsn import format_lsn
 
@@ -68,6 +69,16 @@ AcceptorAction = Persist | Truncate | AdoptTimeline | Write | Reply
 
 
 @dataclass(frozen=True)
+class PeerTerm:
+    """A peer's answer to an amnesic safekeeper (its InfoReply): its term, the cluster's size as it knows it,
+    and whether it lost its disk too (then its term is no knowledge, and it does not count)."""
+
+    term: int
+    members: int = 0
+    amnesic: bool = False
+
+
+@dataclass(frozen=True)
 class RecordEnd:
     """What a scan of the stored WAL found: end of the last complete record and its fingerprint."""
 
@@ -88,12 +99,17 @@ class Acceptor:
     """
 
     def __init__(self, node_id: int, state: AcceptorState, write_lsn: int,
-                 min_seg_size: int = limits.MIN_SEG_SIZE, amnesic_peers: int = 0) -> None:
+                 min_seg_size: int = limits.MIN_SEG_SIZE, amnesic: bool = False, listed_members: int = 0) -> None:
         self.node_id = node_id
         self.state = state
-        # An empty data directory forgot which terms it promised: until the terms of this many
-        # peers are learned (on_peer_terms) it refuses greetings, votes and Elected.
-        self.amnesic_peers = amnesic_peers
+        # An empty data directory (a lost disk: a new cluster's safekeepers are created with a control file)
+        # forgot which terms it promised: until it learned its term from enough peers (on_peer_terms) it takes
+        # nothing from greetings and refuses votes and Elected.
+        self.amnesic = amnesic
+        # Sizes of the cluster as told, besides the persisted one: len(--peers) + 1 (0 without --peers), and the
+        # largest a greeting or a peer told while amnesic. The largest of them counts (members).
+        self.listed_members = listed_members
+        self.told_members = 0
         self.write_lsn = write_lsn  # end of WAL handed to storage
         self.flush_lsn = write_lsn  # end of WAL storage has fsynced
         self.elected_term = 0  # the term whose Elected this process has applied
@@ -132,38 +148,61 @@ class Acceptor:
         return InfoReply(self.node_id, s.system_id, s.wal_seg_size, s.pg_version, s.timeline, s.term, last_log_term,
                          self.flush_lsn, s.commit_lsn, proposer_connected=self.owner is not None,
                          reader_port=self.reader_port, backup_lsn=s.backup_lsn,
-                         archive_mismatch=self.archive_mismatch, fence=s.fence)
+                         archive_mismatch=self.archive_mismatch, fence=s.fence, members=self.members,
+                         amnesic=self.amnesic, lost_disk_term=self.recovering_from)
 
     @property
-    def amnesic(self) -> bool:
-        """True while this acceptor, opened on an empty data directory, has not learned its term."""
-        return self.amnesic_peers > 0
+    def members(self) -> int:
+        """The cluster's number of safekeepers, the largest this acceptor was told (0: unknown)."""
+        return max(self.state.members, self.listed_members, self.told_members)
+
+    @property
+    def amnesic_peers(self) -> int:
+        """How many peers that did not lose their disk must tell their term before this one votes (0: not amnesic).
+
+        N-Q+1 of the N members: any term this safekeeper granted was granted by a quorum holding Q-1 of the
+        others, and any N-Q+1 of the N-1 others include one of them. At least one, with N unknown."""
+        return max(peers_to_learn_from(self.members), 1) if self.amnesic else 0
+
+    @property
+    def recovering_from(self) -> int:
+        """The term learned after a lost disk while the WAL holds no start of a later term (0: none)."""
+        t = self.state.lost_disk_term
+        return t if t and not holds_term_after(self.state.term_history, t, self.flush_lsn) else 0
 
     def amnesia_reason(self) -> str:
-        return (f"safekeeper {self.node_id} started on an empty data directory and has forgotten which terms "
-                f"it promised: it votes only after learning the term of {self.amnesic_peers} of its peers "
-                "(see its log for whom it waits for)")
+        return (f"safekeeper {self.node_id} started on an empty data directory (a lost disk) and has forgotten "
+                f"which terms it promised: it votes only after learning the term of {self.amnesic_peers} of its "
+                f"{max(self.members - 1, 1)} peers that did not lose their disk (see its log for whom it waits for)")
 
-    def on_peer_terms(self, terms: Mapping[int, int]) -> list[AcceptorAction]:
-        """The terms peers answered (node id -> term): with enough distinct peers, adopt and persist the highest.
+    def on_peer_terms(self, answers: Mapping[int, PeerTerm]) -> list[AcceptorAction]:
+        """What peers answered (node id -> PeerTerm): with enough of them, adopt and persist the highest term.
 
-        An answer from an amnesic peer is its term too (0 if it learned nothing yet): under one lost
-        disk at a time, every quorum this acceptor voted in still holds one peer that remembers.
+        Only a peer that did not lose its disk knows its term: an amnesic one's answer does not count (two lost
+        disks at once: this one waits until the other has learned). The cluster's size each tells counts.
+        The learned term is kept as `lost_disk_term`: no vote until the WAL holds the start of a later term.
         """
         if not self.amnesic:
             return []
-        heard = {node: term for node, term in terms.items() if node != self.node_id}
-        for term in heard.values():
-            _check(limits.check_term, term, "a peer's term")
-        if len(heard) < self.amnesic_peers:
+        heard = {node: a for node, a in answers.items() if node != self.node_id}
+        for a in heard.values():
+            _check(limits.check_term, a.term, "a peer's term")
+            _check(limits.check_members, a.members, "a peer's member count")
+        self.told_members = max(self.told_members, *(a.members for a in heard.values()), 0)
+        knowing = [a.term for a in heard.values() if not a.amnesic]
+        if len(knowing) < self.amnesic_peers:
             return []
-        self.amnesic_peers = 0
-        self.state = replace(self.state, term=max(self.state.term, *heard.values()))
+        self.amnesic = False
+        learned = max(self.state.term, *knowing)
+        self.state = replace(self.state, term=learned, members=self.members, lost_disk_term=learned)
         return [Persist(self.state)]
 
     def on_greeting(self, msg: Greeting) -> list[AcceptorAction]:
         if self.amnesic:  # answered, not refused (a proposer takes refused greetings for another cluster),
-            # but nothing persisted: a control file would end the amnesia at a restart; the vote is refused
+            # but nothing persisted: a control file would end the amnesia at a restart; the vote is refused.
+            # The proposer's number of safekeepers is the cluster's: it tells how many peers must answer.
+            if msg.protocol_version == PROTOCOL_VERSION and 0 <= msg.members <= limits.MAX_MEMBERS:
+                self.told_members = max(self.told_members, msg.members)
             return [Reply(GreetingReply(self.node_id, self.state.term, self.reader_port))]
         if msg.protocol_version != PROTOCOL_VERSION:
             raise AcceptorError(
@@ -171,12 +210,15 @@ class Acceptor:
                 "run the same walsidecar release on the proposer and every safekeeper")
         try:
             limits.check_identity(msg.system_id, msg.timeline, msg.wal_seg_size, msg.pg_version, self.min_seg_size)
+            limits.check_members(msg.members)
         except limits.LimitError as e:
             raise AcceptorError(f"Greeting refused: {e}") from None
         s = self.state
+        # The proposer's --safekeepers is the cluster's membership: kept for the day a peer loses its disk.
+        members = msg.members or s.members
         if s.system_id == 0:
             self.state = replace(s, system_id=msg.system_id, wal_seg_size=msg.wal_seg_size,
-                                 pg_version=msg.pg_version, timeline=msg.timeline)
+                                 pg_version=msg.pg_version, timeline=msg.timeline, members=members)
             return [Persist(self.state), Reply(GreetingReply(self.node_id, self.state.term, self.reader_port))]
         for name, mine, theirs in (("system id", s.system_id, msg.system_id),
                                    ("WAL segment size", s.wal_seg_size, msg.wal_seg_size),
@@ -185,6 +227,9 @@ class Acceptor:
                 raise AcceptorError(
                     f"{name} {theirs} of the proposer's primary differs from this safekeeper's {mine}: "
                     "it belongs to another cluster")
+        if members != s.members:
+            self.state = replace(s, members=members)
+            return [Persist(self.state), Reply(GreetingReply(self.node_id, s.term, self.reader_port))]
         return [Reply(GreetingReply(self.node_id, s.term, self.reader_port))]
 
     def on_vote(self, msg: VoteRequest, end: RecordEnd) -> list[AcceptorAction]:
@@ -196,7 +241,18 @@ class Acceptor:
             raise AcceptorError("this safekeeper learned its term after the greeting: greet it again")
         actions: list[AcceptorAction] = []
         granted = msg.term > self.state.term
-        if granted:
+        withheld = 0
+        if granted and self.state.lost_disk_term:
+            if holds_term_after(self.state.term_history, self.state.lost_disk_term, end.flush_lsn):
+                # That later term's proposer recovered every commit from a quorum that did not count this
+                # safekeeper, and this WAL holds its start: nothing acknowledged before the loss is missing.
+                self.state = replace(self.state, lost_disk_term=0)
+            else:
+                # It may lack a commit it acknowledged before its disk was lost: a quorum counting it could
+                # miss that commit. The term is promised all the same (nothing lower is taken from now on),
+                # so that its proposer, elected by others, can send Elected and catch it up.
+                granted, withheld = False, self.state.lost_disk_term
+        if granted or withheld:
             self.state = replace(self.state, term=msg.term)
             actions.append(Persist(self.state))
         term = max(msg.term, self.state.term)
@@ -204,7 +260,8 @@ class Acceptor:
             term=term, granted=granted, flush_lsn=end.flush_lsn,
             term_history=hist.up_to(self.state.term_history, end.flush_lsn),
             timeline_history=self.state.timeline_history,
-            tail_lsn=end.tail_lsn, tail_crc=end.tail_crc, timeline=self.state.timeline, fence=self.state.fence)))
+            tail_lsn=end.tail_lsn, tail_crc=end.tail_crc, timeline=self.state.timeline, fence=self.state.fence,
+            lost_disk_term=withheld)))
         return actions
 
     def on_elected(self, msg: Elected, end: RecordEnd, owner: object = None) -> list[AcceptorAction]:
@@ -321,12 +378,18 @@ class Acceptor:
             return []
         # Positional construction: replace() costs several times more, and this runs per Append.
         self.state = AcceptorState(s.system_id, s.wal_seg_size, s.pg_version, s.timeline, s.term,
-                                   s.term_history, s.timeline_history, commit, s.backup_lsn, horizon, s.fence)
+                                   s.term_history, s.timeline_history, commit, s.backup_lsn, horizon, s.fence,
+                                   s.members, s.lost_disk_term)
         # commit_lsn is a hint: persist it lazily, once per segment of progress.
         if commit - self._persisted_commit >= max(s.wal_seg_size, 1):
             self._persisted_commit = commit
             return [Persist(self.state)]
         return []
+
+
+def holds_term_after(history: TermHistory, term: int, flush_lsn: int) -> bool:
+    """True if WAL ending at `flush_lsn` holds the start of a term above `term` (its history says where)."""
+    return any(e.term > term and e.start_lsn <= flush_lsn for e in history)
 
 
 def cuts_committed(point: int, commit_lsn: int, flush_lsn: int) -> bool:

@@ -105,8 +105,8 @@ _TERM_ENTRY = Struct(">QQ")
 _TIMELINE_ENTRY = Struct(">IQ")
 
 # Bodies. Fixed prefixes end with the count or length of what follows, so one unpack reads it.
-# protocol_version, system_id, timeline, wal_seg_size, pg_version, len(proposer_id)
-_GREETING = Struct(">IQIIIH")
+# protocol_version, system_id, timeline, wal_seg_size, pg_version, members, len(proposer_id)
+_GREETING = Struct(">IQIIIHH")
 _GREETING_REPLY = Struct(">QQH")  # node_id, term, reader_port
 _VOTE_REQUEST = Struct(">Q")  # term
 # term, granted, flush_lsn, tail_lsn, tail_crc, timeline, len(term_history); then the term and timeline histories
@@ -115,14 +115,16 @@ _VOTE_REPLY = Struct(">QBQQIII")
 _ELECTED = Struct(">QQII")
 _ELECTED_REPLY = Struct(">QQ")  # term, flush_lsn
 _FENCE = Struct(">QIQ")  # a TimelineFence (term, timeline, lsn), after the histories of VoteReply and Elected
+_LOST_DISK_TERM = Struct(">Q")  # VoteReply's, after its fence
 _APPEND = Struct(">QQQQ")  # term, begin_lsn, commit_lsn, peer_horizon_lsn; data follows
 _APPEND_REPLY = Struct(">QQQ")  # term, flush_lsn, commit_lsn
 _REFUSAL = Struct(">H")  # len(reason)
 # node_id, system_id, wal_seg_size, pg_version, timeline, term, last_log_term, flush_lsn,
-# commit_lsn, proposer_connected, reader_port, backup_lsn
-_INFO_REPLY = Struct(">QQIIIQQQQBHQ")
-# Protocol version 1's InfoReply (no reader port, no backup_lsn): a client is told the safekeeper is older than it.
-_INFO_REPLY_V1_SIZE = _INFO_REPLY.size - 10
+# commit_lsn, proposer_connected, reader_port, backup_lsn, members, amnesic, lost_disk_term
+_INFO_REPLY = Struct(">QQIIIQQQQBHQHBQ")
+# InfoReply of protocol version 1 (no reader port, no backup_lsn) and of versions 2 and 3 without a report (no
+# members, amnesic, lost_disk_term): a client is told the safekeeper is older than it.
+_INFO_REPLY_OLDER_SIZES = {Struct(">QQIIIQQQQB").size: 1, Struct(">QQIIIQQQQBHQ").size: 3}
 # Then a report, only when there is something in it (so the reply is unchanged on the wire while there is
 # none): slot_wal_limit, len(slots); per slot its WAL held, invalidated, then its name as a u16-length
 # string; then the archived object it found not to be its WAL, a u16-length string ("": none).
@@ -144,7 +146,7 @@ _MAX_APPEND_DATA = MAX_FRAME - 1 - _APPEND.size
 # The longest frame a safekeeper sends: a VoteReply with both histories at their limit (an Elected,
 # which the proposer sends, is as long).
 REPLY_MAX_FRAME = (1 + _VOTE_REPLY.size + limits.MAX_HISTORY * _TERM_ENTRY.size + _U32.size
-                   + limits.MAX_HISTORY * _TIMELINE_ENTRY.size + _FENCE.size)
+                   + limits.MAX_HISTORY * _TIMELINE_ENTRY.size + _FENCE.size + _LOST_DISK_TERM.size)
 
 
 class ProtocolError(Exception):
@@ -177,6 +179,11 @@ def _check_vote_reply(m: VoteReply) -> None:
     limits.check_timeline(m.timeline, m.timeline_history if m.timeline else ())
     limits.check_timeline_history(m.timeline_history)
     limits.check_fence(m.fence, limits.MAX_TERM)  # a voter may hold a fence above the term it reports
+    limits.check_term(m.lost_disk_term, "lost disk term")
+
+
+def _check_greeting(m: Greeting) -> None:
+    limits.check_members(m.members)
 
 
 def _check_elected(m: Elected) -> None:
@@ -229,6 +236,8 @@ def _check_info_reply(m: InfoReply) -> None:
         limits.check_lsn(slot.wal_bytes, "slot WAL held")
     limits.check_object_name(m.archive_mismatch)
     limits.check_fence(m.fence, limits.MAX_TERM)
+    limits.check_members(m.members)
+    limits.check_term(m.lost_disk_term, "lost disk term")
 
 
 def _check_auth_challenge(m: AuthChallenge) -> None:
@@ -252,6 +261,7 @@ def _check_auth_confirm(m: AuthConfirm) -> None:
 
 
 _BOUNDS: MappingProxyType[type, Callable[[Any], None]] = MappingProxyType({
+    Greeting: _check_greeting,
     GreetingReply: _check_greeting_reply,
     VoteRequest: _check_term,
     VoteReply: _check_vote_reply,
@@ -311,8 +321,10 @@ def _framed(tag: int, body: bytes) -> bytes:
 
 
 def _encode_greeting(m: Greeting) -> bytes:
+    _check_greeting(m)
     pid = _utf8(m.proposer_id, "proposer_id")
-    head = _GREETING.pack(m.protocol_version, m.system_id, m.timeline, m.wal_seg_size, m.pg_version, len(pid))
+    head = _GREETING.pack(m.protocol_version, m.system_id, m.timeline, m.wal_seg_size, m.pg_version, m.members,
+                          len(pid))
     return _framed(TAG_GREETING, head + pid)
 
 
@@ -333,7 +345,7 @@ def _encode_vote_reply(m: VoteReply) -> bytes:
         m.term, 1 if m.granted else 0, m.flush_lsn, m.tail_lsn, m.tail_crc, m.timeline, len(m.term_history)
     )
     body = (head + _term_entries_bytes(m.term_history) + _timeline_history_bytes(m.timeline_history)
-            + _fence_bytes(m.fence))
+            + _fence_bytes(m.fence) + _LOST_DISK_TERM.pack(m.lost_disk_term))
     return _framed(TAG_VOTE_REPLY, body)
 
 
@@ -375,7 +387,7 @@ def _encode_info_reply(m: InfoReply) -> bytes:
     _check_info_reply(m)
     body = _INFO_REPLY.pack(m.node_id, m.system_id, m.wal_seg_size, m.pg_version, m.timeline, m.term,
                             m.last_log_term, m.flush_lsn, m.commit_lsn, 1 if m.proposer_connected else 0,
-                            m.reader_port, m.backup_lsn)
+                            m.reader_port, m.backup_lsn, m.members, 1 if m.amnesic else 0, m.lost_disk_term)
     if m.slot_wal_limit or m.slots or m.archive_mismatch or m.fence != NO_FENCE:  # without them, the shortest body
         body += _INFO_SLOTS.pack(m.slot_wal_limit, len(m.slots)) + b"".join(
             _INFO_SLOT.pack(h.wal_bytes, 1 if h.invalidated else 0) + _blob(_utf8(h.name, "slot name"))
@@ -533,9 +545,11 @@ def _decode_greeting(body: Body) -> Greeting:
         # the version so it can refuse the proposer by name instead of as garbage.
         return Greeting(version, "", 0, 0, 0, 0)
     _need_at_least(body, _GREETING.size, "Greeting")
-    version, system_id, timeline, seg_size, pg_version, id_len = _GREETING.unpack_from(body)
+    version, system_id, timeline, seg_size, pg_version, members, id_len = _GREETING.unpack_from(body)
     proposer_id = _text(body, _GREETING.size, id_len, "proposer_id", "Greeting")
-    return Greeting(version, proposer_id, system_id, timeline, seg_size, pg_version)
+    m = Greeting(version, proposer_id, system_id, timeline, seg_size, pg_version, members)
+    _check_greeting(m)
+    return m
 
 
 def _decode_greeting_reply(body: Body) -> GreetingReply:
@@ -558,9 +572,12 @@ def _decode_vote_reply(body: Body) -> VoteReply:
     terms, pos = _term_entries(body, _VOTE_REPLY.size, count, "VoteReply")
     timelines, pos = _timeline_entries(body, pos, "VoteReply")
     fence, pos = _fence(body, pos, "VoteReply")
+    _need_at_least(body, pos + _LOST_DISK_TERM.size, "VoteReply")
+    (lost_disk_term,) = _LOST_DISK_TERM.unpack_from(body, pos)
+    pos += _LOST_DISK_TERM.size
     _no_trailing(body, pos, "VoteReply")
     m = VoteReply(term, _bool(granted, "granted", "VoteReply"), flush_lsn, terms, timelines, tail_lsn, tail_crc,
-                  timeline, fence)
+                  timeline, fence, lost_disk_term)
     _check_vote_reply(m)
     return m
 
@@ -616,11 +633,13 @@ def _decode_info_request(body: Body) -> InfoRequest:
 
 
 def _decode_info_reply(body: Body) -> InfoReply:
-    if len(body) == _INFO_REPLY_V1_SIZE:
-        raise ProtocolError(f"the safekeeper speaks protocol version 1 (this walsidecar speaks {PROTOCOL_VERSION}): "
+    older = _INFO_REPLY_OLDER_SIZES.get(len(body))
+    if older is not None:
+        which = "version 1" if older == 1 else f"an older version than {PROTOCOL_VERSION}"
+        raise ProtocolError(f"the safekeeper speaks protocol {which} (this walsidecar speaks {PROTOCOL_VERSION}): "
                             "upgrade it to this release")
     _need_at_least(body, _INFO_REPLY.size, "InfoReply")
-    *fields, connected, reader_port, backup = _INFO_REPLY.unpack_from(body)
+    *fields, connected, reader_port, backup, members, amnesic, lost_disk_term = _INFO_REPLY.unpack_from(body)
     limit, slots, mismatch, fence = 0, [], "", NO_FENCE
     if len(body) > _INFO_REPLY.size:
         _need_at_least(body, _INFO_REPLY.size + _INFO_SLOTS.size, "InfoReply")
@@ -650,7 +669,8 @@ def _decode_info_reply(body: Body) -> InfoReply:
         _need_exact(body, _INFO_REPLY.size, "InfoReply")
     m = InfoReply(*fields, proposer_connected=_bool(connected, "proposer_connected", "InfoReply"),
                   reader_port=reader_port, backup_lsn=backup, slot_wal_limit=limit, slots=tuple(slots),
-                  archive_mismatch=mismatch, fence=fence)
+                  archive_mismatch=mismatch, fence=fence, members=members,
+                  amnesic=_bool(amnesic, "amnesic", "InfoReply"), lost_disk_term=lost_disk_term)
     _check_info_reply(m)
     return m
 

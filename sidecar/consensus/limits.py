@@ -80,6 +80,15 @@ def _check_ascending(what: str, key: str, entries: list[tuple[int, int]], floor:
 
 MAX_TIMELINE = 2**32 - 1
 MAX_PORT = 65535
+MAX_MEMBERS = 1000  # safekeepers in one cluster
+
+
+def check_members(members: int, what: str = "member count") -> int:
+    """0 (unknown) up to MAX_MEMBERS."""
+    if not 0 <= members <= MAX_MEMBERS:
+        raise LimitError(f"{what} {members} is outside 0..{MAX_MEMBERS}")
+    return members
+
 
 
 def check_timeline(timeline: int, history: TimelineHistory, what: str = "timeline") -> int:

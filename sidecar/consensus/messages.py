@@ -12,7 +12,9 @@ from sidecar.timelines import TimelineHistory
 # 2: Elected carries the primary's timeline and history, VoteReply the voter's timeline, GreetingReply
 # and InfoReply the safekeeper's reader port.
 # 3: VoteReply and Elected carry the timeline fence of a failover (TimelineFence).
-PROTOCOL_VERSION = 3
+# 4: Greeting carries the proposer's number of safekeepers; InfoReply the member count the safekeeper knows and
+# whether it lost its disk (amnesic, or not yet holding a later term); VoteReply why a vote was withheld.
+PROTOCOL_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class Greeting:
     timeline: int
     wal_seg_size: int
     pg_version: int
+    members: int = 0  # the proposer's number of safekeepers (--safekeepers): the cluster's membership
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,9 @@ class VoteReply:
     tail_crc: int = 0
     timeline: int = 0  # the timeline the voter's WAL was last written on (0: never greeted)
     fence: TimelineFence = NO_FENCE  # the voter's
+    # Not 0: the vote was withheld (granted is false, the term promised all the same): the voter lost its disk,
+    # learned this term from its peers, and grants none until its WAL holds the start of a later term.
+    lost_disk_term: int = 0
 
 
 @dataclass(frozen=True)
@@ -164,6 +170,10 @@ class InfoReply:
     slots: tuple[SlotHold, ...] = ()
     archive_mismatch: str = ""  # an archived object that is not this safekeeper's WAL of its segment ("": none)
     fence: TimelineFence = NO_FENCE  # the failover fence it holds (consensus/lineage.py)
+    members: int = 0  # the cluster's safekeepers as it knows them (0: unknown)
+    amnesic: bool = False  # a lost disk that has not learned its term yet: its term (0) is no knowledge
+    # A lost disk that learned this term and does not vote until its WAL holds the start of a later one (0: none).
+    lost_disk_term: int = 0
 
 
 @dataclass(frozen=True)

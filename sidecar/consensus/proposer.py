@@ -148,6 +148,7 @@ class TermsExhausted:
 @dataclass(frozen=True)
 class ProposerEvent:
     name: ClassVar[str]
+    level: ClassVar[str] = "info"  # the log level the services say it at
 
     def fields(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclass_fields(self)}
@@ -193,6 +194,18 @@ class PeerJoined(ProposerEvent):
 
 
 @dataclass(frozen=True)
+class VoteWithheld(ProposerEvent):
+    """A safekeeper promised our term without granting it: it lost its disk, learned `lost_disk_term` from its
+    peers, and votes again once its WAL holds the start of a later term. It is sent Elected once we are elected."""
+
+    name: ClassVar[str] = "vote withheld: the safekeeper lost its disk and may lack commits; it is caught up in our term"
+    level: ClassVar[str] = "warning"
+    peer: str
+    term: int
+    lost_disk_term: int
+
+
+@dataclass(frozen=True)
 class PrimaryRefused(ProposerEvent):
     name: ClassVar[str] = "primary refused"
     term: int
@@ -228,6 +241,7 @@ class PeerState:
     node_id: int | None = None
     reader_port: int = 0  # where it serves WAL to readers, from its greeting (0: nowhere)
     vote: VoteReply | None = None
+    withheld: VoteReply | None = None  # a vote in our term withheld by a lost disk: sent Elected once we win
     probe: VoteReply | None = None
     elected: bool = False  # Elected acknowledged on the current connection
     flush_lsn: int = 0  # flushed, as acknowledged in this term
@@ -261,7 +275,7 @@ class Proposer:
         p.connected = True
         c = self.config
         return [Send(name, Greeting(PROTOCOL_VERSION, c.proposer_id, c.system_id, c.timeline,
-                                    c.wal_seg_size, c.pg_version))]
+                                    c.wal_seg_size, c.pg_version, len(c.peers)))]
 
     def peer_disconnected(self, name: str) -> list[Action]:
         # Flushes acknowledged in this term stay valid: only a later term can truncate them.
@@ -311,6 +325,8 @@ class Proposer:
         self.buffer = WalBuffer(self.term_start)
         actions: list[Action] = [Streaming(self.term, self.term_start), StartStreaming(self.term_start)]
         for p in self.peers.values():
+            if p.connected and p.vote is None and p.withheld is not None:
+                p.vote = p.withheld  # not counted (we are elected already): what its Elected reply is held to
             if p.connected and p.vote is not None:
                 actions.append(self._elected_msg(p))
         return actions
@@ -391,7 +407,7 @@ class Proposer:
             return [TermsExhausted(*self._highest)]
         self.phase, self.term = Phase.VOTING, term
         for q in self.peers.values():
-            q.vote = None
+            q.vote = q.withheld = None
         return [Campaign(term)] + [
             Send(q.name, VoteRequest(term)) for q in self.peers.values() if q.greeted_term is not None]
 
@@ -416,16 +432,21 @@ class Proposer:
             return self._higher_term(msg.term, p.name)
         if msg.term < self.term:
             return []  # a reply to an earlier campaign of ours
+        withheld: list[Action] = [VoteWithheld(p.name, msg.term, msg.lost_disk_term)] \
+            if msg.lost_disk_term and not msg.granted else []
         if self.phase is Phase.VOTING:
             if not msg.granted:
-                return []
+                if withheld:
+                    p.withheld = msg
+                return withheld
             p.vote = msg
             if sum(q.vote is not None for q in self.peers.values()) >= self.config.quorum:
                 return self._elect()
             return []
-        # Already elected for this term: a reconnecting voter answers "not granted, same term".
+        # Already elected for this term: a reconnecting voter answers "not granted, same term" (or withholds
+        # a vote it was asked for the first time, having lost its disk).
         p.vote = msg
-        return [self._elected_msg(p)] if self.phase is Phase.STREAMING else []
+        return withheld + ([self._elected_msg(p)] if self.phase is Phase.STREAMING else [])
 
     def _on_probe(self, p: PeerState, msg: VoteReply) -> list[Action]:
         """A quorum of logs, gathered without promises: check the primary before any vote."""
@@ -604,6 +625,7 @@ class Proposer:
     def _reset(self, name: str) -> PeerState:
         p = self.peers[name]
         p.connected, p.greeted_term, p.node_id, p.vote, p.probe = False, None, None, None, None
+        p.withheld = None
         p.elected, p.fetching = False, False
         p.sent_lsn = p.flush_lsn
         return p

@@ -23,3 +23,10 @@ class AcceptorState:
     backup_lsn: int = 0
     peer_horizon_lsn: int = 0
     fence: TimelineFence = NO_FENCE  # the highest-term failover fence this safekeeper accepted
+    # How many safekeepers the cluster has, as `safekeeper-init` or the last proposer's Greeting said (0:
+    # unknown): a lost disk of this cluster learns its term from N-Q+1 of the others (acceptor.on_peer_terms).
+    members: int = 0
+    # The term this safekeeper learned from its peers after a lost disk: until its WAL holds the start of a
+    # later term it promises terms without granting them, since it may lack commits it acknowledged before
+    # the loss (acceptor.on_vote). 0: no lost disk, or the WAL holds such a start.
+    lost_disk_term: int = 0

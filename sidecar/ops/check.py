@@ -17,6 +17,7 @@ from sidecar.broker import STALE_AFTER, Broker, BrokerError, UploaderHolder, rea
 from sidecar.config import CheckSettings
 from sidecar.consensus import lineage
 from sidecar.consensus.messages import InfoReply
+from sidecar.consensus.quorum import peers_to_learn_from
 from sidecar.lsn import format_lsn, parse_lsn
 from sidecar.ops.probe import connect, fetch_status, redact_dsn
 from sidecar.skclient import ProbeError, probe_safekeeper
@@ -338,6 +339,7 @@ class SetupChecker:
                 return e
 
         replies = await asyncio.gather(*(one(a) for a in self.s.safekeepers))
+        n_listed = len(self.s.safekeepers)
         good = 0
         ids: dict[int, str] = {}
         for addr, r in zip(self.s.safekeepers, replies):
@@ -355,7 +357,23 @@ class SetupChecker:
                 continue
             tail = f"id {r.node_id}, term {r.term}, flush_lsn {format_lsn(r.flush_lsn)}" + \
                    (", proposer attached" if r.proposer_connected else "")
-            self.add(_ok(name, tail))
+            if r.amnesic:
+                need = peers_to_learn_from(max(r.members, n_listed)) if max(r.members, n_listed) > 1 else 1
+                init = self.command("safekeeper-init", "--id", str(r.node_id), "--data-dir", "DIR", "--members",
+                                    str(n_listed))
+                self.add(_fail(name, f"id {r.node_id}: an empty data directory (a lost disk) that has not learned "
+                                     f"its term: it votes for no one until {need} of its peers that did not lose "
+                                     "their disk told it theirs (see its log for whom it waits for)",
+                               "start it with --peers listing every other safekeeper, and those peers; for a "
+                               f"brand-new cluster instead, stop it and create it ({init})"))
+                continue
+            if r.lost_disk_term:
+                tail += (f"; lost its disk and learned term {r.lost_disk_term}: it grants no vote (it takes WAL) "
+                         "until its WAL holds the start of a later term, after the next election")
+                self.add(_warn(name, tail, "keep the other safekeepers up until then: a term is elected only "
+                                           "by the others"))
+            else:
+                self.add(_ok(name, tail))
             if r.node_id in ids:
                 self.add(_fail(f"{name} id", f"id {r.node_id} is also the id of {ids[r.node_id]}",
                                "every safekeeper needs its own --id and --data-dir"))

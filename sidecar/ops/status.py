@@ -75,12 +75,18 @@ async def gather(s: StatusSettings) -> dict[str, Any]:
             row["own"] = {"id": r.node_id, "system_id": str(r.system_id), "term": r.term,
                           "last_log_term": r.last_log_term, "flush_lsn": format_lsn(r.flush_lsn),
                           "commit_lsn": format_lsn(r.commit_lsn), "proposer_connected": r.proposer_connected,
-                          "reader_port": r.reader_port or None, "backup_lsn": format_lsn(r.backup_lsn)}
+                          "reader_port": r.reader_port or None, "backup_lsn": format_lsn(r.backup_lsn),
+                          "members": r.members or None, "amnesic": r.amnesic,
+                          "lost_disk_term": r.lost_disk_term or None}
             row["id"] = row["id"] or r.node_id
             if row["term"] is None:
                 row["term"] = r.term
             if row["flush_lsn"] is None:
                 row["flush_lsn"] = format_lsn(r.flush_lsn)
+            if r.amnesic:  # a lost disk: whatever the proposer last saw, it votes for no one now
+                row["state"] = "lost disk: learning its term"
+            elif r.lost_disk_term and row["state"] in (None, "streaming", "idle"):
+                row["state"] = f"lost disk: no vote until a term above {r.lost_disk_term}"
             if row["state"] is None:
                 row["state"] = "streaming" if r.proposer_connected else "idle"
         else:

@@ -14,7 +14,7 @@ def log_fields(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def log_event(log: Any, event: ProposerEvent) -> None:
-    log.info(event.name, **log_fields(event.fields()))
+    getattr(log, event.level)(event.name, **log_fields(event.fields()))
 
 
 def refused_text(a: GreetingsRefused, safekeepers: int, quorum: int, fix: str) -> str:

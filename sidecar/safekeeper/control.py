@@ -23,9 +23,11 @@ from sidecar.durable import write_durably
 
 CONTROL_FILE = "safekeeper.control"
 CONTROL_MAGIC = b"WSKC"
-CONTROL_VERSION = 2  # 2: the failover fence (AcceptorState.fence)
-# Versions this build reads: a version 1 file (the previous release's) has no fence, as if none was set.
-_READS = {1: frozenset({"fence"}), 2: frozenset()}  # version -> the fields it lacks
+CONTROL_VERSION = 3  # 2: the failover fence (AcceptorState.fence); 3: members and lost_disk_term
+# Versions this build reads: a version 1 file has no fence, as if none was set; versions 1 and 2 have no member
+# count (unknown until the next Greeting) and no lost disk being recovered.
+_READS = {1: frozenset({"fence", "members", "lost_disk_term"}), 2: frozenset({"members", "lost_disk_term"}),
+          3: frozenset()}  # version -> the fields it lacks
 _HEADER = struct.Struct("<4sIII")
 _CORRUPT_HINT = "the control file is corrupt; restore it or re-create this safekeeper from its peers"
 _HISTORY_FIELDS = {"term_history": TermEntry, "timeline_history": TimelineEntry}

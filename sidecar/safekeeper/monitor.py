@@ -68,6 +68,9 @@ class SafekeeperMonitor:
             "elected_term": v.elected_term,
             # An empty data directory: not voting until this many peers told their term (amnesia.py).
             "learning_term_from_peers": v.learning_term_from,
+            "members": v.members,
+            # A lost disk that learned this term: no vote until its WAL holds the start of a later one.
+            "lost_disk_term": v.lost_disk_term,
             "flush_lsn": format_lsn(p.flush_lsn),
             "write_lsn": format_lsn(v.write_lsn),
             "commit_lsn": format_lsn(p.commit_lsn),

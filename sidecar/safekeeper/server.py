@@ -23,7 +23,6 @@ from sidecar.consensus.acceptor import (
 from sidecar.consensus.messages import (
     Append, Elected, Greeting, InfoReply, InfoRequest, Message, Refusal, VoteReply, VoteRequest,
 )
-from sidecar.consensus.quorum import peers_to_learn_from
 from sidecar.consensus.reading import ServerState
 from sidecar.consensus.session import AcceptorSession, Role
 from sidecar.logs import get_logger, set_context_provider
@@ -138,8 +137,7 @@ class Safekeeper:
         """
         stats = SafekeeperMetrics(node_id)
         log = get_logger(node=node_id)
-        acceptor, storage = open_data_dir(node_id, data_dir, _disk_full_reporter(stats, log), log,
-                                          peers_to_learn_from(len(peers) + 1) if peers else 0)
+        acceptor, storage = open_data_dir(node_id, data_dir, _disk_full_reporter(stats, log), log, len(peers))
         sk = cls(node_id, data_dir, host, port, security, acceptor, storage, stats, reader_port,
                  keep_wal, max_disk_usage, archive, slot_limits)
         needed = descriptors_needed(MAX_CONNECTIONS, sk.readers.max_readers if sk.readers is not None else 0)
@@ -150,7 +148,7 @@ class Safekeeper:
         if soft != before:
             log.info("file descriptor limit raised to the hard limit", soft_limit_was=before, soft_limit=soft,
                      needed=needed)
-        if acceptor.amnesic:
+        if acceptor.amnesic and peers:
             sk.learner = TermLearner(acceptor, peers, peer_security, sk._persist_learned)
         return sk
 
@@ -193,7 +191,7 @@ class Safekeeper:
             archive=(self.uploader.store or self.uploader.root).location if self.uploader is not None else None,
             archive_error=self.uploader.error if self.uploader is not None else None,
             archive_mismatch=self.acceptor.archive_mismatch or None,
-            learning_term_from=acc.amnesic_peers)
+            learning_term_from=acc.amnesic_peers, members=acc.members, lost_disk_term=acc.recovering_from)
 
     # ---- what readers see (safekeeper/pgserver.py, walsender.py) ------------------------------
 

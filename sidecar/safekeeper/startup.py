@@ -22,21 +22,22 @@ from sidecar.safekeeper.walcheck import StartupError, check_stored_wal, record_e
 
 
 def open_data_dir(node_id: int, data_dir: Path, on_disk_full: Callable[[str], None],
-                  log: Any, amnesic_peers: int = 0) -> tuple[Acceptor, WalStorage | NoWal]:
+                  log: Any, peers: int = 0) -> tuple[Acceptor, WalStorage | NoWal]:
     """The acceptor and WAL store of `data_dir`, the WAL checked and cut at the end of its last record.
 
-    Without a control file the acceptor is amnesic until it learns its term from `amnesic_peers`
-    peers (amnesia.py); 0 lets it vote at once, as a brand-new safekeeper did before --peers.
+    A new cluster's safekeepers are created with a control file (create.py), so a data directory without
+    one is a lost disk: the acceptor is amnesic until it learns its term from its `peers` (the number of
+    --peers addresses; amnesia.py), and forever without any.
     Raises ControlFileError or StartupError, with a message for the operator, when it must not start.
     """
     try:
-        return _open(node_id, data_dir, on_disk_full, log, amnesic_peers)
+        return _open(node_id, data_dir, on_disk_full, log, peers)
     except (OSError, StorageError) as e:  # permissions, a vanished file, an unusable marker
         raise StartupError(f"safekeeper {node_id} cannot start from {data_dir}: {e}") from e
 
 
 def _open(node_id: int, data_dir: Path, on_disk_full: Callable[[str], None],
-          log: Any, amnesic_peers: int) -> tuple[Acceptor, WalStorage | NoWal]:
+          log: Any, peers: int) -> tuple[Acceptor, WalStorage | NoWal]:
     began = time.perf_counter()
     data_dir.mkdir(parents=True, exist_ok=True)
     remove_leftovers(data_dir)
@@ -63,16 +64,26 @@ def _open(node_id: int, data_dir: Path, on_disk_full: Callable[[str], None],
                  seconds=round(time.perf_counter() - began, 3))
     log.info("safekeeper opened", term=state.term, flush_lsn=format_lsn(end),
              commit_lsn=format_lsn(state.commit_lsn), data_dir=str(data_dir))
-    if control is not None:
-        amnesic_peers = 0
-    elif amnesic_peers:
-        log.warning("empty data directory: this safekeeper may have promised terms it no longer knows; it "
-                    "votes only after learning the term from its peers", peers_needed=amnesic_peers)
-    else:
-        log.warning("empty data directory and no --peers: voting at once. Safe for a brand-new cluster; for a "
-                    "safekeeper whose disk was lost (its id reused), give --peers so that it cannot vote twice "
-                    "in a term it forgot")
-    return Acceptor(node_id, state, end, amnesic_peers=amnesic_peers), storage
+    acceptor = Acceptor(node_id, state, end, amnesic=control is None, listed_members=peers + 1 if peers else 0)
+    if control is None and peers:
+        log.warning("empty data directory: a lost disk (a new cluster's safekeepers are created by `walsidecar "
+                    "safekeeper-init`); this safekeeper may have promised terms it no longer knows, and votes only "
+                    "after learning its term from the peers that did not lose theirs", peers=peers,
+                    peers_needed=acceptor.amnesic_peers)
+    elif control is None:
+        log.error("empty data directory and no --peers: a lost disk (a new cluster's safekeepers are created by "
+                  "`walsidecar safekeeper-init`) that cannot learn the terms it promised, so it never votes. Give "
+                  "--peers (the other safekeepers' addresses), or, for a brand-new cluster, create every "
+                  "safekeeper with `walsidecar safekeeper-init --id N --data-dir DIR --members N`")
+    elif peers and state.members > peers + 1:
+        log.error("--peers lists fewer than the other members of the cluster: after a lost disk this safekeeper "
+                  "could not hear enough of them to learn its term; list every other safekeeper",
+                  peers=peers, members=state.members)
+    if state.lost_disk_term and acceptor.recovering_from:
+        log.warning("this safekeeper lost its disk and holds no term after the one it learned yet: it grants no "
+                    "vote (it promises terms and is caught up) until its WAL holds the start of a later term",
+                    lost_disk_term=state.lost_disk_term)
+    return acceptor, storage
 
 
 def _check_wal(st: WalStorage, state: AcceptorState, log: Any) -> tuple[int, int]:

@@ -65,3 +65,5 @@ class SafekeeperView:
     disk_guard: str | None = None  # why new WAL is not taken now (--max-disk-usage)
     disk_usage: DiskUsage = DiskUsage(0, 0, 0)
     learning_term_from: int = 0  # an empty data directory: peers whose terms it still needs before voting
+    members: int = 0  # the cluster's safekeepers as this one knows them (0: unknown)
+    lost_disk_term: int = 0  # learned after a lost disk: no vote until the WAL holds the start of a later term

@@ -36,9 +36,11 @@ schedules them, `checker` reads their state, `nodes`, after every step):
   between any two actions of one message (after a Truncate, before its Persist). A disk can be
   lost: the control file and WAL wiped, the process restarted later with the same id on an empty
   directory, so amnesic (it asks the peers that are up for their terms, as `safekeeper/amnesia.py`
-  does, before it greets or votes; `SimConfig.amnesia_rule=False` shows the double vote without it).
-  One disk at a time, and only while N-Q+1 others hold durably, in the same terms, everything it
-  held and every acknowledged record: the rule is about lost promises, not lost WAL.
+  does, before it greets or votes; `SimConfig.amnesia_rule=False` shows the double vote without it),
+  then grants no vote until its WAL holds the start of a later term (`SimConfig.later_term_rule=False`
+  shows the acknowledged commit lost without it). Any safekeeper's disk, whatever it alone held of the
+  acknowledged WAL, but one at a time: none while another is amnesic or not yet holding a later term.
+  The cluster is created explicitly: every safekeeper starts with a control file naming the members.
 * WAL is records (`wal.encode_record`: length, back-pointer, CRC), so "the end of the
   last complete record" is found by walking headers, as PostgreSQL does.
 * Primaries (`primaries`, their pg_wal `wal.Primary`). Each writes records and flushes to

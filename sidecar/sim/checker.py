@@ -7,7 +7,9 @@ was configured with):
    or below the highest flush position ever reported to a primary, taken from the primary
    it was reported to (all such primaries must agree on it: a report to a primary that
    disagrees with earlier acknowledged bytes is itself a violation). For every set of Q
-   safekeepers, every member that an election by that set could pick as donor must hold
+   safekeepers that may vote (a lost disk votes only once it learned its term and its WAL,
+   after the crash considered, holds the start of a later term: docs/protocol.md "A lost
+   disk"), every member that an election by that set could pick as donor must hold
    `committed` byte for byte and report a flush_lsn at or above its end. A member could be
    the donor if its donor key (last log term, flush) can reach the maximum of the set's
    keys, where each key ranges over every crash the member could still suffer: from only
@@ -55,6 +57,7 @@ from __future__ import annotations
 import bisect
 import itertools
 
+from sidecar.consensus.acceptor import holds_term_after
 from sidecar.consensus import history as hist
 from sidecar.consensus import lineage
 from sidecar.consensus.messages import AppendReply, ElectedReply, GreetingReply, Message, TimelineFence, VoteReply
@@ -318,10 +321,13 @@ class Checker:
         end = self.committed_end
         if end == BOOT:
             return
+        voting = [self._voting_views(sk, v) for sk, v in zip(sks, views)]
         for quorum in self.quorums:
-            best = max(views[i][0][0] for i in quorum)  # the worst case: everyone keeps only fsynced WAL
+            if not all(voting[i] for i in quorum):
+                continue  # no election counts a lost disk that does not vote yet
+            best = max(voting[i][0][0] for i in quorum)  # the worst case: everyone keeps only fsynced WAL
             for i in quorum:
-                flush = next((f for key, f in views[i] if key >= best), None)
+                flush = next((f for key, f in voting[i] if key >= best), None)
                 if flush is None:
                     continue  # cannot be this set's donor after any crash
                 sk = sks[i]
@@ -334,6 +340,19 @@ class Checker:
                     self._fail("1 any quorum recovers every acknowledged record",
                                f"an election by {{{names}}} can pick {sk.name} as donor, whose WAL "
                                f"differs from the acknowledged records below {pos(end)}")
+
+    @staticmethod
+    def _voting_views(sk: SimSafekeeper, views: list[tuple[tuple[int, int], int]]) -> list[tuple[tuple[int, int], int]]:
+        """The views (crash outcomes) of `views` in which sk may grant a vote, as its control file says
+        (docs/protocol.md "A lost disk"): none for a lost disk that has not learned its term, and for one that
+        did, only those whose WAL reaches the start of a later term. With those rules off (the teeth tests)
+        nothing here holds it back."""
+        if sk.wiped:
+            return []
+        t = sk.persisted.lost_disk_term
+        if not t:
+            return views
+        return [v for v in views if holds_term_after(sk.persisted.term_history, t, v[1])]
 
     def _disk_holds_committed(self, disk: Disk, end: int) -> bool:
         mark = disk.marks.get(_COMMITTED, BOOT)

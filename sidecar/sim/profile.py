@@ -19,8 +19,11 @@ class SimConfig:
     trace: int | None = 80  # events kept for the report; None keeps all
     disabled: frozenset[str] = frozenset()  # invariants not checked (to see what else catches a bug)
     # A safekeeper restarted on a lost disk learns its term from its peers before voting
-    # (Acceptor.amnesic_peers); False shows what happens without that rule.
+    # (Acceptor.amnesic); False shows what happens without that rule.
     amnesia_rule: bool = True
+    # Having learned it, it grants no vote until its WAL holds the start of a later term
+    # (AcceptorState.lost_disk_term); False shows the acknowledged commit it can lose without that rule.
+    later_term_rule: bool = True
     disk_losses: float | None = None  # weight of losing a safekeeper's disk; None: drawn from the seed
     failovers: float | None = None  # weight of starting `walsidecar failover`; None: drawn from the seed
 

@@ -19,13 +19,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from sidecar.consensus import history as hist
 from sidecar.consensus.acceptor import (
-    Acceptor, AcceptorAction, AcceptorError, AdoptTimeline, Persist, RecordEnd, Reply, Truncate, Write,
+    Acceptor, AcceptorAction, AcceptorError, AdoptTimeline, PeerTerm, Persist, RecordEnd, Reply, Truncate, Write,
 )
 from sidecar.consensus.groupcommit import Decision
 from sidecar.consensus.messages import Append, Elected, Message, Refusal, VoteRequest
-from sidecar.consensus.quorum import peers_to_learn_from
 from sidecar.consensus.state import AcceptorState
 from sidecar.sim.checker import Checker
 from sidecar.sim.context import Context
@@ -46,6 +44,9 @@ class Safekeepers:
         self.net = net
         self.nodes = nodes
         for sk in nodes:
+            # The cluster is created explicitly (`walsidecar safekeeper-init`): a control file at term 0 naming
+            # how many members it has. An empty directory is then always a lost disk.
+            sk.persisted = replace(sk.persisted, members=len(nodes))
             sk.acceptor = Acceptor(sk.node_id, sk.persisted, 0, MIN_SEG_SIZE)
 
     def vote_is_one_step(self) -> bool:
@@ -229,9 +230,10 @@ class Safekeepers:
             if state.commit_lsn > end:  # startup._commit_within: WAL lost in a crash takes commit_lsn down
                 state = sk.persisted = replace(state, commit_lsn=end,
                                                peer_horizon_lsn=min(state.peer_horizon_lsn, end))
-        # startup.py: an empty data directory learns its term from its peers before it votes.
-        amnesic = peers_to_learn_from(len(self.nodes)) if sk.wiped and self.ctx.cfg.amnesia_rule else 0
-        sk.acceptor = Acceptor(sk.node_id, state, write_lsn, MIN_SEG_SIZE, amnesic_peers=amnesic)
+        # startup.py: an empty data directory learns its term from its peers (every other one is listed as
+        # --peers) before it votes.
+        sk.acceptor = Acceptor(sk.node_id, state, write_lsn, MIN_SEG_SIZE,
+                               amnesic=sk.wiped and self.ctx.cfg.amnesia_rule, listed_members=len(self.nodes))
         sk.changed()
         self.checker.durable(sk)
         self.ctx.event(sk.name, "restarts", f"term={state.term}", f"flush={pos(write_lsn)}")
@@ -240,17 +242,13 @@ class Safekeepers:
     def lose_disk(self) -> bool:
         """A safekeeper's disk is lost: its control file and WAL are gone; it restarts later with the same id.
 
-        One lost disk at a time, and only while N-Q+1 others hold durably every acknowledged record
-        and everything it held, so that any quorum still recovers what it may have acknowledged:
-        the fault model the amnesia rule is for (its promises are lost, not the WAL).
+        Any safekeeper, whatever it alone acknowledged, but one lost disk at a time: none while another has
+        not learned its term, or has and holds no start of a later term yet (the fault model of
+        docs/protocol.md "A lost disk").
         """
-        if any(sk.wiped or (sk.acceptor is not None and sk.acceptor.amnesic) for sk in self.nodes):
+        if any(sk.wiped or self._recovering(sk) for sk in self.nodes):
             return False
-        need = len(self.nodes) - self.checker.q + 1
-        cands = [sk for sk in self.nodes if sum(self._holds_all_of(o, sk) for o in self.nodes if o is not sk) >= need]
-        if not cands:
-            return False
-        sk = self.ctx.rng.choice(cands)
+        sk = self.ctx.rng.choice(self.nodes)
         if sk.acceptor is not None:
             self.crash(sk)
         sk.disk, sk.persisted, sk.truncations, sk.wiped = Disk(), AcceptorState(), [], True
@@ -260,17 +258,12 @@ class Safekeepers:
         self.ctx.event(sk.name, "loses its disk")
         return True
 
-    def _holds_all_of(self, o: SimSafekeeper, sk: SimSafekeeper) -> bool:
-        """True if o's fsynced WAL holds every acknowledged record and all of sk's WAL, byte for byte and
-        in the same terms (the same bytes under another history are cut by the next election)."""
-        d, mine = o.disk, sk.disk
-        if d.durable < self.checker.committed_end or not self.checker.holds_committed(d):
-            return False
-        if mine.start is None or mine.end == mine.start:
-            return True
-        return d.start is not None and d.start <= mine.start and d.durable >= mine.end and \
-            hist.up_to(o.persisted.term_history, mine.end) == hist.up_to(sk.persisted.term_history, mine.end) and \
-            d.read(mine.start, mine.end) == mine.read(mine.start, mine.end)
+    @staticmethod
+    def _recovering(sk: SimSafekeeper) -> bool:
+        """Amnesic, or learned its term and holds no start of a later term yet (down: until it voted again)."""
+        if sk.acceptor is not None:
+            return sk.acceptor.amnesic or sk.acceptor.recovering_from > 0
+        return sk.persisted.lost_disk_term > 0
 
     def learn_terms(self) -> bool:
         """An amnesic safekeeper asks its peers that are up for their terms (an InfoRequest each)."""
@@ -280,11 +273,15 @@ class Safekeepers:
         sk = self.ctx.rng.choice(cands)
         acc = sk.acceptor
         assert acc is not None
-        terms = {o.node_id: o.acceptor.state.term for o in self.nodes
-                 if o is not sk and o.acceptor is not None and self.ctx.rng.random() < 0.8}
-        actions = acc.on_peer_terms(terms)
-        self.ctx.event(sk.name, "asks its peers' terms", terms, "learned" if actions else "not enough")
+        answers = {o.node_id: PeerTerm(o.acceptor.state.term, o.acceptor.members, o.acceptor.amnesic)
+                   for o in self.nodes if o is not sk and o.acceptor is not None and self.ctx.rng.random() < 0.8}
+        actions = acc.on_peer_terms(answers)
+        self.ctx.event(sk.name, "asks its peers' terms", {n: a.term for n, a in answers.items()},
+                       "learned" if actions else "not enough")
         if actions:
             self.ctx.count("terms learned after a lost disk")
+            if not self.ctx.cfg.later_term_rule:  # the teeth test's switch: vote at once after learning
+                acc.state = replace(acc.state, lost_disk_term=0)
+                actions = [Persist(acc.state)]
             self._execute(sk, None, actions)
         return True

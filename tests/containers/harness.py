@@ -333,13 +333,18 @@ class ContainerMember(SidecarMember):
         """Start the container (made on the first start, with `extra` arguments); the caller polls readiness."""
         if self.container is None:
             certs = self.d.certs_dir(self.name, self.role, self.node_id)
-            self.container = HostNetContainer(
-                APP_IMAGE, [*self.args(), "--certs-dir", "/certs", *self.d.extra.get(self.name, ()), *extra],
-                volumes={str(certs): "/certs"}, role=self.role, probe=self.ready)
+            command, kwargs = self.container_command(
+                [*self.args(), "--certs-dir", "/certs", *self.d.extra.get(self.name, ()), *extra])
+            self.container = HostNetContainer(APP_IMAGE, command, volumes={str(certs): "/certs"}, role=self.role,
+                                              probe=self.ready, **kwargs)
         self.container.start(wait=False)
         self.wanted = True
         self.d.note("started", process=self.name, container=self.container.container.short_id)
         return self.container
+
+    def container_command(self, argv: list[str]) -> tuple[list[str], dict[str, Any]]:
+        """The container's command for `walsidecar ARGV`, and what else to create it with."""
+        return argv, {}
 
     def ready(self) -> bool:
         """Whether the started container serves (polled by wait_ready)."""
@@ -391,7 +396,17 @@ class ContainerMember(SidecarMember):
 
 
 class SafekeeperContainer(ContainerMember, SafekeeperMember):
-    """`walsidecar safekeeper` in a container; ready once it accepts connections."""
+    """`walsidecar safekeeper` in a container; ready once it accepts connections. A founding one is created
+    (`safekeeper-init`) at its first start, inside the container, with a marker beside its data directory."""
+
+    def container_command(self, argv: list[str]) -> tuple[list[str], dict[str, Any]]:
+        if not self.founding:
+            return argv, {}
+        marker = f"{self.data_dir}.created"
+        init = f"walsidecar safekeeper-init --id {self.node_id} --data-dir {self.data_dir} " \
+               f"--members {len(self.d.addresses)}"
+        script = f'[ -f {marker} ] || {{ {init}; touch {marker}; }}; exec walsidecar "$@"'
+        return ["-ec", script, "sh", *argv], {"entrypoint": ["/bin/sh"]}
 
     def ready(self) -> bool:
         try:

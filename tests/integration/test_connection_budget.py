@@ -24,7 +24,7 @@ from sidecar.linkauth import LinkAuth, dial
 from sidecar.safekeeper.budget import MAX_CONNECTIONS
 from sidecar.safekeeper.server import IDLE_TIMEOUT
 from support.deployment import Deployment, start_commit
-from support.helpers import free_port, run, wait_for
+from support.helpers import created, free_port, run, wait_for
 from support.pki import TestPKI
 from support.procs import ManagedProcess, ProcessTracker
 from support.walbuilder import WalBuilder
@@ -38,7 +38,7 @@ def start(procs: ProcessTracker, test_dir: Path, pki: TestPKI, nofile: str) -> t
     """An auth-only safekeeper under `prlimit --nofile=<nofile>` (soft:hard)."""
     port = free_port()
     proc = procs.start(["prlimit", f"--nofile={nofile}", "--", sys.executable, "-m", "sidecar", "safekeeper",
-                        "--id", "1", "--listen", f"127.0.0.1:{port}", "--data-dir", str(test_dir / "sk"),
+                        "--id", "1", "--listen", f"127.0.0.1:{port}", "--data-dir", str(created(test_dir / "sk", 1)),
                         "--certs-dir", str(pki.certs("safekeeper", 1)), "--link-security", "auth-only"],
                        name="safekeeper1")
     wait_for(lambda: "link_security=auth-only" in proc.log_text() or not proc.is_running(), timeout=30,

@@ -28,7 +28,7 @@ import psycopg
 import pytest
 
 from support.deployment import Deployment, Writer, wait_replayed
-from support.helpers import free_port, run, until, wait_for
+from support.helpers import created, free_port, run, until, wait_for
 from support.procs import ManagedProcess
 from sidecar import framing
 from sidecar.consensus import codec
@@ -409,7 +409,7 @@ def test_a_failed_fdatasync_stops_the_safekeeper(tmp_path: Path, monkeypatch) ->
     wal = b.bytes()
 
     async def main() -> None:
-        sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
+        sk = Safekeeper.open(1, created(tmp_path, 1), "127.0.0.1", 0)
         mon = SafekeeperMonitor(sk)
         server = asyncio.ensure_future(sk.serve())
         await until(lambda: sk.listening_port is not None, "the safekeeper to listen")
@@ -445,7 +445,7 @@ def test_a_failed_fdatasync_stops_the_safekeeper(tmp_path: Path, monkeypatch) ->
     run(main())
     monkeypatch.undo()
     # The next start cuts the WAL back to what was durable, whatever the page cache holds.
-    sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
+    sk = Safekeeper.open(1, created(tmp_path, 1), "127.0.0.1", 0)
     try:
         assert sk.storage.in_doubt() is None and not (tmp_path / "wal.in-doubt").read_bytes().strip(b"\0")
         assert sk.acceptor.write_lsn == durable
@@ -471,7 +471,7 @@ def test_a_full_disk_is_what_check_health_and_metrics_say(tmp_path: Path) -> Non
     wal = b.bytes()
 
     async def main() -> None:
-        sk = Safekeeper.open(1, small, "127.0.0.1", 0)
+        sk = Safekeeper.open(1, created(small, 1), "127.0.0.1", 0)
         mon = SafekeeperMonitor(sk)
         server = asyncio.ensure_future(sk.serve())
         await until(lambda: sk.listening_port is not None, "the safekeeper to listen")
@@ -503,7 +503,7 @@ def test_a_full_disk_is_what_check_health_and_metrics_say(tmp_path: Path) -> Non
         with contextlib.suppress(asyncio.CancelledError):
             await server
         # Everything acknowledged is there at the next start.
-        again = Safekeeper.open(1, small, "127.0.0.1", 0)
+        again = Safekeeper.open(1, created(small, 1), "127.0.0.1", 0)
         try:
             assert again.acceptor.write_lsn >= max(r.end_lsn for r in b.records if r.end_lsn <= acked)
         finally:

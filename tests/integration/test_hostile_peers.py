@@ -17,14 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from support.helpers import data_files, free_port, peak_rss, wait_for
+from support.helpers import created, data_files, free_port, peak_rss, wait_for
 from support.procs import ManagedProcess, ProcessTracker
 from sidecar.consensus import codec, limits
 from sidecar.consensus.messages import (
     PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply, InfoReply,
-    InfoRequest, Message, Refusal, TermEntry, VoteReply, VoteRequest,
+    InfoRequest, TermEntry, VoteReply, VoteRequest,
 )
 from support.walbuilder import DEFAULT_SYSID, WalBuilder
+from support.wire import Peer
 
 SEG = 1 << 20
 START = SEG
@@ -48,59 +49,10 @@ def raw_vote(term: int) -> bytes:
 
 
 def raw_elected(term: int, start: int, history: list[tuple[int, int]]) -> bytes:
-    # term, start, timeline 1, the term history, an empty timeline history, then no fence (protocol version 3)
+    # term, start, timeline 1, the term history, an empty timeline history, then no fence (as since protocol version 3)
     return frame("e", struct.pack(">QQII", term, start, 1, len(history))
                  + b"".join(struct.pack(">QQ", *e) for e in history) + struct.pack(">I", 0)
                  + struct.pack(">QIQ", 0, 0, 0))
-
-
-class Peer:
-    """One blocking connection speaking frames."""
-
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-
-    def send(self, msg: Message | bytes) -> None:
-        self.sock.sendall(msg if isinstance(msg, bytes) else codec.encode(msg))
-
-    def _exactly(self, n: int) -> bytes | None:
-        buf = b""
-        while len(buf) < n:
-            try:
-                part = self.sock.recv(n - len(buf))
-            except ConnectionResetError:
-                return None
-            if not part:
-                return None
-            buf += part
-        return buf
-
-    def recv(self) -> Message | None:
-        """The next message, or None at EOF."""
-        head = self._exactly(5)
-        if head is None:
-            return None
-        length, tag = struct.unpack(">IB", head)
-        body = self._exactly(length - 1)
-        return None if body is None else codec.decode(tag, body)
-
-    def ask(self, msg: Message | bytes) -> Message | None:
-        """Send `msg` and read the answer; None if the safekeeper closed the connection instead."""
-        try:
-            self.send(msg)
-        except (BrokenPipeError, ConnectionResetError):
-            return None
-        return self.recv()
-
-    def refused(self, msg: Message | bytes, words: str) -> str:
-        """Send `msg`; the answer must be a Refusal saying `words`, then the connection closes."""
-        got = self.ask(msg)
-        assert isinstance(got, Refusal) and words in got.reason, got
-        assert self.recv() is None
-        return got.reason
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 @dataclass
@@ -154,7 +106,7 @@ def target(procs: ProcessTracker, test_dir: Path) -> Iterator[Target]:
     """A safekeeper holding 1.3 segments of WAL, committed, with the elected proposer connected."""
     port, data_dir = free_port(), test_dir / "sk1"
     proc = procs.start([sys.executable, "-m", "sidecar", "safekeeper", "--id", "1", "--listen", f"127.0.0.1:{port}",
-                        "--data-dir", str(data_dir), *_extra_flags()], name="safekeeper1")
+                        "--data-dir", str(created(data_dir, 1)), *_extra_flags()], name="safekeeper1")
     wait_for(lambda: socket.create_connection(("127.0.0.1", port), timeout=1).close() or True,
              what="the safekeeper to listen", ignore=(OSError,))
     t = Target(proc, port, data_dir, Peer(port), WalBuilder(START, seg_size=SEG))
@@ -279,7 +231,7 @@ def test_a_fatal_error_is_reported_once_without_an_unretrieved_task(tmp_path: Pa
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(server_mod, "save_control", failing_save)
-    sk = server_mod.Safekeeper.open(1, tmp_path, "127.0.0.1", free_port())
+    sk = server_mod.Safekeeper.open(1, created(tmp_path, 1), "127.0.0.1", free_port())
     unhandled: list[dict] = []
 
     async def main() -> None:

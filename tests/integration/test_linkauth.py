@@ -14,7 +14,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from support.deployment import APP, Deployment
-from support.helpers import data_files, free_port, run, until, wait_for, walsidecar
+from support.helpers import created, data_files, free_port, run, until, wait_for, walsidecar
 from support.pki import TestPKI
 from support.procs import ManagedProcess, ProcessTracker
 from sidecar.certs import create_node
@@ -36,7 +36,7 @@ def start_safekeeper(procs: ProcessTracker, data_dir: Path, certs: Path,
                      node_id: int = 1) -> tuple[ManagedProcess, int]:
     port = free_port()
     proc = procs.start([sys.executable, "-m", "sidecar", "safekeeper", "--id", str(node_id), "--listen",
-                        f"127.0.0.1:{port}", "--data-dir", str(data_dir), "--certs-dir", str(certs), *AUTH_ONLY],
+                        f"127.0.0.1:{port}", "--data-dir", str(created(data_dir, node_id)), "--certs-dir", str(certs), *AUTH_ONLY],
                        name=f"safekeeper{node_id}")
     wait_for(lambda: "link_security=auth-only" in proc.log_text() or not proc.is_running(), timeout=30,
              what="the safekeeper")

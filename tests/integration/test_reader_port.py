@@ -19,7 +19,7 @@ import psycopg
 import pytest
 
 from support.deployment import APP, Deployment, Writer, commit_lsn_of, read_wal, start_commit, syncrep_waiters
-from support.helpers import free_port, run, until, wait_for
+from support.helpers import created, free_port, run, until, wait_for
 from support.procs import ProcessTracker
 from sidecar import pgwire
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE, format_lsn, parse_lsn, segment_file_name
@@ -434,14 +434,14 @@ def test_tls_verify_full_and_no_auth_file_refuses_unless_insecure(deployment: De
     certs = d.certs_dir("safekeeper9", "safekeeper", 9)
     port, reader_port = free_port(), free_port()
     procs.start(sidecar_argv("safekeeper", "--id", "9", "--listen", f"127.0.0.1:{port}", "--data-dir",
-                             str(test_dir / "sk9"), "--pg-listen", f"127.0.0.1:{reader_port}",
+                             str(created(test_dir / "sk9", 9)), "--pg-listen", f"127.0.0.1:{reader_port}",
                              "--certs-dir", str(certs)), name="sk9")
     dsn = d.reader_dsn(1, port=str(reader_port))
     refused = wait_for(lambda: refusal(dsn), timeout=30, what="the safekeeper without an auth file to answer")
     assert "no reader may connect" in refused and "--pg-auth-file" in refused
     port, reader_port = free_port(), free_port()
     procs.start(sidecar_argv("safekeeper", "--id", "8", "--listen", f"127.0.0.1:{port}", "--data-dir",
-                             str(test_dir / "sk8"), "--pg-listen", f"127.0.0.1:{reader_port}", "--insecure"),
+                             str(created(test_dir / "sk8", 8)), "--pg-listen", f"127.0.0.1:{reader_port}", "--insecure"),
                 name="sk8")
     trusted = f"host=127.0.0.1 port={reader_port} user=anyone sslmode=disable dbname=replication"
     row = wait_for(lambda: identify_dsn(trusted), timeout=30, ignore=(psycopg.OperationalError,),
@@ -518,7 +518,7 @@ def lone_safekeeper(procs: ProcessTracker, test_dir: Path):  # noqa: ANN201
     def start(*options: str) -> int:
         port, reader_port = free_port(), free_port()
         procs.start(sidecar_argv("safekeeper", "--id", "7", "--listen", f"127.0.0.1:{port}", "--data-dir",
-                                 str(test_dir / "sk7"), "--pg-listen", f"127.0.0.1:{reader_port}",
+                                 str(created(test_dir / "sk7", 7)), "--pg-listen", f"127.0.0.1:{reader_port}",
                                  "--pg-auth-file", str(auth), "--insecure", *options), name="sk7")
         wait_for(lambda: identify_dsn(lone_dsn(reader_port)), timeout=30, ignore=(psycopg.OperationalError,),
                  what="the safekeeper's reader port to log a reader in")

@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from support.deployment import Deployment, Writer
-from support.helpers import wait_for
+from support.helpers import created, wait_for
 from sidecar.lsn import parse_lsn
 from sidecar.safekeeper.server import Safekeeper
 
@@ -38,7 +38,7 @@ def test_a_streaming_safekeeper_stops_cleanly_on_a_signal(deployment: Deployment
     stopped = _STOPPED.findall(log)
     assert stopped, log[-3000:]
     last_acknowledged = parse_lsn(stopped[-1])
-    reopened = Safekeeper.open(1, d.sk_dir(1), "127.0.0.1", 0)
+    reopened = Safekeeper.open(1, created(d.sk_dir(1), 1), "127.0.0.1", 0)
     try:
         assert reopened.acceptor.write_lsn >= last_acknowledged > 0
     finally:

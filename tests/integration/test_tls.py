@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from support.deployment import Deployment, commit_lsn_of, wait_replayed
-from support.helpers import data_files, free_port, wait_for, walsidecar
+from support.helpers import created, data_files, free_port, wait_for, walsidecar
 from support.pki import TestPKI
 from support.procs import ManagedProcess, ProcessTracker
 from sidecar.certs import create_ca, create_node
@@ -35,7 +35,7 @@ def start_safekeeper(procs: ProcessTracker, data_dir: Path, certs: Path, node_id
                      *extra: str) -> tuple[ManagedProcess, int]:
     port = free_port()
     proc = procs.start([sys.executable, "-m", "sidecar", "safekeeper", "--id", str(node_id), "--listen",
-                        f"127.0.0.1:{port}", "--data-dir", str(data_dir), "--certs-dir", str(certs), *extra],
+                        f"127.0.0.1:{port}", "--data-dir", str(created(data_dir, node_id)), "--certs-dir", str(certs), *extra],
                        name=f"safekeeper{node_id}")
     wait_for(lambda: "tls=True" in proc.log_text() or not proc.is_running(), timeout=30, what="the safekeeper")
     assert proc.is_running(), proc.log_text()

@@ -15,8 +15,10 @@ from typing import Any
 import psycopg
 import pytest
 
+from sidecar.consensus.messages import PROTOCOL_VERSION, Greeting, GreetingReply, VoteReply, VoteRequest
 from support.helpers import consecutive_free_ports, free_port, wait_for, walsidecar
 from support.procs import ManagedProcess, ProcessTracker
+from support.wire import Peer
 
 pytestmark = pytest.mark.integration
 
@@ -319,21 +321,56 @@ def test_up_standby_takes_over_with_failover_after_kill_9_of_the_primary(procs: 
     up.stop()
 
 
-def test_a_wiped_safekeeper_under_up_learns_its_term_from_its_peers_before_it_votes(procs: ProcessTracker,
+def test_a_wiped_safekeeper_under_up_grants_no_term_until_its_wal_holds_a_later_one(procs: ProcessTracker,
                                                                                    test_dir: Path) -> None:
-    up = Up(procs, test_dir / "up")
+    """Issue 24: `up` creates its safekeepers once, so a wiped one is a lost disk. While too few of its peers
+    answer it refuses every vote; having learned its term it still grants none (it may lack a commit it
+    acknowledged) until its WAL holds the start of a later term, which the proposer elected by the others
+    catches it up to. A test client speaks as a proposer (`up --insecure`: no certificates)."""
+    up = Up(procs, test_dir / "up", "--insecure")
     with psycopg.connect(up.dsn, autocommit=True) as c:
         c.execute("CREATE TABLE t (v int)")
         c.execute("INSERT INTO t VALUES (1)")
-    term = rows(up.status())[2]["term"]
-    assert term >= 1
+    before = rows(up.status())[2]
+    term, port = before["term"], int(before["address"].rpartition(":")[2])
+    greeting = Greeting(PROTOCOL_VERSION, "test", int(before["own"]["system_id"]), 1, 16 << 20, 15, 3)
+    assert term >= 1 and (up.dir / "safekeeper2.created").exists()
+    log = up.dir / "safekeeper2.log"
+    assert up.ctl("stop", "safekeeper3").returncode == 0  # one peer of two: not enough to learn from
     assert up.ctl("stop", "safekeeper2").returncode == 0
     shutil.rmtree(up.dir / "safekeeper2")  # its disk is lost
     assert up.ctl("start", "safekeeper2").returncode == 0
-    # `up` gives each safekeeper its peers: the empty one asks them its term before it may vote again.
-    wait_for(lambda: "learned the term from the peers" in (up.dir / "safekeeper2.log").read_text(), timeout=60,
-             what="the wiped safekeeper to learn its term from its peers")
-    wait_for(lambda: rows(up.status())[2]["term"] >= term, timeout=60, what="safekeeper 2 to rejoin the term")
+    wait_for(lambda: "not voting until enough peers" in log.read_text(), timeout=60,
+             what="the wiped safekeeper to wait for its peers")
+    peer = Peer(port)
+    assert isinstance(peer.ask(greeting), GreetingReply)
+    peer.refused(VoteRequest(1), "empty data directory")  # term 1: it granted it when `up` began
+    assert rows(up.status())[2]["state"] == "lost disk: learning its term"
+    check = walsidecar("check", "--config", str(up.config))
+    assert check.returncode == 1 and "an empty data directory (a lost disk) that has not learned its term" \
+        in check.stdout, check.stdout
+    assert up.ctl("start", "safekeeper3").returncode == 0
+    wait_for(lambda: "learned the term from the peers" in log.read_text(), timeout=60,
+             what="the wiped safekeeper to learn its term from both peers")
+    own = rows(up.status())[2]["own"]
+    assert own["amnesic"] is False and own["lost_disk_term"] >= term and own["members"] == 3, own
+    peer = Peer(port)
+    assert isinstance(peer.ask(greeting), GreetingReply)
+    for old in (1, term):
+        vote = peer.ask(VoteRequest(old))
+        assert isinstance(vote, VoteReply) and not vote.granted, vote
+    # A term above all it learned: promised (nothing lower is taken) but not granted, with an empty WAL.
+    vote = peer.ask(VoteRequest(term + 10))
+    assert isinstance(vote, VoteReply) and not vote.granted and vote.lost_disk_term >= term, vote
+    peer.close()
+    # That promise ended the proposer's term on safekeeper 2; the others elect it again, it says why safekeeper 2
+    # withheld its vote, and catches it up: commits go on.
+    proposer_log = up.dir / "proposer.log"
+    wait_for(lambda: "vote withheld" in proposer_log.read_text(), timeout=60,
+             what="the proposer to log the withheld vote")
     with psycopg.connect(up.dsn, autocommit=True) as c:
         c.execute("INSERT INTO t VALUES (2)")
+    wait_for(lambda: (rows(up.status())[2].get("own") or {}).get("lost_disk_term", 1) is None, timeout=60,
+             what="safekeeper 2's WAL to hold the start of the term after the one it learned")
+    assert rows(up.status())[2]["term"] > term + 10
     up.stop()

@@ -35,7 +35,7 @@ class Deployment(LocalDeployment):
     SIGKILLed by PID at teardown, logs printed for a failed test), certificates from the session PKI."""
 
     def __init__(self, pg: PgServer, procs: ProcessTracker, base: Path, n: int = 3, *, insecure: bool = False,
-                 link_security: str = "tls", pki: TestPKI | None = None, peers: bool = False) -> None:
+                 link_security: str = "tls", pki: TestPKI | None = None, peers: bool = True) -> None:
         self.procs = procs
         self.pki = pki or session_pki()
         super().__init__(base, safekeepers=n, primary=pg, insecure=insecure, link_security=link_security,

@@ -114,3 +114,14 @@ def data_files(data_dir: Path) -> dict[str, bytes]:
     """
     return {str(p.relative_to(data_dir)): p.read_bytes()
             for p in sorted(data_dir.rglob("*")) if p.is_file() and not p.name.startswith("wal.spare")}
+
+
+def created(data_dir: Path, node_id: int, members: int = 3) -> Path:
+    """`data_dir`, made a new cluster's safekeeper `node_id` (`walsidecar safekeeper-init`) if it is empty or
+    absent; left alone if it holds anything (a control file, or what a test put there). Without it an empty
+    directory is a lost disk that does not vote."""
+    from sidecar.safekeeper.create import create_data_dir
+    data_dir = Path(data_dir)
+    if not data_dir.exists() or not any(data_dir.iterdir()):
+        create_data_dir(node_id, data_dir, members)
+    return data_dir

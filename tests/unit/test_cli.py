@@ -60,3 +60,18 @@ def test_incomplete_certificates_dir_is_refused(tmp_path: Path) -> None:
                      str(tmp_path / "sk"), "--certs-dir", str(tmp_path / "c"), timeout=30)
     assert out.returncode == 1 and "lacks node.key" in out.stderr and "walsidecar certs create-node" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_safekeeper_init_creates_a_new_clusters_safekeeper_once(tmp_path: Path) -> None:
+    from sidecar.safekeeper.control import load_control
+    data = tmp_path / "sk2"
+    out = walsidecar("safekeeper-init", "--id", "2", "--data-dir", str(data), "--members", "3", timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert load_control(data) == ControlData(2, AcceptorState(members=3))
+    out = walsidecar("safekeeper-init", "--id", "2", "--data-dir", str(data), "--members", "3", timeout=30)
+    assert out.returncode == 1 and "already holds safekeeper 2's control file" in out.stderr, out.stderr
+    wiped = tmp_path / "wiped"
+    (wiped / "wal").mkdir(parents=True)  # a lost control file: a lost disk, never a new cluster's member
+    out = walsidecar("safekeeper-init", "--id", "3", "--data-dir", str(wiped), "--members", "3", timeout=30)
+    assert out.returncode == 1 and "is not empty (wal)" in out.stderr and "--peers" in out.stderr, out.stderr
+    assert load_control(wiped) is None

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from support.helpers import run
+from support.helpers import created, run
 from sidecar.http import HttpEndpoint, Response, json_response
 from sidecar.metrics import SafekeeperMetrics
 from sidecar.ops.probe import fetch_status
@@ -70,7 +70,7 @@ def test_taken_port_is_reported() -> None:
 
 def test_safekeeper_answers_info_without_binding_itself(tmp_path: Path) -> None:
     async def main() -> None:
-        sk = Safekeeper.open(4, tmp_path, "127.0.0.1", 0)
+        sk = Safekeeper.open(4, created(tmp_path, 4), "127.0.0.1", 0)
         mon = SafekeeperMonitor(sk)
         server = asyncio.ensure_future(sk.serve())
         try:

@@ -8,7 +8,7 @@ import pytest
 
 from sidecar.consensus import limits
 from sidecar.consensus.acceptor import (
-    Acceptor, AcceptorAction, AcceptorError, AdoptTimeline, Persist, RecordEnd, Reply, Truncate, Write,
+    Acceptor, AcceptorAction, AcceptorError, AdoptTimeline, PeerTerm, Persist, RecordEnd, Reply, Truncate, Write,
 )
 from sidecar.consensus.messages import (
     PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply,
@@ -596,44 +596,150 @@ def test_a_protocol_version_1_proposer_is_told_what_to_do() -> None:
         a.on_greeting(greeting(protocol_version=1))
 
 
-# ---- an empty data directory: amnesia until the peers' terms are learned -----------------------
+# ---- an empty data directory: a lost disk, amnesic until the peers' terms are learned --------------
+
+def knows(term: int, members: int = 3) -> PeerTerm:
+    """The answer of a peer that did not lose its disk."""
+    return PeerTerm(term, members)
+
+
+AMNESIC_PEER = PeerTerm(0, 3, amnesic=True)
+
 
 def test_amnesic_acceptor_refuses_vote_and_elected_saying_what_it_waits_for() -> None:
-    a = Acceptor(3, AcceptorState(), 0, amnesic_peers=2)
+    a = Acceptor(3, AcceptorState(), 0, amnesic=True, listed_members=3)
     # A greeting is answered (a refused one reads as another cluster's) but takes nothing in.
     assert a.on_greeting(greeting()) == [Reply(GreetingReply(3, 0, 0))]
     for call in (lambda: a.on_vote(VoteRequest(5), RecordEnd(0)),
                  lambda: a.on_elected(Elected(5, 0x100, h((5, 0x100))), RecordEnd(0))):
-        with pytest.raises(AcceptorError, match="empty data directory.*term of 2 of its peers"):
+        with pytest.raises(AcceptorError, match="empty data directory.*term of 2 of its 2 peers"):
             call()
     assert a.state == AcceptorState()
-    assert a.info().term == 0  # it still answers what it knows
+    info = a.info()
+    assert (info.term, info.amnesic, info.members) == (0, True, 3)  # it still answers what it knows
 
 
 def test_amnesic_acceptor_waits_for_enough_distinct_peers_then_persists_the_highest_term() -> None:
-    a = Acceptor(3, AcceptorState(), 0, amnesic_peers=2)
-    assert a.on_peer_terms({1: 9}) == []
-    assert a.on_peer_terms({3: 50, 1: 9}) == []  # its own answer is not a peer's
+    a = Acceptor(3, AcceptorState(), 0, amnesic=True, listed_members=3)
+    assert a.on_peer_terms({1: knows(9)}) == []
+    assert a.on_peer_terms({3: knows(50), 1: knows(9)}) == []  # its own answer is not a peer's
     assert a.amnesic
-    actions = a.on_peer_terms({1: 9, 2: 0})
-    assert actions == [Persist(AcceptorState(term=9))] and not a.amnesic
+    actions = a.on_peer_terms({1: knows(9), 2: knows(0)})
+    assert actions == [Persist(AcceptorState(term=9, members=3, lost_disk_term=9))] and not a.amnesic
     with pytest.raises(AcceptorError, match="greet it again"):  # a greeting while amnesic took nothing in
         a.on_vote(VoteRequest(10), RecordEnd(0))
-    assert Persist(replace(configured(), term=9)) in a.on_greeting(greeting())
-    vote = only_reply(a.on_vote(VoteRequest(9), RecordEnd(0)))
-    assert isinstance(vote, VoteReply) and not vote.granted  # term 9 may have been promised before
-    vote = only_reply(a.on_vote(VoteRequest(10), RecordEnd(0)))
-    assert isinstance(vote, VoteReply) and vote.granted
-    assert a.on_peer_terms({1: 99, 2: 99}) == []  # learned once: later answers change nothing
+    assert a.on_peer_terms({1: knows(99), 2: knows(99)}) == []  # learned once: later answers change nothing
+
+
+def test_an_amnesic_peers_answer_does_not_count() -> None:
+    """Two lost disks at once: neither knows a term, and a term 0 from one must not let the other vote."""
+    a = Acceptor(3, AcceptorState(), 0, amnesic=True, listed_members=3)
+    assert a.on_peer_terms({1: knows(4), 2: AMNESIC_PEER}) == [] and a.amnesic
+    assert a.amnesic_peers == 2
+    assert a.on_peer_terms({1: knows(4), 2: knows(5)}) != [] and a.state.term == 5
+
+
+def test_the_number_of_peers_comes_from_the_membership_not_the_peers_listed() -> None:
+    """L-7: --peers lists one address in a 5-member cluster; the peer (and the proposer's greeting) say 5."""
+    a = Acceptor(3, AcceptorState(), 0, amnesic=True, listed_members=2)
+    assert a.amnesic_peers == 1  # all it knows yet
+    assert a.on_peer_terms({1: knows(7, members=5)}) == [] and a.amnesic
+    assert (a.members, a.amnesic_peers) == (5, 3)
+    b = Acceptor(3, AcceptorState(), 0, amnesic=True, listed_members=2)
+    b.on_greeting(greeting(members=5))  # the proposer's --safekeepers
+    assert (b.members, b.amnesic_peers) == (5, 3) and b.state == AcceptorState()
+    assert b.on_peer_terms({1: knows(7, members=3)}) == []  # a smaller count told later lowers nothing
+    assert b.on_peer_terms({1: knows(7), 2: knows(6), 4: knows(8)}) == [
+        Persist(AcceptorState(term=8, members=5, lost_disk_term=8))]
+
+
+def test_without_peers_or_membership_an_amnesic_acceptor_needs_at_least_one_peer() -> None:
+    a = Acceptor(3, AcceptorState(), 0, amnesic=True)
+    assert a.amnesic_peers == 1 and a.on_peer_terms({}) == [] and a.amnesic
 
 
 def test_peer_terms_are_checked_before_anything_changes() -> None:
-    a = Acceptor(3, AcceptorState(), 0, amnesic_peers=1)
+    a = Acceptor(3, AcceptorState(), 0, amnesic=True, listed_members=2)
     with pytest.raises(AcceptorError, match="a peer's term"):
-        a.on_peer_terms({1: limits.MAX_TERM + 1})
-    assert a.amnesic and a.state == AcceptorState()
+        a.on_peer_terms({1: knows(limits.MAX_TERM + 1)})
+    with pytest.raises(AcceptorError, match="a peer's member count"):
+        a.on_peer_terms({1: knows(4, members=limits.MAX_MEMBERS + 1)})
+    assert a.amnesic and a.state == AcceptorState() and a.members == 2
+
+
+def test_the_greeting_tells_the_membership_and_it_is_persisted() -> None:
+    a = Acceptor(1, AcceptorState(members=3), 0)
+    actions = a.on_greeting(greeting(members=5))
+    assert Persist(replace(configured(), members=5)) in actions
+    assert a.on_greeting(greeting(members=5)) == [Reply(GreetingReply(1, 0, 0))]  # unchanged: nothing saved
+    assert a.on_greeting(greeting(members=0)) == [Reply(GreetingReply(1, 0, 0))]  # 0: not told, kept
+    assert a.info().members == 5
+    with pytest.raises(AcceptorError, match="member count"):
+        a.on_greeting(greeting(members=limits.MAX_MEMBERS + 1))
+
+
+# ---- a lost disk that learned its term votes only once its WAL holds the start of a later term ---------
+
+def learned(term: int = 9) -> Acceptor:
+    """Safekeeper 3 after a lost disk: it learned `term` from its peers and was greeted again."""
+    a = Acceptor(3, AcceptorState(), 0, amnesic=True, listed_members=3)
+    a.on_peer_terms({1: knows(term), 2: knows(term - 1)})
+    a.on_greeting(greeting())
+    return a
+
+
+def test_a_learned_lost_disk_promises_a_new_term_without_granting_it() -> None:
+    """It may lack a commit it acknowledged before the loss (on {itself, sk2}): a quorum counting it, with a
+    peer that lacks the commit too, could elect a donor without it. It promises the term (nothing lower is
+    taken) and says why it withheld the vote."""
+    a = learned(9)
+    vote = only_reply(a.on_vote(VoteRequest(10), RecordEnd(0)))
+    assert isinstance(vote, VoteReply) and not vote.granted and (vote.term, vote.lost_disk_term) == (10, 9)
+    assert a.state.term == 10 and a.state.lost_disk_term == 9
+    assert a.info().lost_disk_term == 9
+    vote = only_reply(a.on_vote(VoteRequest(9), RecordEnd(0)))  # below its promise: refused as always
+    assert isinstance(vote, VoteReply) and not vote.granted and vote.lost_disk_term == 0
+
+
+def test_a_learned_lost_disk_takes_elected_and_votes_once_its_wal_holds_a_later_terms_start() -> None:
+    a = learned(9)
+    a.on_vote(VoteRequest(10), RecordEnd(0))  # promised, withheld: the proposer won with the others
+    actions = a.on_elected(Elected(10, 0x5000, h((2, 0x1000), (10, 0x5000))), RecordEnd(0), owner="p")
+    assert Truncate(0x1000) in actions  # an empty store starts at the history's first entry
+    assert a.recovering_from == 9  # its WAL does not reach term 10's start yet
+    a.on_append(Append(10, 0x1000, 0, 0, b"x" * 0x3000), owner="p")
+    a.on_flushed(0x4000)
+    vote = only_reply(a.on_vote(VoteRequest(11), RecordEnd(0x4000)))
+    assert isinstance(vote, VoteReply) and not vote.granted and vote.lost_disk_term == 9
+    b = learned(9)
+    b.on_vote(VoteRequest(10), RecordEnd(0))
+    b.on_elected(Elected(10, 0x5000, h((2, 0x1000), (10, 0x5000))), RecordEnd(0), owner="p")
+    b.on_append(Append(10, 0x1000, 0, 0, b"x" * 0x4000), owner="p")
+    b.on_flushed(0x5000)
+    assert b.recovering_from == 0 and b.info().lost_disk_term == 0
+    actions = b.on_vote(VoteRequest(11), RecordEnd(0x5000))
+    vote = only_reply(actions)
+    assert isinstance(vote, VoteReply) and vote.granted and vote.lost_disk_term == 0
+    assert Persist(replace(b.state, term=11, lost_disk_term=0)) in actions and b.state.lost_disk_term == 0
+
+
+def test_the_rule_survives_a_restart() -> None:
+    """What the rule needs is in the control file: reopened before its WAL holds a later term, it still withholds."""
+    a = learned(9)
+    reopened = Acceptor(3, a.state, 0)
+    vote = only_reply(reopened.on_vote(VoteRequest(12), RecordEnd(0)))
+    assert isinstance(vote, VoteReply) and not vote.granted and vote.lost_disk_term == 9
+
+
+def test_a_term_learned_as_zero_means_nothing_was_ever_committed() -> None:
+    """No peer that did not lose its disk had promised anything: no term was elected, so nothing can be missing."""
+    a = Acceptor(3, AcceptorState(), 0, amnesic=True, listed_members=3)
+    a.on_peer_terms({1: knows(0), 2: knows(0)})
+    a.on_greeting(greeting())
+    vote = only_reply(a.on_vote(VoteRequest(1), RecordEnd(0)))
+    assert isinstance(vote, VoteReply) and vote.granted
 
 
 def test_an_acceptor_with_a_data_directory_is_not_amnesic() -> None:
     a = Acceptor(1, configured(term=4), 0)
-    assert not a.amnesic and a.on_peer_terms({2: 7, 3: 7}) == []
+    assert not a.amnesic and a.on_peer_terms({2: knows(7), 3: knows(7)}) == []

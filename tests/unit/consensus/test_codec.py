@@ -20,7 +20,7 @@ from sidecar.consensus.codec import (
     encode,
     encode_append_parts,
 )
-from sidecar.consensus.limits import MAX_HISTORY, MAX_LSN, MAX_TERM, LimitError
+from sidecar.consensus.limits import MAX_MEMBERS, MAX_HISTORY, MAX_LSN, MAX_TERM, LimitError
 from sidecar.consensus.messages import (
     PROTOCOL_VERSION,
     SlotHold,
@@ -60,6 +60,8 @@ SAMPLES: list[Message] = [
     Greeting(PROTOCOL_VERSION, "proposer-1", 7301234567890123456, 1, 16 * 1024 * 1024, 150004),
     Greeting(PROTOCOL_VERSION, "", 0, 0, 0, 0),
     Greeting(PROTOCOL_VERSION, "prôposeur-東京-🐘", U64, U32, U32, U32),
+    Greeting(PROTOCOL_VERSION, "proposer-1", 7301234567890123456, 1, 16 * 1024 * 1024, 150004, 3),
+    Greeting(PROTOCOL_VERSION, "p", 1, 1, 1, 1, MAX_MEMBERS),
     GreetingReply(3, 17),
     GreetingReply(U64, MAX_TERM),
     GreetingReply(3, 17, 5433),
@@ -71,6 +73,8 @@ SAMPLES: list[Message] = [
     VoteReply(MAX_TERM, True, MAX_LSN, TERMS[:1], (), tail_lsn=MAX_LSN, tail_crc=0),
     VoteReply(5, True, 0x3000000, TERMS[:1], TIMELINES[:1], timeline=2),
     VoteReply(5, False, 0x3000000, TERMS[:1], (), timeline=1, fence=TimelineFence(9, 1, 0x3000000)),
+    VoteReply(7, False, 0x3000000, TERMS[:1], (), timeline=1, lost_disk_term=5),
+    VoteReply(MAX_TERM, False, 0, (), (), lost_disk_term=MAX_TERM),
     Elected(6, 0x3000000, ()),
     Elected(6, 0x3000000, TERMS),
     Elected(6, 0x3000000, TERMS, 1),
@@ -96,6 +100,9 @@ SAMPLES: list[Message] = [
               10 << 30, (SlotHold("standby", 1 << 20),), "000000020000000000000003"),
     InfoReply(2, 7301234567890123456, 16 * 1024 * 1024, 15, 2, 6, 6, 0x3000100, 0x3000000, False, 5433,
               fence=TimelineFence(5, 1, 0x3000000)),
+    InfoReply(2, 0, 0, 0, 0, 0, 0, 0, 0, False, members=3, amnesic=True),
+    InfoReply(2, 7301234567890123456, 16 * 1024 * 1024, 15, 2, 9, 6, 0x3000100, 0x3000000, True, 5433,
+              fence=TimelineFence(5, 1, 0x3000000), members=MAX_MEMBERS, lost_disk_term=MAX_TERM),
     AuthChallenge(bytes(range(32))),
     AuthChallenge(bytes(range(32)), b"\x30\x82" + b"c" * 600),
     AuthResponse(b"\x30\x82" + b"c" * 600, b"\xff" * 32, "sk1.internal", b"s" * 72, 5454),
@@ -423,7 +430,7 @@ def test_string_length_mismatch() -> None:
 def test_invalid_utf8() -> None:
     for raw in (b"\xff", b"ab\xc3", b"\xed\xa0\x80", b"\xc0\xaf"):
         rejected_everywhere(frame_of("x", struct.pack(">H", len(raw)) + raw), "not valid UTF-8")
-        greeting = struct.pack(">IQIIIH", PROTOCOL_VERSION, 1, 1, 1, 1, len(raw)) + raw
+        greeting = struct.pack(">IQIIIHH", PROTOCOL_VERSION, 1, 1, 1, 1, 3, len(raw)) + raw
         rejected_everywhere(frame_of("g", greeting), "proposer_id is not valid UTF-8")
 
 
@@ -490,6 +497,10 @@ def test_encode_rejects_values_that_do_not_fit(msg: Message) -> None:
         InfoReply(1, 1, 1, 1, 1, 1, MAX_TERM + 1, 0, 0, False),
         InfoReply(1, 1, 1, 1, 1, 1, 1, MAX_LSN + 1, 0, False),
         InfoReply(1, 1, 1, 1, 1, 1, 1, 0, MAX_LSN + 1, False),
+        InfoReply(1, 1, 1, 1, 1, 1, 1, 0, 0, False, members=MAX_MEMBERS + 1),
+        InfoReply(1, 1, 1, 1, 1, 1, 1, 0, 0, False, lost_disk_term=MAX_TERM + 1),
+        VoteReply(1, False, 0, (), (), lost_disk_term=MAX_TERM + 1),
+        Greeting(PROTOCOL_VERSION, "p", 1, 1, 1 << 24, 15, MAX_MEMBERS + 1),
     ],
     ids=repr,
 )
@@ -684,4 +695,13 @@ def test_protocol_version_1_peers_are_told_apart() -> None:
     rejected_everywhere(frame_of("I", v1_info), "protocol version 1 .*upgrade it")
     v1_greeting = struct.pack(">IQIIIH", 1, 1, 1, 1 << 24, 15, 1) + b"p"
     msg = decode(ord("g"), v1_greeting)
-    assert isinstance(msg, Greeting) and msg.protocol_version == 1 and PROTOCOL_VERSION == 3
+    assert isinstance(msg, Greeting) and msg.protocol_version == 1 and PROTOCOL_VERSION == 4
+
+
+def test_protocol_version_3_safekeepers_are_told_apart() -> None:
+    """A version 3 safekeeper's InfoReply (no member count, no lost disk) says it is older; its Greeting, from a
+    version 3 proposer, decodes to its version alone for the safekeeper to refuse by name."""
+    v3_info = struct.pack(">QQIIIQQQQBHQ", 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 5433, 0)
+    rejected_everywhere(frame_of("I", v3_info), "older version than 4 .*upgrade it")
+    v3_greeting = struct.pack(">IQIIIH", 3, 1, 1, 1 << 24, 15, 1) + b"p"
+    assert decode(ord("g"), v3_greeting) == Greeting(3, "", 0, 0, 0, 0)

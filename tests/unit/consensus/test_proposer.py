@@ -123,6 +123,35 @@ def test_elected_by_a_quorum_of_grants_only() -> None:
     assert p.phase is Phase.VERIFYING
 
 
+def test_a_vote_withheld_by_a_lost_disk_is_logged_not_counted_and_the_peer_joins_the_term() -> None:
+    """A safekeeper that lost its disk promises our term without granting it: we say so, win with the others,
+    and send it Elected so that it is caught up in our term."""
+    p = Proposer(config())
+    out = greet(p, {"a": 0, "b": 0, "c": 0})
+    assert Send("a", proposer_mod.Greeting(proposer_mod.PROTOCOL_VERSION, "p1", 42, 1, 16 * 1024 * 1024, 16, 3)) \
+        in p.peer_connected("a") and sends(out, VoteRequest)
+    greet(p, {"a": 0})
+    withheld = VoteReply(1, False, 0, (), (), lost_disk_term=7)
+    out = p.peer_message("a", withheld)
+    assert of(out, proposer_mod.VoteWithheld) == [proposer_mod.VoteWithheld("a", 1, 7)]
+    assert proposer_mod.VoteWithheld.level == "warning"
+    assert not of(p.peer_message("b", grant(1)), VerifyPrimary) and p.phase is Phase.VOTING
+    assert of(p.peer_message("c", grant(1)), VerifyPrimary)
+    out = p.primary_verified()
+    assert {s.peer for s in sends(out, Elected)} == {"a", "b", "c"}
+    assert of(p.peer_message("a", ElectedReply(1, BOOT)), proposer_mod.PeerJoined)
+
+
+def test_a_lost_disk_reconnecting_while_streaming_withholds_its_vote_and_is_sent_elected() -> None:
+    p, _ = streaming()
+    p.peer_disconnected("c")
+    out = p.peer_connected("c") + p.peer_message("c", GreetingReply(ord("c"), 0))
+    assert [s.message for s in sends(out, VoteRequest)] == [VoteRequest(1)]
+    out = p.peer_message("c", VoteReply(1, False, 0, (), (), lost_disk_term=1))
+    assert of(out, proposer_mod.VoteWithheld) and [s.peer for s in sends(out, Elected)] == ["c"]
+    assert p.phase is Phase.STREAMING and p.term == 1
+
+
 def test_higher_term_vote_reply_restarts_the_campaign_above_it() -> None:
     p = Proposer(config())
     greet(p, {"a": 0, "b": 0, "c": 0})

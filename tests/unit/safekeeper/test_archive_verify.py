@@ -14,7 +14,7 @@ from sidecar.lsn import segment_file_name
 from sidecar.archivedwal import wal_prefix
 from sidecar.safekeeper.backup import ArchiveOptions
 from sidecar.safekeeper.server import Safekeeper
-from support.helpers import run, until
+from support.helpers import created, run, until
 from support.serving import talking_to
 from support.walbuilder import WalBuilder
 
@@ -32,7 +32,7 @@ def wal() -> bytes:
 
 
 def safekeeper(tmp_path: Path, node_id: int, archive: Path, takeover: float = 30.0) -> Safekeeper:
-    return Safekeeper.open(node_id, tmp_path / f"sk{node_id}", "127.0.0.1", 0,
+    return Safekeeper.open(node_id, created(tmp_path / f"sk{node_id}", node_id), "127.0.0.1", 0,
                            archive=ArchiveOptions(f"file://{archive}", takeover=takeover))
 
 

@@ -17,6 +17,7 @@ from sidecar.lsn import WAL_PAGE_SIZE, format_lsn, segment_file_name
 from sidecar.safekeeper.storage import WalStorage
 from sidecar.safekeeper.walcheck import StartupError, record_end
 from support.walbuilder import DEFAULT_SYSID, WalBuilder
+from support.helpers import created
 
 SEG = 1 << 20
 
@@ -31,7 +32,7 @@ def stored(tmp_path: Path, wal: bytes, base: int, history: tuple[TermEntry, ...]
     state = AcceptorState(system_id=DEFAULT_SYSID, wal_seg_size=SEG, pg_version=15, timeline=1,
                           term=history[-1].term, term_history=history)
     save_control(tmp_path, ControlData(1, state))
-    sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 1)
+    sk = Safekeeper.open(1, created(tmp_path, 1), "127.0.0.1", 1)
     return sk
 
 
@@ -100,7 +101,7 @@ def refused(tmp_path: Path, *words: str) -> str:
     """Open the safekeeper, which must refuse; the message holds every one of `words`."""
     before = {d: files_of(d) for d in (tmp_path, tmp_path / "wal")}
     with pytest.raises(StartupError) as err:
-        Safekeeper.open(1, tmp_path, "127.0.0.1", 1)
+        Safekeeper.open(1, created(tmp_path, 1), "127.0.0.1", 1)
     msg = str(err.value)
     for w in words:
         assert w in msg, (w, msg)
@@ -115,7 +116,7 @@ def seg_path(wal: Path, segno: int, partial: bool = False) -> Path:
 
 def test_undamaged_wal_starts_and_records_the_checkpoint(tmp_path: Path) -> None:
     wal, b = damaged_dir(tmp_path)
-    sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 1)
+    sk = Safekeeper.open(1, created(tmp_path, 1), "127.0.0.1", 1)
     assert sk.acceptor.write_lsn == b.records[-1].end_lsn
     assert sk.storage.verified_lsn() == 5 * SEG
 
@@ -186,10 +187,10 @@ def test_the_chain_is_walked_from_the_checkpoint_only(tmp_path: Path) -> None:
     # Below the checkpoint only page headers are read again: a record flipped there after a
     # start that verified it is not found (the price of a fast start, see walcheck.py).
     wal, b = damaged_dir(tmp_path)
-    Safekeeper.open(1, tmp_path, "127.0.0.1", 1)
+    Safekeeper.open(1, created(tmp_path, 1), "127.0.0.1", 1)
     rec = next(r for r in b.records if r.lsn > 2 * SEG + SEG // 2)
     flip(seg_path(wal, 2), rec.lsn + 30 - 2 * SEG)
-    Safekeeper.open(1, tmp_path, "127.0.0.1", 1)
+    Safekeeper.open(1, created(tmp_path, 1), "127.0.0.1", 1)
     (tmp_path / "wal.verified").unlink()  # no checkpoint: everything is walked
     refused(tmp_path, f"CRC mismatch at {format_lsn(rec.lsn)}")
 
@@ -198,7 +199,7 @@ def test_a_torn_partial_tail_is_not_damage(tmp_path: Path) -> None:
     wal, b = damaged_dir(tmp_path)
     last = b.records[-1]
     flip(seg_path(wal, 5, partial=True), last.lsn + 30 - 5 * SEG)  # unsynced bytes a crash tore
-    sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 1)
+    sk = Safekeeper.open(1, created(tmp_path, 1), "127.0.0.1", 1)
     assert sk.acceptor.write_lsn == b.records[-2].end_lsn
 
 
@@ -215,7 +216,7 @@ def test_a_record_from_the_last_final_segment_torn_in_the_tail_is_not_damage(tmp
     save_control(tmp_path, ControlData(1, AcceptorState(system_id=DEFAULT_SYSID, wal_seg_size=SEG, pg_version=15,
                                                          timeline=1, term=1, term_history=(TermEntry(1, SEG),))))
     flip(tmp_path / "wal" / (segment_file_name(1, 3, SEG) + ".partial"), spanning.data_end - 3 * SEG - 10)
-    sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 1)
+    sk = Safekeeper.open(1, created(tmp_path, 1), "127.0.0.1", 1)
     assert sk.acceptor.write_lsn == spanning.lsn
 
 

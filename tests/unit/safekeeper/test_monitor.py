@@ -57,7 +57,7 @@ def test_status_is_the_view() -> None:
         "role": "safekeeper", "version": doc["version"], "id": 2, "listen": "127.0.0.1:7602", "insecure": False,
         "link_security": "tls", "system_id": "7301", "timeline": 2, "wal_seg_size": SEG, "pg_version": 15,
         "term": 5, "term_history": [[3, "0/1000000"], [5, "0/2000000"]], "elected_term": 5,
-        "learning_term_from_peers": 0, "flush_lsn": "0/2000200", "write_lsn": "0/2000300", "commit_lsn": "0/2000100",
+        "learning_term_from_peers": 0, "members": 0, "lost_disk_term": 0, "flush_lsn": "0/2000200", "write_lsn": "0/2000300", "commit_lsn": "0/2000100",
         "peer_horizon_lsn": "0/2000080", "backup_lsn": "0/2000000", "archiving": True, "archive_failing": True,
         "archive_mismatch": "000000010000000000000002",
         "proposer_connected": True, "fatal": None, "stopped": None,
@@ -78,8 +78,10 @@ def test_a_fresh_safekeeper_shows_no_identity() -> None:
 
 
 def test_an_empty_data_directory_shows_how_many_peers_it_waits_for() -> None:
-    doc = SafekeeperMonitor(Published(replace(VIEW, state=AcceptorState(), learning_term_from=2))).status()
-    assert doc["learning_term_from_peers"] == 2
+    doc = SafekeeperMonitor(Published(replace(VIEW, state=AcceptorState(), learning_term_from=2, members=3))).status()
+    assert (doc["learning_term_from_peers"], doc["members"]) == (2, 3)
+    doc = SafekeeperMonitor(Published(replace(VIEW, lost_disk_term=4))).status()
+    assert doc["lost_disk_term"] == 4
 
 
 def test_health_says_why_it_stopped_without_error_texts() -> None:

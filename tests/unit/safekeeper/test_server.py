@@ -22,7 +22,7 @@ from sidecar.safekeeper.server import Safekeeper
 from sidecar.safekeeper.storage import NoWal, WalStorage
 from sidecar.safekeeper.walcheck import StartupError
 from sidecar.linkauth import client_security, dial, server_security
-from support.helpers import run, until
+from support.helpers import created, run, until
 from support.serving import serving, talking_to
 from support.pki import TestPKI
 from support.walbuilder import WalBuilder
@@ -34,9 +34,10 @@ SYSID = 7_300_000_000_000_000_012
 # ---- one constructor: ready to serve, or a StartupError --------------------------------------------
 
 def test_a_fresh_data_dir_opens_ready_to_serve_without_a_wal_store(tmp_path: Path) -> None:
-    sk = Safekeeper.open(3, tmp_path, "127.0.0.1", 0)
+    sk = Safekeeper.open(3, created(tmp_path, 3), "127.0.0.1", 0)
     assert isinstance(sk.storage, NoWal) and not (tmp_path / "wal").exists()
-    assert sk.acceptor.state == AcceptorState() and sk.positions.value == Positions()
+    assert sk.acceptor.state == AcceptorState(members=3) and sk.positions.value == Positions()
+    assert not sk.acceptor.amnesic
     v = sk.view()
     assert (v.node_id, v.listen, v.link_security, v.stopped, v.proposer_connected) == \
         (3, "127.0.0.1:0", None, False, False)
@@ -45,20 +46,20 @@ def test_a_fresh_data_dir_opens_ready_to_serve_without_a_wal_store(tmp_path: Pat
 def test_a_state_built_before_a_newer_promise_is_never_saved_over_it(tmp_path: Path) -> None:
     """A state of term 3 to be saved after a vote saved term 4 (transitions are saved in order; this is the guard)."""
     from sidecar.safekeeper.control import load_control
-    sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
+    sk = Safekeeper.open(1, created(tmp_path, 1), "127.0.0.1", 0)
     old = AcceptorState(SYSID, SEG, 15, 1, 3, commit_lsn=5 * SEG)
     new = AcceptorState(SYSID, SEG, 15, 1, 4, commit_lsn=5 * SEG)
     sk._save(new)
     sk._save(old)
     assert load_control(tmp_path).state.term == 4
-    reopened = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
+    reopened = Safekeeper.open(1, created(tmp_path, 1), "127.0.0.1", 0)
     assert reopened.acceptor.state.term == 4
 
 
 def test_another_nodes_data_dir_is_a_startup_error_not_an_exit(tmp_path: Path) -> None:
     save_control(tmp_path, ControlData(2, AcceptorState()))
     with pytest.raises(StartupError, match="belongs to safekeeper 2, not 1"):
-        Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
+        Safekeeper.open(1, created(tmp_path, 1), "127.0.0.1", 0)
 
 
 def test_a_corrupt_control_file_is_refused(tmp_path: Path) -> None:
@@ -66,13 +67,13 @@ def test_a_corrupt_control_file_is_refused(tmp_path: Path) -> None:
     path = control_path(tmp_path)
     path.write_bytes(path.read_bytes()[:-3])
     with pytest.raises(ControlFileError):
-        Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
+        Safekeeper.open(1, created(tmp_path, 1), "127.0.0.1", 0)
 
 
 def test_an_invalid_segment_size_is_a_startup_error(tmp_path: Path) -> None:
     save_control(tmp_path, ControlData(1, AcceptorState(SYSID, 12345, 15, 1)))
     with pytest.raises(StartupError, match="holds an invalid value"):
-        Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
+        Safekeeper.open(1, created(tmp_path, 1), "127.0.0.1", 0)
 
 
 def test_an_unusable_data_dir_is_a_startup_error(tmp_path: Path) -> None:
@@ -91,7 +92,7 @@ def test_stored_wal_opens_at_the_end_of_its_last_record(tmp_path: Path) -> None:
     end = b.records[-1].end_lsn
     save_control(tmp_path, ControlData(1, AcceptorState(SYSID, SEG, 15, 1, term=2, term_history=(TermEntry(2, SEG),),
                                                         commit_lsn=end + 1000)))
-    sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
+    sk = Safekeeper.open(1, created(tmp_path, 1), "127.0.0.1", 0)
     try:
         assert isinstance(sk.storage, WalStorage) and sk.acceptor.write_lsn == end
         # commit_lsn is "acknowledged and present here": lowered to the WAL that survived
@@ -108,7 +109,7 @@ def test_positions_are_published_after_fsync_commit_and_cut(tmp_path: Path) -> N
     wal, ends = b.bytes(), [r.end_lsn for r in b.records]
 
     async def main() -> None:
-        sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
+        sk = Safekeeper.open(1, created(tmp_path, 1), "127.0.0.1", 0)
         flushed = asyncio.ensure_future(sk.positions.wait(lambda p: p.flush_lsn >= ends[-1]))
         committed = asyncio.ensure_future(sk.positions.wait(lambda p: p.commit_lsn >= ends[5]))
         async with talking_to(sk) as send:
@@ -143,7 +144,7 @@ def test_a_promoted_primary_s_timeline_is_persisted_and_laid_out_as_its_pg_wal(t
     switch = (TimelineEntry(1, end),)
 
     async def main() -> None:
-        sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
+        sk = Safekeeper.open(1, created(tmp_path, 1), "127.0.0.1", 0)
         async with talking_to(sk) as send:
             await send(Greeting(PROTOCOL_VERSION, "p", SYSID, 1, SEG, 15))
             await send(VoteRequest(1))
@@ -159,7 +160,7 @@ def test_a_promoted_primary_s_timeline_is_persisted_and_laid_out_as_its_pg_wal(t
     wal_dir = tmp_path / "wal"
     assert sorted(p.name for p in wal_dir.iterdir()) == ["00000002.history",
                                                          segment_file_name(2, 1, SEG) + ".partial"]
-    again = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
+    again = Safekeeper.open(1, created(tmp_path, 1), "127.0.0.1", 0)
     try:
         assert (again.reader_state().timeline, again.reader_state().history) == (2, switch)
         assert again.reader_state().flush_lsn == end
@@ -178,7 +179,7 @@ def test_a_stop_while_a_proposer_streams_ends_its_thread_before_the_storage_clos
     end = b.records[-1].end_lsn
 
     async def main() -> None:
-        sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
+        sk = Safekeeper.open(1, created(tmp_path, 1), "127.0.0.1", 0)
         server, port = await serving(sk)
         reader, writer = await framing.open_connection("127.0.0.1", port)
         for msg in (Greeting(PROTOCOL_VERSION, "p", SYSID, 1, SEG, 15), VoteRequest(1),
@@ -195,7 +196,7 @@ def test_a_stop_while_a_proposer_streams_ends_its_thread_before_the_storage_clos
 
     run(main())
     assert failures == []
-    again = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
+    again = Safekeeper.open(1, created(tmp_path, 1), "127.0.0.1", 0)
     try:
         assert again.acceptor.write_lsn == end
     finally:
@@ -209,7 +210,7 @@ def test_read_only_clients_cannot_take_the_proposers_places(tmp_path: Path, pki:
     from sidecar.safekeeper.budget import MAX_CONNECTIONS
 
     async def main() -> None:
-        sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 0, server_security(pki.certs("safekeeper", 1), "tls"))
+        sk = Safekeeper.open(1, created(tmp_path, 1), "127.0.0.1", 0, server_security(pki.certs("safekeeper", 1), "tls"))
         server, port = await serving(sk)
         client = client_security(pki.certs("client"), "tls")
         held, answered = [], 0
@@ -257,7 +258,7 @@ def test_no_descriptor_for_a_connection_marks_nothing_in_doubt(
         return real_accept(self)
 
     async def main() -> None:
-        sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
+        sk = Safekeeper.open(1, created(tmp_path, 1), "127.0.0.1", 0)
         async with talking_to(sk) as send:
             for msg in (Greeting(PROTOCOL_VERSION, "p", SYSID, 1, SEG, 15), VoteRequest(1),
                         Elected(1, SEG, (TermEntry(1, SEG),)), Append(1, SEG, 0, 0, b.bytes())):

@@ -27,7 +27,7 @@ from sidecar.consensus.messages import (
 )
 from sidecar.safekeeper import server
 from sidecar.safekeeper.server import Safekeeper
-from support.helpers import run, until
+from support.helpers import created, run, until
 from support.walbuilder import WalBuilder
 
 SEG = 1 << 20
@@ -158,7 +158,7 @@ def test_a_vote_reports_every_flush_acknowledged_before_it_took_effect(tmp_path:
     held = HeldScan(monkeypatch)
 
     async def main() -> None:
-        sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
+        sk = Safekeeper.open(1, created(tmp_path, 1), "127.0.0.1", 0)
         sk.acceptor_lock = lock = WatchedLock()  # type: ignore[assignment]
         a, b, serving = await _old_term_streaming(sk, wal, first)
         try:
@@ -186,7 +186,7 @@ def test_an_elected_keeps_every_flush_acknowledged_before_it_took_effect(tmp_pat
     held = HeldScan(monkeypatch)
 
     async def main() -> None:
-        sk = Safekeeper.open(1, tmp_path, "127.0.0.1", 0)
+        sk = Safekeeper.open(1, created(tmp_path, 1), "127.0.0.1", 0)
         sk.acceptor_lock = lock = WatchedLock()  # type: ignore[assignment]
         a, b, serving = await _old_term_streaming(sk, wal, first)
         try:

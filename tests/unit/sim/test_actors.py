@@ -52,7 +52,7 @@ def test_an_info_request_is_answered_by_the_acceptor() -> None:
     sk = w.by_name["sk2"]
     c = w.net.open("reader", "reader", None, sk, Role.CLIENT)
     assert w.sks.receive(c, InfoRequest())
-    assert list(c.to_prop) == [InfoReply(2, 0, 0, 0, 0, 0, 0, 0, 0, False)]
+    assert list(c.to_prop) == [InfoReply(2, 0, 0, 0, 0, 0, 0, 0, 0, False, members=3)]  # created with 3 members
 
 
 def test_an_action_the_simulator_does_not_know_stops_the_run(monkeypatch: pytest.MonkeyPatch) -> None:

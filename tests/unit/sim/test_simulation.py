@@ -316,6 +316,13 @@ def test_a_lost_disk_votes_twice_without_the_amnesia_rule() -> None:
                                           "2 safekeepers agree below their commit_lsn")
 
 
+def test_a_lost_disk_loses_an_acknowledged_commit_without_the_later_term_rule() -> None:
+    """A commit acknowledged by {sk1, sk2}; sk1's disk is lost and it learns its term; voting at once with an
+    empty WAL, it elects with a peer that lacks the commit a donor without it."""
+    cfg = SimConfig(later_term_rule=False, disk_losses=1.0)
+    assert _found(300, cfg).invariant.startswith(("1 ", "2 "))
+
+
 def test_lost_disks_with_the_amnesia_rule_are_safe() -> None:
     out = first_violation(range(150), SimConfig(disk_losses=1.0))
     assert out is None, report_failure(out, SimConfig())
