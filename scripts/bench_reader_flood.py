@@ -30,7 +30,9 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psycopg
 from psycopg.conninfo import make_conninfo
@@ -73,16 +75,18 @@ class Flood:
             for j in range(readers):
                 self._thread(f"reader-{i}-{j}", self._reader, address, start)
 
-    def _thread(self, name: str, target, *args) -> None:  # noqa: ANN001
+    def _thread(self, name: str, target: Callable[..., str], *args: Any) -> None:
         self.pending.add(name)
         self.threads.append(threading.Thread(target=self._run, args=(name, target, *args), name=name, daemon=True))
 
-    def _run(self, name: str, target, *args) -> None:  # noqa: ANN001
+    def _run(self, name: str, target: Callable[..., str], *args: Any) -> None:
+        """Repeat `target` until stopped, counting what each attempt came to (its return, or its error)."""
         while not self.stop.is_set():
             try:
                 kind = target(*args)
             except (OSError, psycopg.Error, ReaderError) as e:
-                kind = f"unexpected {type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e).strip() else ''}"
+                first_line = (str(e).strip().splitlines() or [""])[0][:120]
+                kind = f"unexpected {type(e).__name__}: {first_line}"
                 self.stop.wait(0.05)  # a port that is down is not spun on
             with self.lock:
                 self.counts[kind] += 1
