@@ -600,17 +600,15 @@ def measured_pgbench(setup: Setup, clients: int, duration: float, profile_prefix
     return data
 
 
-def first_stored_lsn(wal_dir: Path, seg_size: int) -> int:
-    """The start of the oldest segment file in a safekeeper's WAL directory."""
+def first_stored_lsn(wal_dir: Path, seg_size: int) -> int | None:
+    """The start of the oldest segment file in a safekeeper's WAL directory; None before it has one."""
     segnos = []
-    for f in wal_dir.iterdir():
+    for f in wal_dir.iterdir() if wal_dir.is_dir() else ():
         try:
             segnos.append(parse_segment_file_name(f.name, seg_size)[1])
         except ValueError:
             continue  # .history files, the spare segment
-    if not segnos:
-        raise BenchError(f"no WAL segment in {wal_dir}")
-    return min(segnos) * seg_size
+    return min(segnos) * seg_size if segnos else None
 
 
 class ReaderFlood:
@@ -624,9 +622,15 @@ class ReaderFlood:
         ports = [m for m in d.members.values() if isinstance(m, SafekeeperMember) and m.reader_address is not None]
         if not ports or d.reader_passfile is None:
             raise BenchError(f"{FLOOD} needs safekeepers with reader ports")
+        # Right after the build a safekeeper outside the first quorum may not have joined the term yet.
+        def stored() -> list[int] | None:
+            lsns = [first_stored_lsn(m.data_dir / "wal", seg) for m in ports]
+            return [lsn for lsn in lsns if lsn is not None] if None not in lsns else None
+
+        starts = wait_until(stored, 120, "every safekeeper to store WAL")
         argv = [sys.executable, str(FLOOD_SCRIPT), "--passfile", str(d.reader_passfile)]
-        for m in ports:
-            argv += ["--port", f"{m.reader_address}@{format_lsn(first_stored_lsn(m.data_dir / 'wal', seg))}"]
+        for m, start in zip(ports, starts):
+            argv += ["--port", f"{m.reader_address}@{format_lsn(start)}"]
         if (certs := d.certs_dir("flood", "client")) is not None:
             argv += ["--certs-dir", str(certs)]
         self.log_path = setup.base / "reader-flood.log"
