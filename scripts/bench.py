@@ -19,6 +19,11 @@ Rounds are interleaved (A B C D, A B C D, ...); each configuration starts from a
 of a template cluster (one per pgbench scale, each built once per run). Workloads:
 
 * pgbench-1             pgbench TPC-B, 1 client: latency, CPU per transaction (= per commit round trip)
+* pgbench-1-reader-flood  pgbench-1 while scripts/bench_reader_flood.py, a process of its own (not pinned),
+                        floods every safekeeper's reader port: strangers repeating SSLRequest, TLS handshake and
+                        a garbage startup or a wrong password, and authenticated readers streaming the WAL from
+                        its start, again and again. Reported over pgbench-1's mean latency, with the flood's own
+                        CPU; the two alternate which runs first, round by round
 * pgbench-16            16 clients: TPS, CPU per transaction
 * pgbench-16-one-down   16 clients with one receiver stopped (native-quorum: a pg_receivewal;
                         walsidecar: a safekeeper), TPS; restarted and level again before the next
@@ -48,6 +53,7 @@ import json
 import os
 import platform
 import re
+import select
 import shutil
 import signal
 import statistics
@@ -68,7 +74,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "scripts"))  # bench_wal_analytics
 
-from sidecar.lsn import parse_lsn  # noqa: E402
+from sidecar.lsn import format_lsn, parse_lsn, parse_segment_file_name  # noqa: E402
 from sidecar.pgcluster import ClusterError, LocalCluster, find_bin_dir  # noqa: E402
 from sidecar.deployment import (  # noqa: E402
     DeploymentError, LocalDeployment, MemberExited, ProcessMember, SafekeeperMember, free_port,
@@ -84,10 +90,13 @@ FLOOR_SOURCE = ROOT / "scripts" / "floor_safekeeper.c"
 DEFAULT_CONFIGS = tuple(c for c in CONFIGS if c != FLOOR)  # the floor only when --only names it
 ONE_DOWN = "pgbench-16-one-down"
 CONTENDED = "pgbench-16-contended"
-WORKLOADS = ("pgbench-1", "pgbench-16", ONE_DOWN, "bulk", "catchup", CONTENDED, "wal-analytics")
+FLOOD = "pgbench-1-reader-flood"
+FLOOD_SCRIPT = ROOT / "scripts" / "bench_reader_flood.py"
+WORKLOADS = ("pgbench-1", FLOOD, "pgbench-16", ONE_DOWN, "bulk", "catchup", CONTENDED, "wal-analytics")
 # A receiver can be down without stopping commits. Not the floor: a restarted stand-in is empty and has
 # no reader port to catch up from.
 QUORUM_CONFIGS = ("native-quorum", *(c for c in SIDECAR_CONFIGS if c != FLOOR))
+READER_CONFIGS = tuple(c for c in SIDECAR_CONFIGS if c != FLOOR)  # safekeepers with a reader port
 CONTENDED_SCALE = 10  # ten branch rows: sixteen clients queue behind their row locks
 SIDECAR_APP = "walsidecar"
 MB, GB = 1_000_000, 1_000_000_000
@@ -578,13 +587,113 @@ def measured_pgbench(setup: Setup, clients: int, duration: float, profile_prefix
     """pgbench with the receivers' CPU time per transaction (and py-spy on them with --profile)."""
     prof = Profiler(setup.measured_pids(), profile_prefix, gil) if profile_prefix else None
     meter = Meter(setup.measured_pids())
+    t0 = time.monotonic()
     try:
         data = pgbench(setup, clients, duration, setup.base / "pgbench")
     finally:
         if prof:
             prof.stop()
+    elapsed = time.monotonic() - t0
     setup.check_alive()
-    per_txn(data, meter.finish())
+    usage = meter.finish()
+    per_txn(data, usage)
+    safekeepers = [u["cpu_s"] for name, u in usage.items() if name.startswith("safekeeper")]
+    if safekeepers:
+        data["safekeepers_cpu_cores"] = round(sum(safekeepers) / elapsed, 3)
+    return data
+
+
+def first_stored_lsn(wal_dir: Path, seg_size: int) -> int | None:
+    """The start of the oldest segment file in a safekeeper's WAL directory; None before it has one."""
+    segnos = []
+    for f in wal_dir.iterdir() if wal_dir.is_dir() else ():
+        try:
+            segnos.append(parse_segment_file_name(f.name, seg_size)[1])
+        except ValueError:
+            continue  # .history files, the spare segment
+    return min(segnos) * seg_size if segnos else None
+
+
+class ReaderFlood:
+    """scripts/bench_reader_flood.py against every safekeeper's reader port: a process of its own, not pinned
+    (with --pin it may run on every CPU), at the usual priority, as an attacker on the same host would."""
+
+    def __init__(self, setup: Setup) -> None:
+        d = setup.d
+        with setup.sql() as c:
+            seg = int(c.execute("SELECT setting FROM pg_settings WHERE name = 'wal_segment_size'").fetchone()[0])
+        ports = [m for m in d.members.values() if isinstance(m, SafekeeperMember) and m.reader_address is not None]
+        if not ports or d.reader_passfile is None:
+            raise BenchError(f"{FLOOD} needs safekeepers with reader ports")
+        # Right after the build a safekeeper outside the first quorum may not have joined the term yet.
+        def stored() -> list[int] | None:
+            lsns = [first_stored_lsn(m.data_dir / "wal", seg) for m in ports]
+            return [lsn for lsn in lsns if lsn is not None] if None not in lsns else None
+
+        starts = wait_until(stored, 120, "every safekeeper to store WAL")
+        argv = [sys.executable, str(FLOOD_SCRIPT), "--passfile", str(d.reader_passfile)]
+        for m, start in zip(ports, starts):
+            argv += ["--port", f"{m.reader_address}@{format_lsn(start)}"]
+        if (certs := d.certs_dir("flood", "client")) is not None:
+            argv += ["--certs-dir", str(certs)]
+        self.log_path = setup.base / "reader-flood.log"
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
+                                         text=True, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait_ready(self, timeout: float) -> None:
+        """Until every stranger was answered once and every reader made a pass."""
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if line.strip() != "ready":
+            self.stop()
+            raise BenchError(f"the reader flood did not start within {timeout:.0f} s (exit {self.proc.poll()}):\n"
+                             f"{line}{self.log_path.read_text(errors='replace')[-2000:]}")
+
+    def stop(self) -> dict[str, Any]:
+        """Stop it (SIGTERM): what it did, from its last line."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = self.proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+        lines = out.strip().splitlines()
+        try:
+            return json.loads(lines[-1]) if lines else {}
+        except ValueError:
+            return {}
+
+
+def flooded_pgbench(setup: Setup, duration: float, profile_prefix: Path | None, gil: bool = False) -> dict[str, Any]:
+    """pgbench-1 while the reader flood runs; the flood's own CPU over the same window."""
+    flood = ReaderFlood(setup)
+    try:
+        flood.wait_ready(timeout=120)
+        meter = Meter({"flood": flood.pid})
+        t0 = time.monotonic()
+        data = measured_pgbench(setup, 1, duration, profile_prefix, gil)
+        elapsed = time.monotonic() - t0
+        usage = meter.finish()["flood"]
+    finally:
+        stats = flood.stop()
+    if not stats:
+        raise BenchError(f"the reader flood said nothing at its end:\n{flood.log_path.read_text(errors='replace')[-2000:]}")
+    counts: dict[str, int] = stats["counts"]
+    refused = sum(n for kind, n in counts.items() if kind.startswith(("garbage startup", "wrong password: refused")))
+    data["flood"] = {
+        "cpu_s": usage["cpu_s"], "cpu_cores": round(usage["cpu_s"] / elapsed, 3), "seconds": round(elapsed, 3),
+        "refused_per_s": round(refused / stats["seconds"], 1),
+        "read_mb_s": round(stats["read_bytes"] / MB / stats["seconds"], 1),
+        "counts": counts, "ports": stats["ports"], "strangers_per_port": stats["strangers_per_port"],
+        "readers_per_port": stats["readers_per_port"],
+    }
     return data
 
 
@@ -736,10 +845,15 @@ def run_workloads(s: Settings, setup: Setup, rnd: int, workloads: tuple[str, ...
 
     prof_dir = s.out / "profile" / config if s.profile and config in SIDECAR_CONFIGS else None
     gil = s.profile == "gil"
+    if rnd % 2 == 0 and "pgbench-1" in workloads and FLOOD in workloads:
+        # With and without the flood take turns at running first: neither always has the fresher tables.
+        workloads = tuple(FLOOD if w == "pgbench-1" else "pgbench-1" if w == FLOOD else w for w in workloads)
     for workload in workloads:
         prof = prof_dir / f"r{rnd}-{workload.replace('-', '', 1)}" if prof_dir else None  # r1-pgbench16-...
         if workload in ("pgbench-1", "pgbench-16", CONTENDED):
             record(workload, measured_pgbench(setup, 1 if workload == "pgbench-1" else 16, s.duration, prof, gil))
+        elif workload == FLOOD and config in READER_CONFIGS:
+            record(workload, flooded_pgbench(setup, s.duration, prof, gil))
         elif workload == ONE_DOWN and config in QUORUM_CONFIGS:
             record(workload, pgbench_one_down(setup, s.duration, prof, gil))
         elif workload == "bulk":
@@ -776,9 +890,11 @@ def wal_analytics(wal_dir: Path, log: Callable[[str], None]) -> list[dict[str, A
 
 def summary(row: dict[str, Any]) -> str:
     keys = ("victim", "tps", "latency_mean_ms", "latency_p99_ms", "commit_mean_ms", "receivers_cpu_ms_per_txn",
-            "sidecar_cpu_ms_per_txn", "wal_mb_s", "sidecar_cpu_s_per_gb",
+            "sidecar_cpu_ms_per_txn", "safekeepers_cpu_cores", "wal_mb_s", "sidecar_cpu_s_per_gb",
             "sidecar_peak_rss_mb", "all_receivers_cpu_s_per_gb", "catchup_mb_s", "sidecar_peak_rss_mb_dead")
-    return "  ".join(f"{k}={row[k]}" for k in keys if row.get(k) is not None)
+    flood = row.get("flood") or {}
+    return "  ".join([f"{k}={row[k]}" for k in keys if row.get(k) is not None]
+                     + [f"flood_{k}={flood[k]}" for k in ("cpu_cores", "refused_per_s", "read_mb_s") if k in flood])
 
 
 def run(s: Settings) -> dict[str, Any]:
@@ -852,6 +968,21 @@ METRICS = (
     Metric("pgbench 1 client: TPS", "pgbench-1", "tps", True, 0),
     Metric("pgbench 1 client: sidecar (proposer) CPU ms per transaction", "pgbench-1", "sidecar_cpu_ms_per_txn",
            False, 3, SIDECAR_CONFIGS),
+    Metric("pgbench 1 client: safekeepers' CPU (cores)", "pgbench-1", "safekeepers_cpu_cores", False, 2,
+           READER_CONFIGS),
+    Metric("pgbench 1 client, reader-port flood: mean latency (ms)", FLOOD, "latency_mean_ms", False, 3,
+           READER_CONFIGS),
+    Metric("pgbench 1 client, reader-port flood: p99 latency (ms)", FLOOD, "latency_p99_ms", False, 3,
+           READER_CONFIGS),
+    Metric("1 client: mean latency with a reader-port flood ÷ without", FLOOD, "latency_mean_ms", False, 2,
+           READER_CONFIGS, over="pgbench-1"),
+    Metric("pgbench 1 client, reader-port flood: safekeepers' CPU (cores)", FLOOD, "safekeepers_cpu_cores", False,
+           2, READER_CONFIGS),
+    Metric("reader-port flood: the flood's own CPU (cores)", FLOOD, "flood.cpu_cores", False, 2, READER_CONFIGS),
+    Metric("reader-port flood: logins refused per second, all ports", FLOOD, "flood.refused_per_s", True, 0,
+           READER_CONFIGS),
+    Metric("reader-port flood: WAL MB/s its readers read, all ports", FLOOD, "flood.read_mb_s", True, 0,
+           READER_CONFIGS),
     Metric("pgbench 16 clients: TPS", "pgbench-16", "tps", True, 0),
     Metric("pgbench 16 clients: mean latency (ms)", "pgbench-16", "latency_mean_ms", False, 2),
     Metric("pgbench 16 clients: CPU ms per transaction, all receivers", "pgbench-16", "receivers_cpu_ms_per_txn",
@@ -984,6 +1115,9 @@ def goals(report: dict[str, Any]) -> list[str]:
         (f"pgbench scale {settings['scale']}, 16 clients: TPS ÷ native-quorum", "≥", 1.1, "", ratio(tps16)),
         ("1 client: mean latency ÷ native-quorum", "≤", 1.1, "", ratio("pgbench 1 client: mean latency (ms)")),
         ("1 client: p99 latency ÷ native-quorum", "≤", 0.8, "", ratio("pgbench 1 client: p99 latency (ms)")),
+        ("1 client: mean latency with a reader-port flood ÷ without", "≤", 1.1, "",
+         ratio("pgbench 1 client, reader-port flood: mean latency (ms)", "pgbench 1 client: mean latency (ms)",
+               "walsidecar")),
         ("16 clients: CPU per transaction, all receivers ÷ native-quorum", "≤", 1.5, "",
          ratio("pgbench 16 clients: CPU ms per transaction, all receivers")),
         ("sidecar CPU per commit round trip (1 client)", "≤", 0.1, " ms",
@@ -1074,7 +1208,7 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     p.add_argument("--duration", type=float, help="seconds per pgbench run (default 30; 2 with --quick)")
     p.add_argument("--only", default="", help="comma-separated configurations and/or workloads to run "
                    f"(configurations: {', '.join(CONFIGS)}; workloads: {', '.join(WORKLOADS)}); {ONE_DOWN} "
-                   "brings pgbench-16, what its TPS is divided by")
+                   f"brings pgbench-16, what its TPS is divided by, and {FLOOD} brings pgbench-1")
     p.add_argument("--quick", action="store_true", help="a small run (about a minute) that checks the harness")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="where results go (default bench-results)")
     p.add_argument("--scale", type=int, help="pgbench scale (default 20; 1 with --quick)")
@@ -1116,6 +1250,8 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     default = tuple(w for w in WORKLOADS if not (a.quick and w == "wal-analytics"))
     if ONE_DOWN in only:
         only.append("pgbench-16")
+    if FLOOD in only:
+        only.append("pgbench-1")
     s.workloads = tuple(w for w in WORKLOADS if w in only) or default
     if s.rounds < 1 or s.duration <= 0 or s.scale < 1 or s.contended_scale < 1:
         p.error("--rounds, --duration, --scale and --contended-scale must be positive")

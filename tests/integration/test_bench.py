@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +79,36 @@ def test_floor_safekeepers_carry_the_sidecar(test_dir: Path) -> None:
     assert (row["config"], row["workload"]) == ("walsidecar-floor", "pgbench-1")
     assert row["transactions"] > 0 and set(row["processes"]) == {"safekeeper1", "safekeeper2", "safekeeper3",
                                                                   "proposer"}
+
+
+def test_reader_flood_is_measured_beside_pgbench_1_as_a_ratio(test_dir: Path) -> None:
+    """pgbench-1-reader-flood: strangers and readers on every reader port while pgbench-1 runs; the report holds
+    the ratio of the mean latencies and the flood's own CPU."""
+    # Two rounds: the second runs the flood first, right after the build.
+    proc, out = quick_bench(test_dir, "--only", "walsidecar,pgbench-1-reader-flood", "--rounds", "2", timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = json.loads((out / "results.json").read_text())["rounds"]
+    assert [(r["round"], r["workload"]) for r in rows] == [
+        (1, "pgbench-1"), (1, "pgbench-1-reader-flood"), (2, "pgbench-1-reader-flood"), (2, "pgbench-1")]
+    for flooded in (r for r in rows if r["workload"] == "pgbench-1-reader-flood"):
+        assert flooded["transactions"] > 0 and flooded["safekeepers_cpu_cores"] > 0
+        flood = flooded["flood"]
+        assert flood["ports"] == 3 and flood["cpu_s"] > 0 and flood["read_mb_s"] > 0
+        counts = flood["counts"]
+        # Every kind happened, and the safekeepers answered each as the flood meant: a FATAL for the garbage,
+        # a refused password; nobody logged in with the wrong one.
+        assert counts.get("garbage startup: FATAL", 0) > 0, counts
+        assert counts.get("wrong password: refused", 0) > 0, counts
+        assert counts.get("reader pass", 0) >= 3, counts
+        assert "wrong password: logged in" not in counts, counts
+
+    table = (out / "results.md").read_text()
+    cells = {r[0]: r for r in ([c.strip() for c in line.strip("|").split("|")]
+                               for line in table.splitlines() if line.startswith("|"))}
+    head = cells["metric (median of rounds)"]
+    ratio = float(cells["1 client: mean latency with a reader-port flood ÷ without"][head.index("walsidecar")])
+    means = {w: statistics.median(r["latency_mean_ms"] for r in rows if r["workload"] == w)
+             for w in ("pgbench-1", "pgbench-1-reader-flood")}
+    assert ratio == pytest.approx(means["pgbench-1-reader-flood"] / means["pgbench-1"], abs=0.006)
+    assert float(cells["reader-port flood: the flood's own CPU (cores)"][head.index("walsidecar")]) > 0
+    assert "1 client: mean latency with a reader-port flood ÷ without ≤ 1.1" in table
