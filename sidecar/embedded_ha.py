@@ -311,6 +311,8 @@ tags:
         """Patroni stops its PostgreSQL (fast) on SIGTERM; the follower stops the sidecar."""
         self.wanted = False
         was = self.running
+        if self.patroni is not None:
+            self.patroni.send_signal(signal.SIGCONT)  # one stopped by lose_patroni(SIGSTOP) must run to stop
         for child in (self.follower, self.patroni):
             if child is not None and child.running:
                 child.stop(timeout=timeout)
@@ -333,6 +335,18 @@ tags:
             if child is not None:
                 child.kill()  # reaps it
         self.ha.d.note("node killed", node=self.name, pids=pids)
+
+    def lose_patroni(self, sig: int = signal.SIGKILL) -> None:
+        """Only Patroni gets `sig`: SIGKILL as a crashed Patroni, SIGSTOP as a stuck one. Its PostgreSQL (started
+        in a session of its own, not Patroni's child), the backends and the follower with its sidecar go on, so a
+        leader keeps taking writes while its key expires and the other node's gate fences it (docs/ha.md). `kill`
+        then ends what is left, as after a host loss."""
+        self.wanted = False  # its Patroni is gone on purpose: wait_leader must not take that for a failure
+        if self.patroni is not None and self.patroni.running:
+            self.patroni.send_signal(sig)
+        self.ha.d.note("node's Patroni lost; its PostgreSQL and sidecar run on", node=self.name,
+                       signal=signal.Signals(sig).name, patroni_pid=self.patroni.pid if self.patroni else None,
+                       postmaster_pid=self.postmaster_pid())
 
     def close(self) -> None:
         self.stop(timeout=30)
