@@ -12,7 +12,10 @@ primary and a new standby from a base backup of it, and times the primary's deat
 acknowledged commit. A failover-live round runs `walsidecar failover` while the old primary and its
 sidecar stay alive and keep taking writes, points the writers at the new primary and starts its sidecar,
 and kills the old side only then: every commit either primary acknowledged must be on the new one (a
-failover that refuses promotes nothing, and the old side must go on working). An archive-corruption
+failover that refuses promotes nothing, and the old side must go on working). `--kinds ha` and `ha-live`
+run under Patroni instead (scripts/chaos_ha.py): the leader's whole node killed, or, failover-live's form
+there, only its Patroni, so that Patroni promotes the other node through `walsidecar failover-gate` while
+the old primary and its sidecar keep taking writes. An archive-corruption
 round (the safekeepers then archive to a file:// directory, or to S3 on a moto_server) plants a same-size object of wrong bytes under the name of the segment the
 primary is writing, before it can be uploaded, and flips a byte in a segment already archived; each
 must be named (`check`, `verify-archive`), and no safekeeper may remove a segment whose archived
@@ -69,6 +72,9 @@ PROGRESS_WRITES = 50  # acknowledged writes that prove commits flow
 ACTIONS = ("safekeeper", "sidecar", "primary")  # the default kinds of round
 KINDS = (*ACTIONS, "partition", "failover", "failover-live", "archive-corruption")
 FAILOVER_KINDS = ("failover", "failover-live")  # the kinds that need a standby
+# Under Patroni (scripts/chaos_ha.py), a deployment of its own: `ha` kills the leader's whole node, `ha-live` is
+# failover-live's form there (only the leader's Patroni lost, its primary taking writes while the gate promotes).
+HA_KINDS = ("ha", "ha-live")
 # Seconds verify-archive (Spark, started once at the end) may take: a minute or two on a loaded 2-core machine.
 VERIFY_TIMEOUT = 900
 PARTITION_HOLD = (1.0, 4.0)  # seconds two safekeepers stay cut off, while no commit may be acknowledged
@@ -979,8 +985,10 @@ def _raise_interrupted(signum: int, frame: object) -> None:
 @click.option("--round-timeout", type=click.FloatRange(min=1), default=120, show_default=True,
               help="Seconds a round may take to recover before it counts as a failure.")
 @click.option("--kinds", default=",".join(ACTIONS), show_default=True,
-              help=f"Comma-separated kinds of round to choose from: {', '.join(KINDS)}; or `ha` alone: "
-                   "leader kills under Patroni, failed over automatically (scripts/chaos_ha.py). "
+              help=f"Comma-separated kinds of round to choose from: {', '.join(KINDS)}; or, under Patroni "
+                   "(scripts/chaos_ha.py, not mixed with those), `ha` (the leader's whole node SIGKILLed, failed over "
+                   "automatically) and `ha-live` (failover-live under Patroni: only the leader's Patroni killed or "
+                   "stopped, the old primary and its sidecar taking writes while the gate promotes the other node). "
                    "`partition` runs each safekeeper in a network namespace of its own (needs root and iproute2).")
 @click.option("--keep", is_flag=True, help="Keep the data directory even when every check passes.")
 @click.option("--link-security", type=click.Choice(["tls", "auth-only"]), default="tls", show_default=True,
@@ -1000,11 +1008,16 @@ def main(rounds: int, seed: int | None, base_dir: Path | None, writers: int, rou
     Exits 0 when every check passed, 1 on a lost write, a WAL mismatch, a segment removed without its
     archived copy or a failed round.
     """
-    if kinds == "ha":
-        # Under Patroni the deployment is another one (scripts/chaos_ha.py): leader kills, automatic failover.
+    ha_kinds = tuple(dict.fromkeys(k.strip() for k in kinds.split(",") if k.strip() in HA_KINDS))
+    if ha_kinds:
+        # Under Patroni the deployment is another one (scripts/chaos_ha.py): automatic failovers.
+        others = [k.strip() for k in kinds.split(",") if k.strip() and k.strip() not in HA_KINDS]
+        if others:
+            raise click.BadParameter(f"{', '.join(ha_kinds)} run under Patroni, in a deployment of their own: not "
+                                     f"with {', '.join(others)}", param_hint="--kinds")
         sys.path.insert(0, str(REPO / "scripts"))
         from chaos_ha import run as run_ha
-        sys.exit(run_ha(rounds, seed, base_dir, writers, round_timeout, keep, json_file))
+        sys.exit(run_ha(rounds, seed, base_dir, writers, round_timeout, keep, json_file, ha_kinds))
     chosen = parse_kinds(kinds)
     partitions = "partition" in chosen
     if partitions and (reason := netns.unavailable()):
