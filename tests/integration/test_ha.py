@@ -3,7 +3,9 @@
 A host loss of the leader (`ctl kill`, every process of the node at once) under a ledger workload:
 Patroni promotes the other node through `walsidecar failover-gate`, which holds every acknowledged
 row, and the old node rejoins as a replica (pg_rewind). And the gate's veto: with a safekeeper majority
-down it cannot fence, exits non-zero, and Patroni keeps the candidate a replica.
+down it cannot fence, exits non-zero, and Patroni keeps the candidate a replica. And a short run of
+`scripts/chaos.py --kinds ha-live`: Patroni promotes the other node through the gate while the old leader's
+PostgreSQL and sidecar still take writes.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -27,6 +30,8 @@ from support.installed import installed_command
 from support.procs import ManagedProcess, ProcessTracker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+CHAOS = Path(__file__).resolve().parents[2] / "scripts" / "chaos.py"
 
 
 def require_patroni() -> None:
@@ -261,3 +266,29 @@ def test_a_replica_that_fell_behind_gets_the_rest_from_the_safekeepers_when_its_
     assert re.search(r"wrote [0-9A-F]{24} into the standby's pg_wal", gate), gate[-4000:]
     up.stop()
     no_tracebacks(up)
+
+
+def test_failover_live_under_patroni_loses_nothing_the_old_leader_acknowledged(test_dir: Path) -> None:
+    # `chaos.py --kinds ha-live`: only the leader's Patroni is lost (seed 1: SIGKILL in round 1, SIGSTOP in round 2
+    # with a safekeeper down), so its PostgreSQL and sidecar go on taking the writers' commits while Patroni
+    # promotes the other node through failover-gate. Whatever the old primary acknowledged must be on the new
+    # leader, and it may acknowledge nothing after the promotion: the gate's fence ended its timeline, and its
+    # sidecar must stop (LineageFenced). Without the fence (lineage.fenced_out answering None) the old sidecar
+    # wins the next term and its primary's commits, acknowledged after the gate's E, are missing on the new
+    # leader: round 1 ends with "476 of 7789 acknowledged writes are missing on node2", old_acks=475.
+    require_patroni()
+    installed_command()
+    base = test_dir / "chaos-ha"
+    out = subprocess.run([sys.executable, str(CHAOS), "--kinds", "ha-live", "--rounds", "2", "--seed", "1",
+                          "--writers", "2", "--dir", str(base)],
+                         check=False, capture_output=True, text=True, timeout=840, stdin=subprocess.DEVNULL)
+    report = f"stdout:\n{out.stdout}\nstderr:\n{out.stderr[-6000:]}"
+    summary = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+    fields = dict(re.findall(r"(\w+)=(\S+)", summary))
+    assert summary.startswith("chaos ha:"), report
+    assert fields["lost"] == "0" and fields["old_acks"] == "0", report
+    assert fields["rounds"] == "2" and fields["promotions"] == "2", report
+    assert fields["old_alive"] == "2", report  # each promotion happened while the old primary took writes
+    assert int(fields["acknowledged"]) > 0, report
+    assert fields["result"] == "ok" and out.returncode == 0, report
+    assert not base.exists(), "the data directory is removed after a passing run"
