@@ -1013,8 +1013,8 @@ def main(rounds: int, seed: int | None, base_dir: Path | None, writers: int, rou
         # Under Patroni the deployment is another one (scripts/chaos_ha.py): automatic failovers.
         others = [k.strip() for k in kinds.split(",") if k.strip() and k.strip() not in HA_KINDS]
         if others:
-            raise click.BadParameter(f"{', '.join(ha_kinds)} run under Patroni, in a deployment of their own: not "
-                                     f"with {', '.join(others)}", param_hint="--kinds")
+            raise click.BadParameter(f"the Patroni kinds ({', '.join(HA_KINDS)}) run in a deployment of their own: "
+                                     f"not with {', '.join(others)}", param_hint="--kinds")
         sys.path.insert(0, str(REPO / "scripts"))
         from chaos_ha import run as run_ha
         sys.exit(run_ha(rounds, seed, base_dir, writers, round_timeout, keep, json_file, ha_kinds))
