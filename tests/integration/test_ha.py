@@ -275,7 +275,7 @@ def test_failover_live_under_patroni_loses_nothing_the_old_leader_acknowledged(t
     # leader, and it may acknowledge nothing after the promotion: the gate's fence ended its timeline, and its
     # sidecar must stop (LineageFenced). Without the fence (lineage.fenced_out answering None) the old sidecar
     # wins the next term and its primary's commits, acknowledged after the gate's E, are missing on the new
-    # leader: round 1 ends with "476 of 7789 acknowledged writes are missing on node2", old_acks=475.
+    # leader: round 1 ends with "508 of 22883 acknowledged writes are missing on node2", old_acks=510.
     require_patroni()
     installed_command()
     base = test_dir / "chaos-ha"
