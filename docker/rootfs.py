@@ -31,7 +31,7 @@ PG_UID = 999          # the postgres user in the image (the official postgres im
 APP_UID = 10001       # the walsidecar user in the image (docker/Dockerfile)
 SHARED_OBJECT = re.compile(r"\.so(\.[0-9.]+)?$")
 PG_CLIENT_TOOLS = ("psql", "pg_waldump", "pg_isready")
-TOOLS = ("dash", "rm", "cat", "ls", "mkdir", "env", "id", "sleep", "locale")
+TOOLS = ("dash", "rm", "cat", "ls", "mkdir", "env", "id", "sleep", "locale", "chown")
 PY_PREFIX = Path("/usr/local")
 # Parts of the standard library a server process never uses.
 STDLIB_SKIP_DIRS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3",

@@ -405,7 +405,8 @@ class SafekeeperContainer(ContainerMember, SafekeeperMember):
         marker = f"{self.data_dir}.created"
         init = f"walsidecar safekeeper-init --id {self.node_id} --data-dir {self.data_dir} " \
                f"--members {len(self.d.addresses)}"
-        script = f'[ -f {marker} ] || {{ {init}; touch {marker}; }}; exec walsidecar "$@"'
+        # The image's shell is dash with a few tools (docker/rootfs.py): the marker by a redirection, not touch.
+        script = f'[ -f {marker} ] || {{ {init}; : > {marker}; }}; exec walsidecar "$@"'
         return ["-ec", script, "sh", *argv], {"entrypoint": ["/bin/sh"]}
 
     def ready(self) -> bool:
