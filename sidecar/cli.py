@@ -137,9 +137,10 @@ def _reader_port(s: SafekeeperSettings) -> Any:
     auth = AuthFile(s.pg_auth_file) if s.pg_auth_file is not None else None
     # Readers are libpq clients: TLS with the node certificate; a client certificate only marks a proposer.
     if s.certs_dir is None:
-        return ReaderPort(host, port, auth, s.insecure, authentication_timeout=s.pg_authentication_timeout)
+        return ReaderPort(host, port, auth, s.insecure, authentication_timeout=s.pg_authentication_timeout,
+                          wal_sender_timeout=s.pg_wal_sender_timeout)
     return ReaderPort(host, port, auth, s.insecure, reader_port_context(s.certs_dir), server_end_point(s.certs_dir),
-                      s.pg_authentication_timeout)
+                      s.pg_authentication_timeout, s.pg_wal_sender_timeout)
 
 
 def _archive(s: SafekeeperSettings) -> Any:

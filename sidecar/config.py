@@ -317,6 +317,9 @@ class SafekeeperSettings(SafekeeperDataSettings, ArchiveSettings, SafekeeperBrok
     pg_auth_file: FilePath | None = Field(None, description="The readers' SCRAM-SHA-256 verifiers (made by "
                                                             "`walsidecar readers add`, mode 0600). Without it the "
                                                             "reader port refuses everyone, unless --insecure.")
+    pg_wal_sender_timeout: Timeout = Field(60.0, description="Seconds a streaming reader may leave the WAL and the "
+                                           "replies it is sent untaken, or send no status, before its stream ends "
+                                           "(PostgreSQL's wal_sender_timeout).")
     pg_authentication_timeout: Timeout = Field(10.0, description="Seconds a reader port connection has from "
                                                "connecting to logging in (PostgreSQL's authentication_timeout); "
                                                "a connection still silent or authenticating then is closed.")

@@ -36,7 +36,7 @@ from sidecar.lsn import format_lsn
 from sidecar.readerauth import MECHANISM, MECHANISM_PLUS, AuthFile, AuthFileError, Verifier, mock_verifier
 from sidecar.safekeeper.positions import PositionWatch
 from sidecar.safekeeper.slots import Slot, SlotError, Slots, reserve_from
-from sidecar.safekeeper.walsender import StreamEnded, WalSender
+from sidecar.safekeeper.walsender import WAL_SENDER_TIMEOUT, StreamEnded, WalSender
 
 # PostgreSQL's authentication_timeout, for the whole startup phase; shorter than its 60 s because
 # the proposers' port gives a handshake 10 s too (tls.HANDSHAKE_TIMEOUT), and a slot held by a silent
@@ -67,6 +67,7 @@ class ReaderPort:
     # RFC 5929 tls-server-end-point of the node certificate (tls.server_end_point): SCRAM-SHA-256-PLUS is offered.
     server_end_point: bytes | None = None
     authentication_timeout: float = AUTHENTICATION_TIMEOUT  # seconds from connect to logged in
+    wal_sender_timeout: float = WAL_SENDER_TIMEOUT  # a streaming reader that takes nothing, or is silent, this long
 
 
 class Served(Protocol):
@@ -505,7 +506,7 @@ class Connection:
                                     "`walsidecar start` and `failover` do with their --certs-dir")
         slot = self.sk.slots.acquire(cmd.slot, owner=self) if cmd.slot else None
         sender = WalSender(self.sk, self.writer, self._message, cmd, slot, self.sk.slots,
-                           self.log.bind(command="START_REPLICATION"))
+                           self.log.bind(command="START_REPLICATION"), self.server.options.wal_sender_timeout)
         self.streaming = True
         try:
             await sender.run()

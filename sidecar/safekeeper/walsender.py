@@ -5,7 +5,8 @@ sends it at most MAX_SEND_SIZE at a time and waits for the socket to drain befor
 so memory per reader is bounded and a slow reader only slows itself; the replies it asks for wait
 for the same drain before more of its messages are read. When there is nothing to
 send it waits on the safekeeper's published positions, not a timer. Keepalives ask for a reply
-after WAL_SENDER_TIMEOUT/2 of silence from the reader, which is dropped after WAL_SENDER_TIMEOUT.
+after half the timeout (--pg-wal-sender-timeout, WAL_SENDER_TIMEOUT unless given) of silence from the reader,
+which is dropped after the whole timeout.
 """
 
 from __future__ import annotations

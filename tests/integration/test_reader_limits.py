@@ -26,10 +26,10 @@ import psycopg
 import pytest
 from scramp import ScramClient
 
-from support.deployment import Deployment, Writer, commit_lsn_of
+from support.deployment import APP, Deployment, Writer, commit_lsn_of
 from support.helpers import free_port, peak_rss, wait_for, walsidecar
+from support.procs import ProcessTracker
 from sidecar import pgrepl, pgwire
-from sidecar.safekeeper.walsender import WAL_SENDER_TIMEOUT
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE as SEG, format_lsn, parse_lsn, parse_segment_file_name
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -253,6 +253,7 @@ MEMORY_BOUND = 24 << 20
 STATUS_REQUEST = pgwire.copy_data(pgrepl.encode_status(0, 0, 0, 0, reply_requested=True))
 REPLY_SIZE = len(pgwire.copy_data(pgrepl.encode_keepalive(0, 0)))
 CLIENT_RCVBUF = 4096
+SENDER_TIMEOUT = 20
 
 
 def flood_bound() -> int:
@@ -330,8 +331,14 @@ class StatusFlood(threading.Thread):
 
 
 def test_a_reader_asking_for_replies_it_never_reads_is_not_read_from_and_commits_go_on(
-        deployment: Deployment) -> None:
-    d = deployment
+        pg_factory, procs: ProcessTracker, test_dir: Path) -> None:  # noqa: ANN001
+    d = Deployment(pg_factory(settings={"synchronous_standby_names": APP}), procs, test_dir)
+    # The stream of a reader that takes nothing ends after this long (PostgreSQL's wal_sender_timeout, 60 s
+    # by default); the old safekeeper read on all that while.
+    d.extra["safekeeper1"] = ["--pg-wal-sender-timeout", str(SENDER_TIMEOUT)]
+    d.start_all()
+    with d.sql() as c:
+        c.execute("CREATE TABLE load (id int, pad text)")
     pid = d.safekeepers[1].pid
     limit = flood_bound()
     s = logged_in(d, 1)
@@ -346,9 +353,9 @@ def test_a_reader_asking_for_replies_it_never_reads_is_not_read_from_and_commits
     flood.start()
     try:
         # The safekeeper stops reading once the replies it owes do not drain, and ends the stream once
-        # they (or the WAL the writer's commits make it send) stayed untaken for WAL_SENDER_TIMEOUT;
+        # they (or the WAL the writer's commits make it send) stayed untaken for SENDER_TIMEOUT;
         # 16afbeb's read on meanwhile, as long as it was sent status messages.
-        wait_for(lambda: "stream ended" in log.read_text() or not flood.is_alive(), timeout=WAL_SENDER_TIMEOUT + 120,
+        wait_for(lambda: "stream ended" in log.read_text() or not flood.is_alive(), timeout=SENDER_TIMEOUT + 120,
                  what="the safekeeper to end the stream, or the flood to end")
         pushed, grown = flood.pushed, peak_rss(pid) - peak
     finally:
@@ -358,7 +365,7 @@ def test_a_reader_asking_for_replies_it_never_reads_is_not_read_from_and_commits
         f"the safekeeper read {pushed >> 20} MiB of status messages whose replies were never read ({flood.error!r})"
     assert grown < MEMORY_BOUND, f"the safekeeper grew by {grown >> 20} MiB for a reader that reads nothing"
     ended = [line for line in log.read_text().splitlines() if "stream ended" in line]
-    assert len(ended) == 1 and "the reader took no" in ended[0], ended
+    assert len(ended) == 1 and "the reader took no" in ended[0] and f"for {SENDER_TIMEOUT}s" in ended[0], ended
     # Meanwhile the proposer's stream went on: commits acknowledged, and safekeeper 1 has them.
     assert acked and writer.error is None, writer.error
     with d.sql() as c:
