@@ -18,7 +18,7 @@ from sidecar.consensus.messages import (
     InfoReply, Message, TermHistory, VoteReply, VoteRequest,
 )
 from sidecar.timelines import TimelineHistory
-from sidecar.consensus.quorum import peers_to_learn_from
+from sidecar.consensus.quorum import peers_needed_after_a_lost_disk
 from sidecar.consensus.state import AcceptorState
 from sidecar.lsn import format_lsn
 
@@ -162,7 +162,7 @@ class Acceptor:
 
         N-Q+1 of the N members: any term this safekeeper granted was granted by a quorum holding Q-1 of the
         others, and any N-Q+1 of the N-1 others include one of them. At least one, with N unknown."""
-        return max(peers_to_learn_from(self.members), 1) if self.amnesic else 0
+        return peers_needed_after_a_lost_disk(self.members) if self.amnesic else 0
 
     @property
     def recovering_from(self) -> int:

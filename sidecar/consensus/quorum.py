@@ -22,6 +22,12 @@ def peers_to_learn_from(n: int) -> int:
     return min(n - majority(n) + 1, n - 1) if n > 1 else 0
 
 
+def peers_needed_after_a_lost_disk(n: int) -> int:
+    """How many peers that kept their disk a safekeeper that lost its own must hear: N-Q+1, and at least one
+    (with N unknown, or alone, it has nobody else to learn from)."""
+    return max(peers_to_learn_from(n), 1)
+
+
 def validate_quorum(n: int, quorum: int | None) -> int:
     """Return the quorum to use for `n` safekeepers, refusing one that is not a majority."""
     if n < 1:

@@ -17,7 +17,7 @@ from sidecar.broker import STALE_AFTER, Broker, BrokerError, UploaderHolder, rea
 from sidecar.config import CheckSettings
 from sidecar.consensus import lineage
 from sidecar.consensus.messages import InfoReply
-from sidecar.consensus.quorum import peers_to_learn_from
+from sidecar.consensus.quorum import peers_needed_after_a_lost_disk
 from sidecar.lsn import format_lsn, parse_lsn
 from sidecar.ops.probe import connect, fetch_status, redact_dsn
 from sidecar.skclient import ProbeError, probe_safekeeper
@@ -358,7 +358,7 @@ class SetupChecker:
             tail = f"id {r.node_id}, term {r.term}, flush_lsn {format_lsn(r.flush_lsn)}" + \
                    (", proposer attached" if r.proposer_connected else "")
             if r.amnesic:
-                need = peers_to_learn_from(max(r.members, n_listed)) if max(r.members, n_listed) > 1 else 1
+                need = peers_needed_after_a_lost_disk(max(r.members, n_listed))
                 init = self.command("safekeeper-init", "--id", str(r.node_id), "--data-dir", "DIR", "--members",
                                     str(n_listed))
                 self.add(_fail(name, f"id {r.node_id}: an empty data directory (a lost disk) that has not learned "
