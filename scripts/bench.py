@@ -24,6 +24,9 @@ of a template cluster (one per pgbench scale, each built once per run). Workload
                         a garbage startup or a wrong password, and authenticated readers streaming the WAL from
                         its start, again and again. Reported over pgbench-1's mean latency, with the flood's own
                         CPU; the two alternate which runs first, round by round
+* pgbench-1-idle-load   pgbench-1 while a busy loop per CPU runs under SCHED_IDLE (nothing of walsidecar's):
+                        what background work at the lowest priority costs the commits on this machine, the
+                        floor under pgbench-1-reader-flood's ratio (the flood runs under SCHED_IDLE too)
 * pgbench-16            16 clients: TPS, CPU per transaction
 * pgbench-16-one-down   16 clients with one receiver stopped (native-quorum: a pg_receivewal;
                         walsidecar: a safekeeper), TPS; restarted and level again before the next
@@ -49,6 +52,7 @@ Writes results.json (every round), results.md (medians, ratios and the goals) an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -76,6 +80,7 @@ sys.path.insert(1, str(ROOT / "scripts"))  # bench_wal_analytics
 
 from sidecar.lsn import format_lsn, parse_lsn, parse_segment_file_name  # noqa: E402
 from sidecar.pgcluster import ClusterError, LocalCluster, find_bin_dir  # noqa: E402
+from sidecar.processes import process_tree  # noqa: E402
 from sidecar.deployment import (  # noqa: E402
     DeploymentError, LocalDeployment, MemberExited, ProcessMember, SafekeeperMember, free_port,
 )
@@ -92,7 +97,15 @@ ONE_DOWN = "pgbench-16-one-down"
 CONTENDED = "pgbench-16-contended"
 FLOOD = "pgbench-1-reader-flood"
 FLOOD_SCRIPT = ROOT / "scripts" / "bench_reader_flood.py"
-WORKLOADS = ("pgbench-1", FLOOD, "pgbench-16", ONE_DOWN, "bulk", "catchup", CONTENDED, "wal-analytics")
+# The flood's own processes run only on CPU nothing else wants (SCHED_IDLE, as `chrt --idle 0`), standing
+# in for an attacker on another host: on a machine of two cores its TLS and SCRAM clients would otherwise take
+# cores from the primary and pgbench that no safekeeper could give back. --flood-priority normal measures it
+# level with the rest.
+FLOOD_PRIORITIES = ("idle", "normal")
+# The machine's own floor for the flood: pgbench-1 while a busy loop per CPU runs under SCHED_IDLE, touching
+# nothing of walsidecar's. What any background work at the lowest priority there is costs the commits here.
+IDLE_LOAD = "pgbench-1-idle-load"
+WORKLOADS = ("pgbench-1", FLOOD, IDLE_LOAD, "pgbench-16", ONE_DOWN, "bulk", "catchup", CONTENDED, "wal-analytics")
 # A receiver can be down without stopping commits. Not the floor: a restarted stand-in is empty and has
 # no reader port to catch up from.
 QUORUM_CONFIGS = ("native-quorum", *(c for c in SIDECAR_CONFIGS if c != FLOOR))
@@ -145,6 +158,7 @@ class Settings:
     keep: bool = False
     quick: bool = False
     pin: bool = False
+    flood_priority: str = "idle"
 
 
 # ---- processes and /proc ---------------------------------------------------------------------
@@ -174,20 +188,33 @@ def reset_peak_rss(pid: int) -> None:
 
 
 class Meter:
-    """CPU seconds and peak RSS of a set of processes over one measured window."""
+    """CPU seconds and peak RSS of a set of processes, each with the processes below it (a safekeeper's
+    reader process), over one measured window. The peak RSS is the sum of their peaks."""
 
     def __init__(self, pids: dict[str, int]) -> None:
         self.pids = pids
-        for pid in pids.values():
-            reset_peak_rss(pid)
-        self.cpu0 = {name: cpu_times(pid) for name, pid in pids.items()}
+        self.cpu0: dict[str, dict[int, tuple[float, float]]] = {}
+        for name, pid in pids.items():
+            self.cpu0[name] = {}
+            for p in process_tree([pid]):
+                reset_peak_rss(p)
+                with contextlib.suppress(OSError):
+                    self.cpu0[name][p] = cpu_times(p)
 
     def finish(self) -> dict[str, dict[str, float]]:
         out = {}
         for name, pid in self.pids.items():
-            user, system = (now - then for now, then in zip(cpu_times(pid), self.cpu0[name]))
+            user = system = rss = 0.0
+            for p in process_tree([pid]):
+                try:
+                    u, s = cpu_times(p)
+                    rss += peak_rss_mb(p)
+                except (OSError, BenchError):
+                    continue  # exited meanwhile
+                u0, s0 = self.cpu0[name].get(p, (0.0, 0.0))
+                user, system = user + u - u0, system + s - s0
             out[name] = {"cpu_s": round(user + system, 3), "cpu_user_s": round(user, 3),
-                         "cpu_sys_s": round(system, 3), "peak_rss_mb": round(peak_rss_mb(pid), 1)}
+                         "cpu_sys_s": round(system, 3), "peak_rss_mb": round(rss, 1)}
         return out
 
 
@@ -295,17 +322,7 @@ def affinity(cpus: frozenset[int] | None) -> Iterator[None]:
 
 def pin_tree(pid: int, cpus: frozenset[int]) -> None:
     """Every thread of `pid` and of its descendants onto `cpus` (those started before it was pinned too)."""
-    children: dict[int, list[int]] = {}
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue  # exited meanwhile
-            children.setdefault(ppid, []).append(int(proc.name))
-    todo = [pid]
-    while todo:
-        p = todo.pop()
+    for p in process_tree([pid]):
         try:
             tasks = [int(t.name) for t in Path(f"/proc/{p}/task").iterdir()]
         except OSError:
@@ -315,7 +332,6 @@ def pin_tree(pid: int, cpus: frozenset[int]) -> None:
                 os.sched_setaffinity(tid, cpus)
             except ProcessLookupError:
                 pass
-        todo += children.get(p, [])
 
 
 # ---- one configuration ------------------------------------------------------------------------
@@ -616,9 +632,9 @@ def first_stored_lsn(wal_dir: Path, seg_size: int) -> int | None:
 
 class ReaderFlood:
     """scripts/bench_reader_flood.py against every safekeeper's reader port: a process of its own, not pinned
-    (with --pin it may run on every CPU), at the usual priority, as an attacker on the same host would."""
+    (with --pin it may run on every CPU), at `priority` (FLOOD_PRIORITIES: "idle" stands in for another host)."""
 
-    def __init__(self, setup: Setup) -> None:
+    def __init__(self, setup: Setup, priority: str = "idle") -> None:
         d = setup.d
         with setup.sql() as c:
             seg = int(c.execute("SELECT setting FROM pg_settings WHERE name = 'wal_segment_size'").fetchone()[0])
@@ -631,7 +647,8 @@ class ReaderFlood:
             return [lsn for lsn in lsns if lsn is not None] if None not in lsns else None
 
         starts = wait_until(stored, 120, "every safekeeper to store WAL")
-        argv = [sys.executable, str(FLOOD_SCRIPT), "--passfile", str(d.reader_passfile)]
+        argv = (["chrt", "--idle", "0"] if priority == "idle" else []) + \
+            [sys.executable, str(FLOOD_SCRIPT), "--passfile", str(d.reader_passfile)]
         for m, start in zip(ports, starts):
             argv += ["--port", f"{m.reader_address}@{format_lsn(start)}"]
         if (certs := d.certs_dir("flood", "client")) is not None:
@@ -671,9 +688,10 @@ class ReaderFlood:
             return {}
 
 
-def flooded_pgbench(setup: Setup, duration: float, profile_prefix: Path | None, gil: bool = False) -> dict[str, Any]:
+def flooded_pgbench(setup: Setup, duration: float, profile_prefix: Path | None, gil: bool = False,
+                    priority: str = "idle") -> dict[str, Any]:
     """pgbench-1 while the reader flood runs; the flood's own CPU over the same window."""
-    flood = ReaderFlood(setup)
+    flood = ReaderFlood(setup, priority)
     try:
         flood.wait_ready(timeout=120)
         meter = Meter({"flood": flood.pid})
@@ -692,9 +710,21 @@ def flooded_pgbench(setup: Setup, duration: float, profile_prefix: Path | None, 
         "refused_per_s": round(refused / stats["seconds"], 1),
         "read_mb_s": round(stats["read_bytes"] / MB / stats["seconds"], 1),
         "counts": counts, "ports": stats["ports"], "strangers_per_port": stats["strangers_per_port"],
-        "readers_per_port": stats["readers_per_port"],
+        "readers_per_port": stats["readers_per_port"], "priority": priority,
     }
     return data
+
+
+def idle_loaded_pgbench(setup: Setup, duration: float, profile_prefix: Path | None, gil: bool = False) -> dict[str, Any]:
+    """pgbench-1 while one SCHED_IDLE busy loop per CPU runs; the loops are stopped by PID."""
+    loops = [subprocess.Popen(["chrt", "--idle", "0", sys.executable, "-c", "while True: pass"],
+                              stdin=subprocess.DEVNULL, start_new_session=True) for _ in range(os.cpu_count() or 1)]
+    try:
+        return measured_pgbench(setup, 1, duration, profile_prefix, gil)
+    finally:
+        for proc in loops:
+            proc.kill()
+            proc.wait()
 
 
 def bulk(setup: Setup, nbytes: int, profile_prefix: Path | None, gil: bool = False) -> dict[str, Any]:
@@ -852,8 +882,10 @@ def run_workloads(s: Settings, setup: Setup, rnd: int, workloads: tuple[str, ...
         prof = prof_dir / f"r{rnd}-{workload.replace('-', '', 1)}" if prof_dir else None  # r1-pgbench16-...
         if workload in ("pgbench-1", "pgbench-16", CONTENDED):
             record(workload, measured_pgbench(setup, 1 if workload == "pgbench-1" else 16, s.duration, prof, gil))
+        elif workload == IDLE_LOAD:
+            record(workload, idle_loaded_pgbench(setup, s.duration, prof, gil))
         elif workload == FLOOD and config in READER_CONFIGS:
-            record(workload, flooded_pgbench(setup, s.duration, prof, gil))
+            record(workload, flooded_pgbench(setup, s.duration, prof, gil, s.flood_priority))
         elif workload == ONE_DOWN and config in QUORUM_CONFIGS:
             record(workload, pgbench_one_down(setup, s.duration, prof, gil))
         elif workload == "bulk":
@@ -976,6 +1008,8 @@ METRICS = (
            READER_CONFIGS),
     Metric("1 client: mean latency with a reader-port flood ÷ without", FLOOD, "latency_mean_ms", False, 2,
            READER_CONFIGS, over="pgbench-1"),
+    Metric("1 client: mean latency with SCHED_IDLE busy loops on every CPU ÷ without", IDLE_LOAD,
+           "latency_mean_ms", False, 2, over="pgbench-1"),
     Metric("pgbench 1 client, reader-port flood: safekeepers' CPU (cores)", FLOOD, "safekeepers_cpu_cores", False,
            2, READER_CONFIGS),
     Metric("reader-port flood: the flood's own CPU (cores)", FLOOD, "flood.cpu_cores", False, 2, READER_CONFIGS),
@@ -1228,8 +1262,13 @@ def parse_args(argv: list[str] | None = None) -> Settings:
                    help="pin the primary PostgreSQL (its postmaster, so every backend) and pgbench to the first CPU, "
                    "the receivers (pg_receivewal, or the safekeepers and the sidecar) to the others: how much their "
                    "competing for the same cores bounds the results. Needs 2 CPUs or more; the report says so")
+    p.add_argument("--flood-priority", choices=FLOOD_PRIORITIES, default="idle",
+                   help=f"how {FLOOD}'s flood is scheduled: idle (default: SCHED_IDLE, only on CPU nothing else "
+                   "wants, standing in for an attacker on another host) or normal (level with the primary, pgbench "
+                   "and the receivers, as an attacker on the same host)")
     a = p.parse_args(argv)
-    s = Settings(out=a.out, workdir=a.workdir, profile=a.profile, keep=a.keep, quick=a.quick, pin=a.pin)
+    s = Settings(out=a.out, workdir=a.workdir, profile=a.profile, keep=a.keep, quick=a.quick, pin=a.pin,
+                 flood_priority=a.flood_priority)
     if a.quick:
         s.rounds, s.duration, s.scale, s.bulk_bytes, s.catchup_bytes = 1, 2.0, 1, 32 * MB, 32 * MB
         s.contended_scale = 1  # as --scale: the contended workload runs on the same cluster
@@ -1250,7 +1289,7 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     default = tuple(w for w in WORKLOADS if not (a.quick and w == "wal-analytics"))
     if ONE_DOWN in only:
         only.append("pgbench-16")
-    if FLOOD in only:
+    if FLOOD in only or IDLE_LOAD in only:
         only.append("pgbench-1")
     s.workloads = tuple(w for w in WORKLOADS if w in only) or default
     if s.rounds < 1 or s.duration <= 0 or s.scale < 1 or s.contended_scale < 1:

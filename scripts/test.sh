@@ -13,5 +13,8 @@ export PATH="$VENV/bin:$PATH"
 # pytest runs next to a private Docker engine holding freshly built images, for the container
 # tests (tests/containers, marker `containers`); without one they are skipped, saying why.
 # WALSIDECAR_CONTAINERS=0 skips the engine and the image build. See scripts/with-docker.sh.
+# Two pytest-xdist workers (WALSIDECAR_TEST_WORKERS, or -n N among the arguments, which wins; -n 0 runs in
+# this process): every test makes its own directories, ports and servers, and most of a test's time is
+# waiting for processes, so two run side by side on two cores.
 # pytest's own exit code; 5 (no tests collected) is non-zero and so fails too.
-exec bash scripts/with-docker.sh "$VENV/bin/python" -m pytest "$@"
+exec bash scripts/with-docker.sh "$VENV/bin/python" -m pytest -n "${WALSIDECAR_TEST_WORKERS:-2}" "$@"

@@ -140,7 +140,7 @@ def _reader_port(s: SafekeeperSettings) -> Any:
         return ReaderPort(host, port, auth, s.insecure, authentication_timeout=s.pg_authentication_timeout,
                           wal_sender_timeout=s.pg_wal_sender_timeout)
     return ReaderPort(host, port, auth, s.insecure, reader_port_context(s.certs_dir), server_end_point(s.certs_dir),
-                      s.pg_authentication_timeout, s.pg_wal_sender_timeout)
+                      s.pg_authentication_timeout, s.pg_wal_sender_timeout, s.certs_dir)
 
 
 def _archive(s: SafekeeperSettings) -> Any:

@@ -26,7 +26,7 @@ from sidecar.deployment import (
     APP, LOOPBACK_HOST, DeploymentError, LocalDeployment, Member, ProcessMember, start_tied_child,
 )
 from sidecar.pgcluster import LocalCluster, find_bin_dir
-from sidecar.processes import Child, walsidecar_argv
+from sidecar.processes import Child, process_tree, walsidecar_argv
 
 ETCD = "/usr/bin/etcd"
 NODES = ("node1", "node2")
@@ -49,29 +49,6 @@ def _toml(value: str) -> str:
 def _yaml(value: Any) -> str:
     """JSON is YAML: every scalar and list of the Patroni file, quoted safely."""
     return json.dumps(value)
-
-
-def process_tree(roots: Sequence[int]) -> list[int]:
-    """`roots` and every process descending from them (from /proc), roots first."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], list(roots)
-    while todo:
-        pid = todo.pop(0)
-        if pid in out:
-            continue
-        out.append(pid)
-        todo += children.get(pid, [])
-    return out
 
 
 class Etcd(ProcessMember):

@@ -10,6 +10,7 @@ import structlog
 
 # key -> function(value) giving extra fields for any line carrying that key (see set_context_provider).
 _providers: dict[str, Callable[[object], dict[str, object]]] = {}
+_configured = ("plain", "info")  # what configure() was last given: a child process logs the same way
 
 
 def set_context_provider(key: str, provider: Callable[[object], dict[str, object]]) -> None:
@@ -35,6 +36,8 @@ def _add_context(logger: object, method: str, event: dict) -> dict:
 
 def configure(fmt: str = "plain", level: str = "info") -> None:
     """Route structlog to stderr in the chosen format."""
+    global _configured
+    _configured = (fmt, level)
     renderer: structlog.typing.Processor
     if fmt == "json":
         renderer = structlog.processors.JSONRenderer()
@@ -53,6 +56,11 @@ def configure(fmt: str = "plain", level: str = "info") -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
+
+
+def current() -> tuple[str, str]:
+    """(format, level) as last configured."""
+    return _configured
 
 
 def get_logger(**bound: object) -> structlog.typing.FilteringBoundLogger:

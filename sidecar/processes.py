@@ -184,3 +184,26 @@ def read_log(path: Path) -> str:
 def tail(text: str, lines: int = 40) -> str:
     """The last `lines` lines of `text`."""
     return "\n".join(text.splitlines()[-lines:])
+
+
+def process_tree(roots: Sequence[int]) -> list[int]:
+    """`roots` and every process descending from them (from /proc), roots first."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], list(roots)
+    while todo:
+        pid = todo.pop(0)
+        if pid in out:
+            continue
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out

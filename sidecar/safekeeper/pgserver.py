@@ -22,7 +22,9 @@ import os
 import secrets
 import ssl
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from scramp import ScramException, ScramMechanism
@@ -35,8 +37,8 @@ from sidecar.logs import get_logger
 from sidecar.lsn import format_lsn
 from sidecar.readerauth import MECHANISM, MECHANISM_PLUS, AuthFile, AuthFileError, Verifier, mock_verifier
 from sidecar.safekeeper.positions import PositionWatch
-from sidecar.safekeeper.slots import Slot, SlotError, Slots, reserve_from
-from sidecar.safekeeper.walsender import WAL_SENDER_TIMEOUT, StreamEnded, WalSender
+from sidecar.safekeeper.slots import Slot, SlotError, reserve_from
+from sidecar.safekeeper.walsender import WAL_SENDER_TIMEOUT, ReaderSlots, StreamEnded, WalSender
 
 # PostgreSQL's authentication_timeout, for the whole startup phase; shorter than its 60 s because
 # the proposers' port gives a handshake 10 s too (tls.HANDSHAKE_TIMEOUT), and a slot held by a silent
@@ -68,18 +70,44 @@ class ReaderPort:
     server_end_point: bytes | None = None
     authentication_timeout: float = AUTHENTICATION_TIMEOUT  # seconds from connect to logged in
     wal_sender_timeout: float = WAL_SENDER_TIMEOUT  # a streaming reader that takes nothing, or is silent, this long
+    certs_dir: Path | None = None  # where ssl_context and server_end_point came from (the reader process rebuilds them)
+
+    def to_spec(self) -> dict[str, Any]:
+        """What the reader process (readerprocess.py) builds the same options from."""
+        if self.ssl_context is not None and self.certs_dir is None:
+            raise ValueError("a reader port with TLS needs its certs_dir to be served from the reader process")
+        return {"host": self.host, "port": self.port, "auth": str(self.auth.path) if self.auth is not None else None,
+                "insecure": self.insecure, "certs_dir": str(self.certs_dir) if self.ssl_context is not None else None,
+                "authentication_timeout": self.authentication_timeout,
+                "wal_sender_timeout": self.wal_sender_timeout}
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any]) -> ReaderPort:
+        certs = Path(spec["certs_dir"]) if spec["certs_dir"] is not None else None
+        return cls(spec["host"], spec["port"], AuthFile(Path(spec["auth"])) if spec["auth"] is not None else None,
+                   spec["insecure"], tls.reader_port_context(certs) if certs is not None else None,
+                   tls.server_end_point(certs) if certs is not None else None, spec["authentication_timeout"],
+                   spec["wal_sender_timeout"], certs)
 
 
 class Served(Protocol):
-    """What the reader port needs of the safekeeper."""
+    """What the reader port needs of the safekeeper (readerprocess.RemoteSafekeeper, in the reader process)."""
 
     node_id: int
     positions: PositionWatch
-    slots: Slots
+    slots: ReaderSlots
 
     def reader_state(self) -> ServerState: ...
 
+    async def current_state(self) -> ServerState:
+        """The safekeeper's state now, for a command's answer (`reader_state()` may be a wait behind it)."""
+        ...
+
     def read_wal(self, lsn: int, size: int) -> bytes: ...
+
+    def cut_generation(self) -> int: ...
+
+    async def reader_pin(self, lsn: int, holder: str) -> Any: ...
 
     @property
     def system_id(self) -> int: ...
@@ -123,8 +151,11 @@ class ReaderServer:
     """The reader port of one safekeeper."""
 
     def __init__(self, sk: Served, options: ReaderPort, *, max_readers: int = MAX_READERS,
-                 max_startups: int = MAX_STARTUPS, mock_secret: bytes | None = None) -> None:
+                 max_startups: int = MAX_STARTUPS, mock_secret: bytes | None = None,
+                 sock: Any = None) -> None:
         self.sk = sk
+        self.sock = sock  # a socket bound and listening already (the safekeeper's), or None to bind one
+        self.on_count: Callable[[], None] = lambda: None  # connections or streams came or went
         self.options = options
         self.max_readers = max_readers
         self.max_startups = max_startups
@@ -140,7 +171,8 @@ class ReaderServer:
         """Bind the port; OSError saying which address and why when it cannot be."""
         o = self.options
         try:
-            self._server = await asyncio.start_server(self._connection, o.host, o.port)
+            self._server = await (asyncio.start_server(self._connection, sock=self.sock) if self.sock is not None
+                                  else asyncio.start_server(self._connection, o.host, o.port))
         except OSError as e:
             raise cannot_listen(o.host, o.port, "the reader port (--pg-listen)", e) from e
         self.port = self._server.sockets[0].getsockname()[1]
@@ -175,11 +207,13 @@ class ReaderServer:
             return
         self.connections.add(conn)
         self.starting[conn] = None
+        self.on_count()
         try:
             await conn.serve()
         finally:
             self.connections.discard(conn)
             self.starting.pop(conn, None)
+            self.on_count()
 
 
 def to_drop(hosts: list[str]) -> int:
@@ -413,13 +447,13 @@ class Connection:
         self.log.info("command", command=text[:200])
         match cmd:
             case pgrepl.IdentifySystem():
-                self._identify_system()
+                await self._identify_system()
             case pgrepl.Show():
                 self._show(cmd.name)
             case pgrepl.TimelineHistoryCommand():
-                self._timeline_history(cmd.timeline)
+                await self._timeline_history(cmd.timeline)
             case pgrepl.ReadReplicationSlot():
-                self._read_slot(cmd.slot)
+                await self._read_slot(cmd.slot)
             case pgrepl.CreateReplicationSlot():
                 await self._create_slot(cmd)
             case pgrepl.DropReplicationSlot():
@@ -438,8 +472,8 @@ class Connection:
             case pgrepl.Unsupported():
                 raise CommandError(f"{cmd.what} is not served by a safekeeper", pgwire.FEATURE_NOT_SUPPORTED)
 
-    def _identify_system(self) -> None:
-        s = self.sk.reader_state()
+    async def _identify_system(self) -> None:
+        s = await self.sk.current_state()
         self.writer.write(pgwire.result(
             [("systemid", pgwire.TEXT_OID), ("timeline", pgwire.INT4_OID), ("xlogpos", pgwire.TEXT_OID),
              ("dbname", pgwire.TEXT_OID)],
@@ -458,8 +492,8 @@ class Connection:
             raise CommandError(f'unrecognized configuration parameter "{name}"', pgwire.UNDEFINED_OBJECT)
         self.writer.write(pgwire.result([(name, pgwire.TEXT_OID)], [(value,)], "SHOW"))
 
-    def _timeline_history(self, tli: int) -> None:
-        s = self.sk.reader_state()
+    async def _timeline_history(self, tli: int) -> None:
+        s = await self.sk.current_state()
         name = pgrepl.history_file_name(tli)
         if tli == 1 or not pgrepl.on_lineage(s.history, s.timeline, tli):
             raise CommandError(f'could not open file "pg_wal/{name}": No such file or directory', "58P01")
@@ -468,8 +502,8 @@ class Connection:
         self.writer.write(pgwire.result([("filename", pgwire.TEXT_OID), ("content", pgwire.TEXT_OID)],
                                         [(name, content)], "TIMELINE_HISTORY"))
 
-    def _read_slot(self, name: str) -> None:
-        slot = self.sk.slots.get(name)
+    async def _read_slot(self, name: str) -> None:
+        slot = await self.sk.slots.lookup(name)
         row: tuple[str | None, ...] = (None, None, None)
         if slot is not None:  # an invalidated slot has no restart_lsn, as in PostgreSQL
             row = ("physical", format_lsn(slot.holds) if slot.holds else None,
@@ -478,7 +512,7 @@ class Connection:
                                          ("restart_tli", pgwire.INT8_OID)], [row], "READ_REPLICATION_SLOT"))
 
     async def _create_slot(self, cmd: pgrepl.CreateReplicationSlot) -> None:
-        lsn, timeline = reserve_from(self.sk.reader_state()) if cmd.reserve_wal else (0, 0)
+        lsn, timeline = reserve_from(await self.sk.current_state()) if cmd.reserve_wal else (0, 0)
         slot = await self.sk.slots.create(cmd.slot, cmd.temporary, lsn, timeline, reader=self.user, owner=self)
         if cmd.temporary:
             self.temporary.append(slot)
@@ -504,17 +538,17 @@ class Connection:
                                "proposer only", "42501",
                                hint="connect over TLS with a proposer certificate (sslcert, sslkey), as "
                                     "`walsidecar start` and `failover` do with their --certs-dir")
-        slot = self.sk.slots.acquire(cmd.slot, owner=self) if cmd.slot else None
+        slot = await self.sk.slots.acquire(cmd.slot, owner=self) if cmd.slot else None
         sender = WalSender(self.sk, self.writer, self._message, cmd, slot, self.sk.slots,
                            self.log.bind(command="START_REPLICATION"), self.server.options.wal_sender_timeout)
         self.streaming = True
+        self.server.on_count()
         try:
             await sender.run()
         finally:
             self.streaming = False
-            if slot is not None and not slot.temporary:
-                self.sk.slots.release(slot)
-            elif slot is not None:
-                slot.active = False  # a temporary slot stays its connection's until that ends
+            self.server.on_count()
+            if slot is not None:
+                self.sk.slots.stream_ended(slot)
             self.log.info("stream finished", sent_bytes=sender.sent_bytes,
                           slot_lsn=format_lsn(slot.restart_lsn) if slot is not None and slot.restart_lsn else None)

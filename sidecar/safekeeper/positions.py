@@ -49,10 +49,18 @@ class PositionWatch:
         self._loop: asyncio.AbstractEventLoop | None = None  # the waiters' loop, once one waited
         self._lock = threading.Lock()  # guards _wake_pending against two publishers' threads
         self._wake_pending = False
+        # Told, on the waiters' loop, each time a waiter is about to wait: the reader process asks its
+        # safekeeper for the next positions then, and only then.
+        self.on_wait: Callable[[], None] | None = None
 
     @property
     def value(self) -> Positions:
         return self._value
+
+    @property
+    def waiting(self) -> bool:
+        """Someone waits for a value the current one is not."""
+        return bool(self._watching)
 
     def publish(self, new: Positions) -> None:
         """Make `new` the latest value (from any thread) and wake the waiters it satisfies; ValueError
@@ -103,6 +111,8 @@ class PositionWatch:
         self._watching.append(predicate)
         try:
             if not predicate(self._value):  # published by a thread since the caller looked
+                if self.on_wait is not None:
+                    self.on_wait()
                 await wake.wait()
         finally:
             self._watching.remove(predicate)

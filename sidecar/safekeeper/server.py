@@ -33,7 +33,8 @@ from sidecar.consensus.state import AcceptorState
 from sidecar.safekeeper.backup import ArchiveOptions, PartialSegment, uploader_for
 from sidecar.safekeeper.control import ControlData, save_control
 from sidecar.safekeeper.diskguard import DiskGuard
-from sidecar.safekeeper.pgserver import ReaderPort, ReaderServer
+from sidecar.safekeeper.pgserver import MAX_READERS, ReaderPort
+from sidecar.safekeeper.readerhost import ReaderProcess
 from sidecar.safekeeper.positions import Positions, PositionWatch
 from sidecar.safekeeper.publish import Publisher
 from sidecar.safekeeper.remove import Remover
@@ -73,11 +74,12 @@ class Safekeeper:
     a vote or Elected needs), a connection's acknowledgement (`_acknowledge`, whose fdatasync runs
     before it takes the lock), and the loop's events (`transition`, in a worker: `backed_up`, the
     term learned from the peers). So transitions, saves and cuts happen in one order. Without the
-    lock, from any thread: `view`, `reader_state`, `read_wal`, `pin_wal`, `read_partial` (a
+    lock, from any thread: `view`, `reader_state`, `pin_wal`, `read_partial` (a
     sequence lock on the cut generation) and the properties, which read values the lock's holder
-    replaces whole; and `_stop`, under its own lock. Everything else runs on the event loop:
-    `serve`, the reader port, the remover, the uploader, the publisher and the learner, which
-    wait on `positions`.
+    replaces whole; `_stop`, under its own lock; and the reader process's cut generation
+    (`_carry_out` writes it). Everything else runs on the event loop: `serve`, the reader process's
+    host (readerhost.py), the remover, the uploader, the publisher and the learner, which wait on
+    `positions`. The reader port's connections are another process's (readerprocess.py).
     """
 
     def __init__(self, node_id: int, data_dir: Path, host: str, port: int, security: linkauth.Security,
@@ -103,7 +105,8 @@ class Safekeeper:
                                if self.uploader is not None else None)
         self.slots.on_change = self.remover.wake
         # The reader port (--pg-listen): proposers learn it from the greeting (0: none).
-        self.readers = ReaderServer(self, reader_port, mock_secret=mock_secret(data_dir / MOCK_SECRET_FILE)) \
+        # Served from a process of its own (readerprocess.py), so that no reader takes the stream's GIL or CPU.
+        self.readers = ReaderProcess(self, reader_port, data_dir / "wal", mock_secret(data_dir / MOCK_SECRET_FILE)) \
             if reader_port is not None else None
         self.acceptor.reader_port = reader_port.port if reader_port is not None else 0
         self.uploader = uploader_for(self, archive.url, archive.s3_endpoint, archive.cluster, archive.takeover,
@@ -140,7 +143,7 @@ class Safekeeper:
         acceptor, storage = open_data_dir(node_id, data_dir, _disk_full_reporter(stats, log), log, len(peers))
         sk = cls(node_id, data_dir, host, port, security, acceptor, storage, stats, reader_port,
                  keep_wal, max_disk_usage, archive, slot_limits)
-        needed = descriptors_needed(MAX_CONNECTIONS, sk.readers.max_readers if sk.readers is not None else 0)
+        needed = descriptors_needed(MAX_CONNECTIONS, MAX_READERS if sk.readers is not None else 0)
         try:
             before, soft = raise_descriptor_limit(needed)
         except TooFewDescriptors as e:
@@ -182,7 +185,7 @@ class Safekeeper:
             write_lsn=acc.write_lsn, proposer_connected=self._stream is not None, disk_full=self.disk_full,
             fatal=type(self.fatal).__name__ if self.fatal is not None else None, stopped=self.stopped is not None,
             reader_listen=f"{self.readers.options.host}:{self.readers.port}" if self.readers is not None else None,
-            readers=len(self.readers.connections) if self.readers is not None else 0,
+            readers=self.readers.connections if self.readers is not None else 0,
             streaming_readers=self.readers.streaming if self.readers is not None else 0,
             slots=tuple(SlotView(s.name, s.restart_lsn, s.timeline, s.temporary, s.active) for s in self.slots),
             broker=self.publisher.view() if self.publisher is not None else None,
@@ -193,7 +196,7 @@ class Safekeeper:
             archive_mismatch=self.acceptor.archive_mismatch or None,
             learning_term_from=acc.amnesic_peers, members=acc.members, lost_disk_term=acc.recovering_from)
 
-    # ---- what readers see (safekeeper/pgserver.py, walsender.py) ------------------------------
+    # ---- what the reader process is told (readerhost.py) ---------------------------------------
 
     @property
     def system_id(self) -> int:
@@ -211,13 +214,6 @@ class Safekeeper:
         cuts = acc.cuts[:max(0, len(acc.cuts) - (acc.cut_generation - p.generation))]
         return ServerState(p.term, p.flush_lsn, p.commit_lsn, p.generation, s.timeline or 1, s.timeline_history,
                            st.first_lsn() if isinstance(st, WalStorage) else None, cuts)
-
-    def read_wal(self, lsn: int, size: int) -> bytes:
-        """Stored WAL for a reader (from any thread)."""
-        st = self.storage
-        if not isinstance(st, WalStorage):
-            raise StorageError("this safekeeper stores no WAL yet")
-        return st.read(lsn, size)
 
     def pin_wal(self, lsn: int, holder: str) -> WalPin:
         """Keep the stored WAL from `lsn` on from removal until the pin is released (readers, the uploader)."""
@@ -476,6 +472,8 @@ class Safekeeper:
     def _carry_out(self, actions: list[AcceptorAction]) -> bytes:
         """Carry out a transition's actions in order (under the acceptor lock, so that saves and cuts
         follow the transitions' order), publish the positions they moved; the replies, encoded."""
+        if self.readers is not None:  # before a cut is made: a read that races it is thrown away
+            self.readers.cut_coming(self.acceptor.cut_generation)
         replies = []
         for a in actions:
             match a:

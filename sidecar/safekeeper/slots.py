@@ -175,11 +175,15 @@ class Slots:
         if slot is None:
             raise SlotError(f'replication slot "{name}" does not exist', "42704")
         # A temporary slot stays its connection's for that connection's life, as PostgreSQL's active_pid.
-        if slot.active or (slot.owner is not None and slot.owner is not owner):
+        if slot.active or (slot.owner is not None and slot.owner != owner):
             raise SlotError(f'replication slot "{name}" is active for another connection', "55006")
         return slot
 
-    def acquire(self, name: str, owner: object | None = None) -> Slot:
+    async def lookup(self, name: str) -> Slot | None:
+        """`get` for a reader connection (the reader process asks across its link)."""
+        return self.get(name)
+
+    async def acquire(self, name: str, owner: object | None = None) -> Slot:
         """Mark the slot in use by one stream; SlotError if missing, in use, or invalidated."""
         slot = self.acquire_check(name, owner)
         if slot.invalidated:
@@ -195,6 +199,13 @@ class Slots:
         if slot.temporary and self._slots.get(slot.name) is slot:
             del self._slots[slot.name]
             self.on_change()
+
+    def stream_ended(self, slot: Slot) -> None:
+        """A stream with the slot ended: released, but a temporary slot stays its connection's until that ends."""
+        if slot.temporary:
+            slot.active = False
+        else:
+            self.release(slot)
 
     def holding(self, flush_lsn: int) -> tuple[SlotHold, ...]:
         """The slots that hold WAL or were invalidated, with what they hold behind `flush_lsn`, for `check`."""

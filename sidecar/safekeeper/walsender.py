@@ -22,14 +22,41 @@ from sidecar.timelines import TimelineEntry
 from sidecar.consensus.reading import ReadCursor, ReadRefused, Send, ServerState, TimelineDone, Wait, readable_end
 from sidecar.lsn import format_lsn
 from sidecar.safekeeper.positions import PositionWatch
-from sidecar.safekeeper.slots import Slot, Slots
-from sidecar.safekeeper.storage import StorageError, WalPin
+from sidecar.safekeeper.slots import Slot
+from sidecar.safekeeper.storage import StorageError
 
 WAL_SENDER_TIMEOUT = 60.0  # PostgreSQL's wal_sender_timeout default
 
 
 class StreamEnded(Exception):
     """The reader broke the protocol or went silent: the connection ends (FATAL, then close)."""
+
+
+class Pin(Protocol):
+    """A lease on stored WAL held for a stream (storage.WalPin, or the reader process's RemotePin)."""
+
+    def move(self, lsn: int, seg_size: int) -> None: ...
+
+    def release(self) -> None: ...
+
+
+class ReaderSlots(Protocol):
+    """The slots as reader connections use them (slots.Slots, or the reader process's RemoteSlots)."""
+
+    async def create(self, name: str, temporary: bool, restart_lsn: int, timeline: int, reader: str = "",
+                     owner: object | None = None) -> Slot: ...
+
+    async def drop(self, name: str, owner: object | None = None) -> None: ...
+
+    async def acquire(self, name: str, owner: object | None = None) -> Slot: ...
+
+    async def lookup(self, name: str) -> Slot | None: ...
+
+    def release(self, slot: Slot) -> None: ...
+
+    def stream_ended(self, slot: Slot) -> None: ...
+
+    def advance(self, slot: Slot, flush_lsn: int, timeline: int) -> None: ...
 
 
 class Served(Protocol):
@@ -44,7 +71,13 @@ class Served(Protocol):
 
     def read_wal(self, lsn: int, size: int) -> bytes: ...
 
-    def pin_wal(self, lsn: int, holder: str) -> WalPin: ...
+    def cut_generation(self) -> int:
+        """The cut generation now: ahead of the published one from before a cut is made until it is published."""
+        ...
+
+    async def reader_pin(self, lsn: int, holder: str) -> Pin:
+        """A pin held from `lsn` on; `reader_state()` afterwards is no older than it."""
+        ...
 
 
 def now() -> int:
@@ -56,7 +89,7 @@ class WalSender:
 
     def __init__(self, sk: Served, writer: asyncio.StreamWriter,
                  receive: Callable[[], Awaitable[pgwire.FrontendMessage]], cmd: pgrepl.StartReplication,
-                 slot: Slot | None, slots: Slots, log: Any, timeout: float = WAL_SENDER_TIMEOUT) -> None:
+                 slot: Slot | None, slots: ReaderSlots, log: Any, timeout: float = WAL_SENDER_TIMEOUT) -> None:
         self.sk, self.writer, self.receive = sk, writer, receive
         self.cmd, self.slot, self.slots = cmd, slot, slots
         self.log = log
@@ -69,7 +102,8 @@ class WalSender:
     async def run(self) -> None:
         """ReadRefused before streaming starts (an ERROR for the command); StreamEnded for a broken reader."""
         # Pinned before the cursor checks what is stored: nothing it may send is removed under it.
-        pin = self.sk.pin_wal(self.cmd.lsn, f'reader slot "{self.cmd.slot}"' if self.cmd.slot else "a reader")
+        pin = await self.sk.reader_pin(self.cmd.lsn, f'reader slot "{self.cmd.slot}"' if self.cmd.slot
+                                       else "a reader")
         try:
             cursor = ReadCursor(self.cmd.lsn, self.cmd.timeline, self.sk.reader_state(), self.cmd.term)
         except BaseException:
@@ -148,11 +182,16 @@ class WalSender:
         try:
             data = await asyncio.to_thread(self.sk.read_wal, step.start, step.end - step.start)
         except StorageError:
-            if self.sk.positions.value.generation != state.generation:
-                return  # cut while read: the cursor decides again
-            raise
-        if self.sk.positions.value.generation != state.generation or len(data) != step.end - step.start:
-            return  # a cut raced the read: what was read may be gone; the cursor decides again
+            if self.sk.cut_generation() == state.generation:
+                raise
+            data = b""
+        if self.sk.cut_generation() != state.generation:
+            # A cut raced the read: what was read may be gone. The cursor decides again once the
+            # positions after the cut are published (the generation is written before the cut is made).
+            await self.sk.positions.wait(lambda p: p.generation != state.generation)
+            return
+        if len(data) != step.end - step.start:
+            return
         wal_end = readable_end(state, cursor.term)
         self.writer.writelines((pgwire.copy_data_header(pgrepl.XLOGDATA_HEADER + len(data)),
                                 pgrepl.xlogdata_header(step.start, max(wal_end, step.end), now()), data))

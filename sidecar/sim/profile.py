@@ -24,6 +24,9 @@ class SimConfig:
     # Having learned it, it grants no vote until its WAL holds the start of a later term
     # (AcceptorState.lost_disk_term); False shows the acknowledged commit it can lose without that rule.
     later_term_rule: bool = True
+    # The reader process throws away a read whose snapshot's cut generation is behind the safekeeper's
+    # (walsender.py, readerprocess.py); False shows what a stale snapshot would serve without that check.
+    reader_cut_check: bool = True
     disk_losses: float | None = None  # weight of losing a safekeeper's disk; None: drawn from the seed
     failovers: float | None = None  # weight of starting `walsidecar failover`; None: drawn from the seed
 

@@ -6,6 +6,12 @@ a standby resumes: its replay position), on the timeline that holds that positio
 the next one). An error (its term's WAL cut, WAL not stored there) or the safekeeper's crash ends the
 connection; it connects again later, maybe to another safekeeper. The checker sees every piece of WAL
 sent (invariants 5 and 6).
+
+As the reader process (safekeeper/readerprocess.py) does, a reader decides on a snapshot of the
+safekeeper's state that may be older than the safekeeper (pushed to the process, which may not have
+taken the latest push yet), reads the disk as it is now, and throws the read away when the cut
+generation, written before each cut, is no longer its snapshot's; it then waits for a newer snapshot.
+A connection starts on a fresh one, as the pin's answer carries it.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ class SimReader:
     sk: SimSafekeeper | None = None
     acceptor: Acceptor | None = None  # the process it is connected to: a restart ends the connection
     cursor: ReadCursor | None = None
+    snapshot: ServerState | None = None  # what the reader process was last told of the safekeeper
 
     @property
     def resume_lsn(self) -> int:
@@ -64,7 +71,7 @@ def server_state(sk: SimSafekeeper) -> ServerState | None:
         return None
     s = acc.state
     return ServerState(s.term, acc.flush_lsn, s.commit_lsn, acc.cut_generation, s.timeline or 1,
-                       s.timeline_history, sk.disk.start, acc.cuts)
+                       s.timeline_history, sk.disk.start, tuple(acc.cuts))
 
 
 class Readers:
@@ -78,7 +85,7 @@ class Readers:
 
     def _disconnect(self, r: SimReader, why: str) -> None:
         self.ctx.event(r.name, "disconnected", why)
-        r.sk = r.acceptor = r.cursor = None
+        r.sk = r.acceptor = r.cursor = r.snapshot = None
 
     # ---- scheduled events ------------------------------------------------------------------------
 
@@ -106,7 +113,7 @@ class Readers:
             self.ctx.count("reader requests refused")
             self.ctx.event(r.name, "refused by", sk.name, str(e))
             return True
-        r.sk, r.acceptor = sk, sk.acceptor
+        r.sk, r.acceptor, r.snapshot = sk, sk.acceptor, s
         self.ctx.count("reader connections")
         self.ctx.event(r.name, "reads from", sk.name, start, f"timeline={timeline}")
         return True
@@ -122,8 +129,10 @@ class Readers:
         if sk.acceptor is None or sk.acceptor is not r.acceptor:
             self._disconnect(r, f"{sk.name} went down")
             return True
-        s = server_state(sk)
-        assert s is not None
+        if self.ctx.rng.random() < 0.5 or r.snapshot is None:  # the latest push has reached the reader process
+            r.snapshot = server_state(sk)
+        s = r.snapshot
+        assert s is not None and sk.acceptor is not None
         try:
             step = cursor.next(s)
         except ReadRefused as e:
@@ -131,8 +140,13 @@ class Readers:
             self._disconnect(r, str(e))
             return True
         if type(step) is Send:
-            data = sk.disk.read(step.start, step.end)
+            if self.ctx.cfg.reader_cut_check and sk.acceptor.cut_generation != s.generation:
+                # Read, then thrown away: the generation written before a cut is not the snapshot's.
+                self.ctx.count("reads thrown away after a cut")
+                r.snapshot = server_state(sk)
+                return True
             self.checker.served(r.name, sk, step.start, step.end)
+            data = sk.disk.read(step.start, step.end)
             cursor.advance(step.end)
             self.ctx.count("WAL pieces sent to readers")
             records = r.receive(step.start, data)

@@ -22,6 +22,7 @@ from support.recovery import base_backup, recover
 from sidecar.address import Address
 from sidecar.cli import main
 from sidecar.config import RestoreWalSettings
+from sidecar.processes import process_tree
 from sidecar.timelines import TimelineEntry
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE, parse_lsn, segment_file_name
 from sidecar.pgcluster import ClusterError
@@ -264,8 +265,10 @@ def test_archive_recovery_stops_instead_of_opening_short_when_too_few_safekeeper
     # One safekeeper stopped, another that takes connections and never answers: only one answers, too
     # few to know where the committed WAL ends.
     d.stop("safekeeper2")
-    silent = d.process("safekeeper3").pid
-    os.kill(silent, signal.SIGSTOP)
+    silent = process_tree([d.process("safekeeper3").pid])  # with its reader process
+    assert len(silent) == 2, f"safekeeper3 and its reader process, not {silent}"
+    for pid in silent:
+        os.kill(pid, signal.SIGSTOP)
     command = shlex.join(installed_argv("restore-wal", "%f", "%p", "--safekeeper-readers",
                                         ",".join(str(a) for a in d.reader_addresses), "--certs-dir", str(certs),
                                         "--reader-passfile", str(passfile), "--reader-timeout", "2",
@@ -279,7 +282,8 @@ def test_archive_recovery_stops_instead_of_opening_short_when_too_few_safekeeper
         assert "archive recovery complete" not in log and not restored.is_running(), log[-3000:]
 
         # The safekeepers back, the same server started again: recovery goes on and opens with every commit.
-        os.kill(silent, signal.SIGCONT)
+        for pid in silent:
+            os.kill(pid, signal.SIGCONT)
         d.start("safekeeper2")
         recover(restored, command)
         with psycopg.connect(restored.dsn(), autocommit=True) as c:
@@ -287,6 +291,7 @@ def test_archive_recovery_stops_instead_of_opening_short_when_too_few_safekeeper
             assert c.execute("SELECT count(*) FROM load WHERE id < 0").fetchone()[0] == 20000
         assert not set(acked) - ids, f"{len(set(acked) - ids)} acknowledged rows lost"
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(silent, signal.SIGCONT)
+        for pid in silent:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
         restored.teardown()

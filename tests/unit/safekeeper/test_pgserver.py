@@ -9,9 +9,9 @@ import struct
 from pathlib import Path
 
 import pytest
-from scramp import ScramClient
 
 from support.helpers import run, until
+from support.pgfrontend import Client
 from sidecar import pgrepl, pgwire, readerauth
 from sidecar.timelines import TimelineEntry
 from sidecar.consensus.reading import ServerState
@@ -36,74 +36,26 @@ class Standin:
         self.positions = PositionWatch(Positions(3, SEG + 5000, SEG + 4000, 0))
         self.slots = Slots(tmp)
         self.timeline, self.history = 2, (TimelineEntry(1, SWITCH),)
+        self.disk = 0  # what the WAL on "disk" is: each cut writes other bytes
+        self.announced: int | None = None  # a cut generation written before its positions are published
+        self.reads = 0
 
     def reader_state(self) -> ServerState:
         p = self.positions.value
         return ServerState(p.term, p.flush_lsn, p.commit_lsn, p.generation, self.timeline, self.history, SEG)
 
     def read_wal(self, lsn: int, size: int) -> bytes:
-        return bytes((i * 7) & 0xFF for i in range(lsn, lsn + size))
+        self.reads += 1
+        return bytes((i * 7 + self.disk) & 0xFF for i in range(lsn, lsn + size))
 
-    def pin_wal(self, lsn: int, holder: str) -> WalPin:
+    async def current_state(self) -> ServerState:
+        return self.reader_state()
+
+    def cut_generation(self) -> int:
+        return self.announced if self.announced is not None else self.positions.value.generation
+
+    async def reader_pin(self, lsn: int, holder: str) -> WalPin:
         return NoWal().pin(lsn, holder)
-
-
-class Client:
-    """A frontend speaking the protocol by hand."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-
-    @classmethod
-    async def connect(cls, port: int) -> Client:
-        return cls(*await asyncio.open_connection("127.0.0.1", port))
-
-    def startup(self, **params: str) -> None:
-        body = struct.pack(">I", pgwire.PROTOCOL_3_0) + b"".join(
-            k.encode() + b"\0" + v.encode() + b"\0" for k, v in params.items()) + b"\0"
-        self.writer.write(struct.pack(">I", len(body) + 4) + body)
-
-    def send(self, kind: bytes, body: bytes = b"") -> None:
-        self.writer.write(pgwire.HEADER.pack(kind, len(body) + 4) + body)
-
-    def query(self, text: str) -> None:
-        self.send(b"Q", text.encode() + b"\0")
-
-    async def message(self) -> tuple[bytes, bytes]:
-        kind, length = pgwire.HEADER.unpack(await self.reader.readexactly(5))
-        return kind, await self.reader.readexactly(length - 4)
-
-    async def until(self, kind: bytes) -> list[tuple[bytes, bytes]]:
-        """Messages up to and including the first of `kind`."""
-        out = []
-        while True:
-            m = await self.message()
-            out.append(m)
-            if m[0] == kind:
-                return out
-
-    async def login(self, password: str, user: str = "reader") -> list[tuple[bytes, bytes]]:
-        self.startup(user=user, replication="true")
-        kind, body = await self.message()
-        assert kind == b"R" and body[:4] == b"\0\0\0\x0a" and b"SCRAM-SHA-256\0" in body
-        scram = ScramClient(["SCRAM-SHA-256"], user, password)  # libpq sends no name here; pg8000 does
-        first = scram.get_client_first().encode()
-        self.send(b"p", b"SCRAM-SHA-256\0" + struct.pack(">I", len(first)) + first)
-        kind, body = await self.message()
-        if kind == b"E":
-            return [(kind, body)]
-        assert body[:4] == b"\0\0\0\x0b"
-        scram.set_server_first(body[4:].decode())
-        self.send(b"p", scram.get_client_final().encode())
-        out = []
-        while not out or out[-1][0] not in (b"Z", b"E"):
-            out.append(await self.message())
-        if out[0][0] == b"E":
-            return out[-1:]
-        if out[0][0] == b"R":
-            assert out[0][1][:4] == b"\0\0\0\x0c"
-            scram.set_server_final(out[0][1][4:].decode())
-        return out
 
 
 def error_of(body: bytes) -> dict[str, str]:
@@ -213,6 +165,25 @@ def test_a_stream_on_the_current_timeline_is_capped_at_the_commit_and_follows_it
         assert [k for k, _ in await c.until(b"Z")] == [b"c", b"C", b"C", b"Z"]
         c.query("IDENTIFY_SYSTEM")
         assert (await c.until(b"Z"))[-1][0] == b"Z"
+    serve(tmp_path, test)
+
+
+def test_a_read_that_raced_an_announced_cut_is_not_sent(tmp_path: Path) -> None:
+    """In the reader process the cut generation is written (shared memory) before the cut is made, and
+    the positions after it arrive later: bytes read meanwhile may be the cut's, and are thrown away."""
+    async def test(server: ReaderServer, sk: Standin) -> None:
+        sk.announced = 1  # the safekeeper is cutting; its new positions are not published yet
+        c = await Client.connect(server.port)
+        await c.login("secret")
+        c.query(f"START_REPLICATION PHYSICAL 0/{SWITCH:X}")
+        assert (await c.message())[0] == b"W"
+        await until(lambda: sk.reads >= 1, "the walsender to read")
+        sk.disk = 1  # the cut wrote other bytes, then its positions are published
+        sk.positions.publish(Positions(3, SWITCH + 100, SWITCH + 100, 1))
+        msg = pgrepl.parse_copy_data((await c.message())[1])
+        assert isinstance(msg, pgrepl.XLogData) and msg.start == SWITCH
+        assert len(msg.data) == 100 and msg.data == sk.read_wal(SWITCH, 100), \
+            "bytes read before the cut was published were sent"
     serve(tmp_path, test)
 
 

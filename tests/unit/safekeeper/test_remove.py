@@ -134,7 +134,7 @@ def test_a_slot_holding_more_than_max_slot_wal_keep_size_is_invalidated_and_hold
         finally:
             task.cancel()
         with pytest.raises(SlotError, match="invalidated") as e:
-            sk.slots.acquire("pin")
+            await sk.slots.acquire("pin")
         assert e.value.sqlstate == "55000"
     run(main())
     st.close()

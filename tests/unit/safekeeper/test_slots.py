@@ -53,9 +53,9 @@ def test_create_and_drop_refusals(tmp_path: Path) -> None:
         with pytest.raises(SlotError, match="does not exist") as e:
             await s.drop("b")
         assert e.value.sqlstate == "42704"
-        slot = s.acquire("a")
+        slot = await s.acquire("a")
         with pytest.raises(SlotError, match="active") as e:
-            s.acquire("a")
+            await s.acquire("a")
         assert e.value.sqlstate == "55006"
         with pytest.raises(SlotError, match="active"):
             await s.drop("a")
@@ -70,7 +70,7 @@ def test_a_temporary_slot_goes_with_its_stream(tmp_path: Path) -> None:
     async def main() -> None:
         s = Slots(tmp_path)
         slot = await s.create("t", True, 0, 1)
-        assert s.acquire("t") is slot
+        assert await s.acquire("t") is slot
         s.release(slot)
         assert s.get("t") is None
     run(main())

@@ -323,6 +323,12 @@ def test_a_lost_disk_loses_an_acknowledged_commit_without_the_later_term_rule() 
     assert _found(300, cfg).invariant.startswith(("1 ", "2 "))
 
 
+def test_a_stale_reader_snapshot_without_the_cut_check_serves_cut_wal() -> None:
+    """The reader process decides on a snapshot older than the safekeeper: without throwing away a read
+    whose snapshot's cut generation is behind (walsender.py), it serves WAL a cut took away: invariant 5."""
+    assert _found(300, SimConfig(reader_cut_check=False)).invariant.startswith("5 ")
+
+
 def test_lost_disks_with_the_amnesia_rule_are_safe() -> None:
     out = first_violation(range(150), SimConfig(disk_losses=1.0))
     assert out is None, report_failure(out, SimConfig())
