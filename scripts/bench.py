@@ -41,9 +41,14 @@ of a template cluster (one per pgbench scale, each built once per run). Workload
                         (scripts/bench_wal_analytics.py): pg_waldump, walsidecar's segment scan per core
                         and `analyze --stats` on Spark, in MB/s
 
-With --pin the primary PostgreSQL (the postmaster, so every backend it forks) and pgbench run on
-the first CPU and the receivers (pg_receivewal, or the safekeepers and the sidecar) on the others:
-how much the receivers competing with the primary for the same cores bounds the results.
+--topology says which CPUs each part runs on (the postmaster is started on its CPUs, so every backend
+it forks is too):
+* box (default)  everything on every CPU, one box
+* hosts          the primary PostgreSQL and the sidecar on the first CPU (the sidecar runs on the
+                 primary's host: every cycle it spends is taken from PostgreSQL), pgbench and the
+                 receivers (pg_receivewal, or the safekeepers) on the others, as separate hosts would be
+* split          the primary PostgreSQL and pgbench on the first CPU, the receivers and the sidecar on
+                 the others: how much the receivers competing with the primary for cores bounds the results
 
 Writes results.json (every round), results.md (medians, ratios and the goals) and chart.png to
 --out. MB means 10^6 bytes, GB 10^9 bytes.
@@ -157,7 +162,7 @@ class Settings:
     fsync_floor: bool = True
     keep: bool = False
     quick: bool = False
-    pin: bool = False
+    topology: str = "box"
     flood_priority: str = "idle"
 
 
@@ -287,23 +292,39 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval
         time.sleep(interval)
 
 
+TOPOLOGIES = ("box", "hosts", "split")
+
+
 @dataclass(frozen=True)
 class Pinning:
-    """--pin: the CPUs of the primary PostgreSQL and pgbench, and those of the receivers."""
+    """--topology hosts or split: the CPUs of the primary PostgreSQL, pgbench, the sidecar and the receivers."""
 
+    topology: str
     primary: frozenset[int]
+    pgbench: frozenset[int]
+    sidecar: frozenset[int]
     receivers: frozenset[int]
 
     @classmethod
-    def split(cls) -> Pinning:
+    def of(cls, topology: str) -> Pinning | None:
+        """None for box; BenchError when this process may not use two CPUs."""
+        if topology == "box":
+            return None
         cpus = sorted(os.sched_getaffinity(0))
         if len(cpus) < 2:
-            raise BenchError(f"--pin needs at least 2 CPUs (the primary and pgbench on one, the receivers on the "
-                             f"others) and this process may use {len(cpus)}: run without --pin")
-        return cls(frozenset(cpus[:1]), frozenset(cpus[1:]))
+            raise BenchError(f"--topology {topology} needs at least 2 CPUs and this process may use {len(cpus)}: "
+                             "run with --topology box")
+        first, rest = frozenset(cpus[:1]), frozenset(cpus[1:])
+        if topology == "hosts":
+            return cls(topology, primary=first, sidecar=first, pgbench=rest, receivers=rest)
+        return cls(topology, primary=first, pgbench=first, sidecar=rest, receivers=rest)
 
-    def describe(self) -> dict[str, list[int]]:
-        return {"primary_and_pgbench_cpus": sorted(self.primary), "receiver_cpus": sorted(self.receivers)}
+    def of_member(self, name: str) -> frozenset[int]:
+        return self.sidecar if name == "proposer" else self.receivers
+
+    def describe(self) -> dict[str, Any]:
+        return {"topology": self.topology, "primary_cpus": sorted(self.primary), "pgbench_cpus": sorted(self.pgbench),
+                "sidecar_cpus": sorted(self.sidecar), "receiver_cpus": sorted(self.receivers)}
 
 
 @contextmanager
@@ -431,13 +452,14 @@ class Setup:
         return self.cluster.postmaster_pid()
 
     def repin(self) -> None:
-        """With --pin, set the affinity of every process again (threads started meanwhile included)."""
+        """With --topology hosts or split, set the affinity of every process again (threads started meanwhile
+        included)."""
         if self.pin is None:
             return
         if (pid := self.postmaster_pid()) is not None:
             pin_tree(pid, self.pin.primary)
-        for pid in self.measured_pids().values():
-            pin_tree(pid, self.pin.receivers)
+        for name, pid in self.measured_pids().items():
+            pin_tree(pid, self.pin.of_member(name))
 
     def cpus(self) -> dict[str, list[int]]:
         """The CPUs each process may run on now (the primary as 'postgres')."""
@@ -499,7 +521,7 @@ def pgbench(setup: Setup, clients: int, duration: float, log_dir: Path) -> dict[
     argv = [str(setup.bin_dir / "pgbench"), "-n", "-r", "-c", str(clients), "-j", str(min(clients, 2)),
             "-T", str(max(1, round(duration))), "--log", f"--log-prefix={prefix}",
             "-h", "127.0.0.1", "-p", str(setup.port), "-U", "postgres", "postgres"]
-    with affinity(setup.pin and setup.pin.primary):  # pgbench's, not this process's while it waits
+    with affinity(setup.pin and setup.pin.pgbench):  # pgbench's, not this process's while it waits
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = proc.communicate(timeout=duration + 120)
@@ -632,7 +654,7 @@ def first_stored_lsn(wal_dir: Path, seg_size: int) -> int | None:
 
 class ReaderFlood:
     """scripts/bench_reader_flood.py against every safekeeper's reader port: a process of its own, not pinned
-    (with --pin it may run on every CPU), at `priority` (FLOOD_PRIORITIES: "idle" stands in for another host)."""
+    (under --topology it may run on every CPU), at `priority` (FLOOD_PRIORITIES: "idle" stands in for another host)."""
 
     def __init__(self, setup: Setup, priority: str = "idle") -> None:
         d = setup.d
@@ -931,7 +953,7 @@ def summary(row: dict[str, Any]) -> str:
 
 def run(s: Settings) -> dict[str, Any]:
     bin_dir = find_bin_dir()
-    pin = Pinning.split() if s.pin else None
+    pin = Pinning.of(s.topology)
     s.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="walsidecar-bench-", dir=s.workdir))
     os.chmod(work, 0o755)
@@ -1103,9 +1125,11 @@ def markdown(report: dict[str, Any]) -> str:
     if floor:
         notes.append(f"fsync floor (pg_test_fsync, one 8 kB write + fdatasync): {floor['fdatasync_us']:.0f} µs.")
     if pinned := report.get("pinned"):
-        notes.append(f"Pinned (--pin): the primary PostgreSQL and pgbench on CPU "
-                     f"{_cpus(pinned['primary_and_pgbench_cpus'])}, the receivers on CPU "
-                     f"{_cpus(pinned['receiver_cpus'])}.")
+        notes.append(f"Topology {pinned['topology']} (--topology): the primary PostgreSQL on CPU "
+                     f"{_cpus(pinned['primary_cpus'])}, the sidecar on {_cpus(pinned['sidecar_cpus'])}, pgbench on "
+                     f"{_cpus(pinned['pgbench_cpus'])}, the receivers on {_cpus(pinned['receiver_cpus'])}.")
+    else:
+        notes.append("Topology box (--topology): every process on every CPU.")
     notes += goals(report) + analytics_table(report)
     if errors:
         notes += ["", "Failed rounds:"] + [f"* round {r['round']} {r['config']}: {r['error'].splitlines()[0]}"
@@ -1258,16 +1282,17 @@ def parse_args(argv: list[str] | None = None) -> Settings:
                    "wall-clock samples, or with 'gil' only samples of running Python code")
     p.add_argument("--keep", action="store_true", help="keep the scratch directories (data, logs)")
     p.add_argument("--no-fsync-floor", action="store_true", help="skip the pg_test_fsync measurement")
-    p.add_argument("--pin", action="store_true",
-                   help="pin the primary PostgreSQL (its postmaster, so every backend) and pgbench to the first CPU, "
-                   "the receivers (pg_receivewal, or the safekeepers and the sidecar) to the others: how much their "
-                   "competing for the same cores bounds the results. Needs 2 CPUs or more; the report says so")
+    p.add_argument("--topology", choices=TOPOLOGIES, default="box",
+                   help="which CPUs each part runs on: box (default: all on every CPU), hosts (the primary and the "
+                   "sidecar on the first CPU, pgbench and the receivers on the others, as separate hosts would be) or "
+                   "split (the primary and pgbench on the first CPU, the receivers and the sidecar on the others). "
+                   "hosts and split need 2 CPUs or more; the report says which")
     p.add_argument("--flood-priority", choices=FLOOD_PRIORITIES, default="idle",
                    help=f"how {FLOOD}'s flood is scheduled: idle (default: SCHED_IDLE, only on CPU nothing else "
                    "wants, standing in for an attacker on another host) or normal (level with the primary, pgbench "
                    "and the receivers, as an attacker on the same host)")
     a = p.parse_args(argv)
-    s = Settings(out=a.out, workdir=a.workdir, profile=a.profile, keep=a.keep, quick=a.quick, pin=a.pin,
+    s = Settings(out=a.out, workdir=a.workdir, profile=a.profile, keep=a.keep, quick=a.quick, topology=a.topology,
                  flood_priority=a.flood_priority)
     if a.quick:
         s.rounds, s.duration, s.scale, s.bulk_bytes, s.catchup_bytes = 1, 2.0, 1, 32 * MB, 32 * MB
@@ -1294,11 +1319,10 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     s.workloads = tuple(w for w in WORKLOADS if w in only) or default
     if s.rounds < 1 or s.duration <= 0 or s.scale < 1 or s.contended_scale < 1:
         p.error("--rounds, --duration, --scale and --contended-scale must be positive")
-    if s.pin:
-        try:
-            Pinning.split()
-        except BenchError as e:
-            p.error(str(e))
+    try:
+        Pinning.of(s.topology)
+    except BenchError as e:
+        p.error(str(e))
     return s
 
 

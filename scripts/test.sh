@@ -15,6 +15,6 @@ export PATH="$VENV/bin:$PATH"
 # WALSIDECAR_CONTAINERS=0 skips the engine and the image build. See scripts/with-docker.sh.
 # Two pytest-xdist workers (WALSIDECAR_TEST_WORKERS, or -n N among the arguments, which wins; -n 0 runs in
 # this process): every test makes its own directories, ports and servers, and most of a test's time is
-# waiting for processes, so two run side by side on two cores.
+# waiting for processes, so two run side by side on two cores; an idle worker takes tests queued for the other.
 # pytest's own exit code; 5 (no tests collected) is non-zero and so fails too.
-exec bash scripts/with-docker.sh "$VENV/bin/python" -m pytest -n "${WALSIDECAR_TEST_WORKERS:-2}" "$@"
+exec bash scripts/with-docker.sh "$VENV/bin/python" -m pytest -n "${WALSIDECAR_TEST_WORKERS:-2}" --dist worksteal "$@"

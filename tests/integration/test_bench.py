@@ -32,8 +32,8 @@ def quick_bench(test_dir: Path, *args: str, timeout: float) -> tuple[subprocess.
 
 
 def test_quick_benchmark_produces_every_output(test_dir: Path) -> None:
-    # --pin where it can: the primary and pgbench on one CPU, the receivers on the others.
-    pin = ["--pin"] if len(os.sched_getaffinity(0)) > 1 else []
+    # --topology hosts where it can: the primary and the sidecar on one CPU, pgbench and the receivers on the others.
+    pin = ["--topology", "hosts"] if len(os.sched_getaffinity(0)) > 1 else []
     proc, out = quick_bench(test_dir, *pin, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
@@ -55,8 +55,9 @@ def test_quick_benchmark_produces_every_output(test_dir: Path) -> None:
 
     if pin:
         cpus = next(r for r in rows if r["config"] == "walsidecar" and r["workload"] == "pgbench-16")["cpus"]
-        assert report["pinned"]["primary_and_pgbench_cpus"] == cpus["postgres"]
-        assert all(cpus[name] == report["pinned"]["receiver_cpus"] for name in ("safekeeper1", "proposer"))
+        pinned = report["pinned"]
+        assert pinned["topology"] == "hosts" and pinned["primary_cpus"] == cpus["postgres"] == cpus["proposer"]
+        assert cpus["safekeeper1"] == pinned["receiver_cpus"] == pinned["pgbench_cpus"] != pinned["primary_cpus"]
 
     table = (out / "results.md").read_text()
     assert table.startswith("| metric") and "walsidecar ÷ native-quorum" in table
