@@ -570,6 +570,12 @@ class SafekeeperMember(SidecarMember):
         self.create_once()
         return super().start(*extra)
 
+    def term_known(self) -> bool:
+        """Whether it has a control file: a founding one from its creation, an empty one (a lost disk) once it
+        learned its term from its peers (safekeeper/amnesia.py)."""
+        from sidecar.safekeeper.control import control_path
+        return control_path(self.data_dir).exists()
+
     def create_once(self) -> None:
         """`walsidecar safekeeper-init` of a founding safekeeper, the first time it starts in this deployment."""
         from sidecar.safekeeper.control import control_path
@@ -782,12 +788,9 @@ class LocalDeployment:
             self.wait_streaming(timeout)
 
     def _wait_terms_learned(self, timeout: float) -> None:
-        """Until every running safekeeper has a control file: a founding one has it from its creation, an empty
-        one (a lost disk) once it learned its term from its peers (safekeeper/amnesia.py)."""
-        from sidecar.safekeeper.control import control_path
+        """Until every running safekeeper knows its term (`SafekeeperMember.term_known`)."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not all(
-                control_path(m.data_dir).exists() for m in self._safekeepers() if m.running):
+        while time.monotonic() < deadline and not all(m.term_known() for m in self._safekeepers() if m.running):
             time.sleep(0.05)
 
     def stop_all(self) -> None:

@@ -65,3 +65,10 @@ def current() -> tuple[str, str]:
 
 def get_logger(**bound: object) -> structlog.typing.FilteringBoundLogger:
     return structlog.get_logger().bind(**bound)
+
+
+def module_logger(**bound: object) -> structlog.typing.FilteringBoundLogger:
+    """A logger for a module's top level: bound anew at each line, so that it follows the configuration of
+    the moment, not the one at import (get_logger's binds it at once: a test capturing logs after another
+    test imported the module would see nothing)."""
+    return structlog.get_logger(**bound)  # type: ignore[no-any-return]

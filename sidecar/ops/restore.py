@@ -24,14 +24,14 @@ from pathlib import Path
 from sidecar import pgrepl
 from sidecar.address import Address
 from sidecar.config import RestoreWalSettings
-from sidecar.logs import get_logger
+from sidecar.logs import module_logger
 from sidecar.archivedwal import AmbiguousArchive, ArchiveError, open_archived_wal
 from sidecar.lsn import format_lsn, parse_segment_file_name
 from sidecar.walclient import ReaderError, ReaderUnreachable, WalReader, copy_wal
 from sidecar.wal.format import WalFormatError
 from sidecar.wal.verify import check_segment_wal
 
-log = get_logger(command="restore-wal")
+log = module_logger(command="restore-wal")
 
 UNDEFINED_FILE = "58P01"  # the safekeeper does not hold it (never had, or removed)
 INVALID_PARAMETER = "22023"  # a position or timeline this safekeeper cannot serve

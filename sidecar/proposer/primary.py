@@ -17,13 +17,13 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_fixed
 
-from sidecar.logs import get_logger
+from sidecar.logs import module_logger
 from sidecar.lsn import INVALID_LSN, format_lsn, parse_lsn
 from sidecar.pgrepl import check_slot_name
 from sidecar.consensus.commitwait import WaiterKey
 from sidecar.proposer.syncrep import sql_literal, standby_names_warnings
 
-log = get_logger(role="proposer")
+log = module_logger(role="proposer")
 
 # First key of the two-key advisory lock ("WALS"); the second is hashtext(slot name).
 ADVISORY_LOCK_CLASS = 0x57414C53

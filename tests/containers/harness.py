@@ -416,6 +416,16 @@ class SafekeeperContainer(ContainerMember, SafekeeperMember):
         except OSError:
             return False
 
+    def term_known(self) -> bool:
+        """Its control file, looked for inside the container: the host's path of that name is not its (looking
+        there, `start_all` waited its whole timeout before starting the proposer)."""
+        from sidecar.safekeeper.control import control_path
+        if self.container is None or not self.running:
+            return False
+        # The shell's `test`: the image has no binary of that name (docker/rootfs.py).
+        code, _ = self.container.container.exec_run(["sh", "-c", f"test -f {control_path(self.data_dir)}"])
+        return code == 0
+
 
 class ProposerContainer(ContainerMember, ProposerMember):
     """`walsidecar start` in a container, attached to the primary."""

@@ -44,6 +44,12 @@ def undo(d: Deployment) -> subprocess.CompletedProcess[str]:
     return proc
 
 
+def streaming(dsn: str) -> bool:
+    """Whether the server's WAL receiver streams."""
+    with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as c:
+        return bool(c.execute("SELECT count(*) FROM pg_stat_wal_receiver WHERE status = 'streaming'").fetchone()[0])
+
+
 def rows(dsn: str, ids: list[int]) -> int:
     with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as c:
         return c.execute("SELECT count(DISTINCT id) FROM load WHERE id = ANY(%s)", (ids,)).fetchone()[0]
@@ -171,6 +177,10 @@ def test_a_fenced_old_primary_gets_nothing_acknowledged_until_failover_undo(depl
         standby.server.set({"primary_conninfo": f"host=127.0.0.1 port={free_port()} connect_timeout=2",
                             "restore_command": ""})
         standby.server.reload()
+        # A commit acknowledged once it streams no more: E is beyond what it replayed, however fast it was.
+        wait_for(lambda: not streaming(standby.server.dsn()), timeout=60, what="the standby to stop streaming")
+        with psycopg.connect(d.pg.dsn(), autocommit=True) as c:
+            c.execute("INSERT INTO load VALUES (-4, 'after the standby was cut off')")
         code, out = failover(d, standby, "--catchup-timeout", "2")
         assert code == 1 and "not promoting" in out, out
         assert "ends at E for good" in out, out
