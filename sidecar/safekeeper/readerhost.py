@@ -139,7 +139,7 @@ class ReaderProcess:
             *map(str, fds), stdin=asyncio.subprocess.DEVNULL, pass_fds=fds)
         theirs.close()
         self._proc, self._ctl, self.pid = proc, mine, proc.pid
-        self.log.info("reader process started", pid=proc.pid, nice=self.nice)
+        self.log.info("reader process started", pid=proc.pid)
 
     async def _supervise(self) -> None:
         while True:

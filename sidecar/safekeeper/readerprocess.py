@@ -315,7 +315,7 @@ class RemoteSafekeeper:
         return RemotePin(self.link, pin_id, lsn)
 
 
-async def _serve(ctl: socket.socket, listener: socket.socket, generation: mmap.mmap) -> None:
+async def _serve(ctl: socket.socket, listener: socket.socket, generation: mmap.mmap, scheduling: str) -> None:
     from sidecar.logs import get_logger
     from sidecar.safekeeper.pgserver import ReaderPort, ReaderServer
 
@@ -348,6 +348,8 @@ async def _serve(ctl: socket.socket, listener: socket.socket, generation: mmap.m
             loop.call_later(COUNTS_INTERVAL, tell_counts)
     server.on_count = count
     await server.start()
+    get_logger(node=spec["node_id"], port="reader").info("reader process serving", pid=os.getpid(),
+                                                          scheduling=scheduling)
     try:
         while True:
             try:
@@ -376,15 +378,17 @@ def main() -> None:
     fmt, level, nice, ctl_fd, listen_fd, generation_fd = sys.argv[1:7]
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # the threads it starts inherit it
+        scheduling = "SCHED_IDLE"
     except (OSError, AttributeError):
         os.nice(int(nice))
+        scheduling = f"nice {nice}"
     ctl = socket.socket(fileno=int(ctl_fd))
     listener = socket.socket(fileno=int(listen_fd))
     generation = mmap.mmap(int(generation_fd), GENERATION.size, prot=mmap.PROT_READ)
     os.close(int(generation_fd))
     from sidecar.logs import configure
     configure(fmt, level)
-    asyncio.run(_serve(ctl, listener, generation))
+    asyncio.run(_serve(ctl, listener, generation, scheduling))
 
 
 if __name__ == "__main__":
