@@ -2,10 +2,11 @@
 
 The safekeeper binds the reader port itself, so that an address it cannot have stops it at start
 with the usual message, then hands the socket to the child. It sends the child its reader state
-when the child asks (a walsender of it waits) and its positions moved past what it sent, writes the cut generation into shared memory before each cut, and
-answers the child's requests for slots and WAL pins with its own `Slots` and `WalStorage`, which
-stay the only owners of both. Whatever the child held (pins, acquired slots, temporary slots) is
-let go when it exits; if that was not the safekeeper's doing, it is started again.
+when the child asks (a walsender of it waits) and its positions moved past what it sent, writes
+the cut generation into shared memory before each cut, and answers the child's requests for slots
+and WAL pins with its own `Slots` and `WalStorage`, which stay the only owners of both. Whatever the
+child held (pins, acquired slots, temporary slots) is let go when it exits; if that was not the
+safekeeper's doing, it is started again.
 """
 
 from __future__ import annotations
@@ -19,13 +20,12 @@ import socket
 import sys
 from typing import Any, Protocol
 
-from sidecar import logs
 from sidecar.address import cannot_listen
 from sidecar.consensus.reading import ServerState
-from sidecar.logs import get_logger
+from sidecar.logs import current as log_settings, get_logger
 from sidecar.safekeeper.pgserver import ReaderPort
 from sidecar.safekeeper.positions import PositionWatch
-from sidecar.safekeeper.readerprocess import GENERATION, READER_NICE, Failure, Snapshot, receive, send
+from sidecar.safekeeper.readerprocess import GENERATION, Failure, Snapshot, receive, send
 from sidecar.safekeeper.slots import Slot, SlotError, Slots
 from sidecar.safekeeper.storage import StorageError, WalPin
 
@@ -55,10 +55,9 @@ class Hosting(Protocol):
 class ReaderProcess:
     """The reader port of one safekeeper, served by a child process."""
 
-    def __init__(self, sk: Hosting, options: ReaderPort, wal_dir: os.PathLike[str], mock_secret: bytes,
-                 nice: int = READER_NICE) -> None:
+    def __init__(self, sk: Hosting, options: ReaderPort, wal_dir: os.PathLike[str], mock_secret: bytes) -> None:
         self.sk, self.options = sk, options
-        self.wal_dir, self.mock_secret, self.nice = wal_dir, mock_secret, nice
+        self.wal_dir, self.mock_secret = wal_dir, mock_secret
         self.log = get_logger(node=sk.node_id, port="reader")
         self.port = options.port
         self.connections = 0  # as the child last told
@@ -132,10 +131,10 @@ class ReaderProcess:
     async def _spawn(self) -> None:
         assert self._listener is not None
         mine, theirs = socket.socketpair()
-        fmt, level = logs.current()
+        fmt, level = log_settings()
         fds = (theirs.fileno(), self._listener.fileno(), self._generation_fd)
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "sidecar.safekeeper.readerprocess", fmt, level, str(self.nice),
+            sys.executable, "-m", "sidecar.safekeeper.readerprocess", fmt, level,
             *map(str, fds), stdin=asyncio.subprocess.DEVNULL, pass_fds=fds)
         theirs.close()
         self._proc, self._ctl, self.pid = proc, mine, proc.pid
@@ -224,17 +223,17 @@ class ReaderProcess:
                 if pin is not None:
                     pin.release()
             case "slot_create":
-                name, temporary, lsn, timeline, reader, owner = body
+                owner, name, temporary, lsn, timeline, reader = body
                 slot = await slots.create(name, temporary, lsn, timeline, reader=reader, owner=owner)
                 if temporary:
                     held.slots[(owner, name)] = slot
                 return slot
             case "slot_drop":
-                name, owner = body
+                owner, name = body
                 await slots.drop(name, owner=owner)
                 held.slots.pop((owner, name), None)
             case "slot_acquire":
-                name, owner = body
+                owner, name = body
                 slot = await slots.acquire(name, owner=owner)
                 held.slots[(owner, name)] = slot
                 return slot
@@ -251,7 +250,7 @@ class ReaderProcess:
                     if not slot.temporary:
                         del held.slots[tuple(body)]
             case "slot_advance":
-                name, owner, lsn, timeline = body
+                owner, name, lsn, timeline = body
                 slot = held.slots.get((owner, name))
                 if slot is not None:
                     slots.advance(slot, lsn, timeline)

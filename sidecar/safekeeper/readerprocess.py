@@ -44,7 +44,7 @@ from sidecar.consensus.reading import ServerState
 from sidecar.lsn import format_lsn, parse_segment_file_name
 from sidecar.safekeeper.positions import Positions, PositionWatch
 from sidecar.safekeeper.slots import Slot, SlotError
-from sidecar.safekeeper.storage import StorageError
+from sidecar.safekeeper.storage import StorageError, read_segment_file, segment_file_rank
 
 # The reader process runs under SCHED_IDLE: the kernel runs it only on CPU that nothing else wants, and any
 # of the safekeeper's threads that wakes takes the CPU from it at once, which a nice value alone does not
@@ -118,22 +118,9 @@ class WalFiles:
         while pos < end:
             segno, off = divmod(pos, seg_size)
             n = min(end - pos, seg_size - off)
-            pieces.append(self._read_segment(segno, off, n, seg_size))
+            pieces.append(read_segment_file(self._open(segno, seg_size), off, n))
             pos += n
         return b"".join(pieces)
-
-    def _read_segment(self, segno: int, off: int, n: int, seg_size: int) -> bytes:
-        fd = self._open(segno, seg_size)
-        try:
-            data = os.pread(fd, n, off)
-            while len(data) < n:
-                more = os.pread(fd, n - len(data), off + len(data))
-                if not more:  # pre-sized: a missing end reads as zeros, as the safekeeper's own read
-                    return data + bytes(n - len(data))
-                data += more
-            return data
-        finally:
-            os.close(fd)
 
     def _open(self, segno: int, seg_size: int) -> int:
         for attempt in range(3):
@@ -150,18 +137,18 @@ class WalFiles:
         raise StorageError(f"the WAL segment from {format_lsn(segno * seg_size)} is not stored in {self.wal_dir}")
 
     def _scan(self, seg_size: int) -> None:
-        """As the safekeeper picks among a segment's files: a final name before a .partial, then the newest timeline."""
-        best: dict[int, tuple[bool, int, str]] = {}
+        """Each segment's file as the safekeeper picks it (storage.segment_file_rank)."""
+        best: dict[int, tuple[tuple[bool, int], str]] = {}
         with contextlib.suppress(FileNotFoundError):
             for entry in os.scandir(self.wal_dir):
                 try:
                     tli, segno, partial = parse_segment_file_name(entry.name, seg_size)
                 except ValueError:
                     continue
-                key = (not partial, tli, entry.name)
+                key = (segment_file_rank(tli, partial), entry.name)
                 if segno not in best or key > best[segno]:
                     best[segno] = key
-        self._names = {segno: key[2] for segno, key in best.items()}
+        self._names = {segno: name for segno, (_, name) in best.items()}
 
 
 class RemotePin:
@@ -188,16 +175,16 @@ class RemoteSlots:
 
     async def create(self, name: str, temporary: bool, restart_lsn: int, timeline: int, reader: str = "",
                      owner: object | None = None) -> Slot:
-        slot: Slot = await self.link.ask("slot_create", (name, temporary, restart_lsn, timeline, reader,
-                                                         _key(owner)))
+        slot: Slot = await self.link.ask("slot_create", (_key(owner), name, temporary, restart_lsn, timeline,
+                                                         reader))
         slot.owner = owner
         return slot
 
     async def drop(self, name: str, owner: object | None = None) -> None:
-        await self.link.ask("slot_drop", (name, _key(owner)))
+        await self.link.ask("slot_drop", (_key(owner), name))
 
     async def acquire(self, name: str, owner: object | None = None) -> Slot:
-        slot: Slot = await self.link.ask("slot_acquire", (name, _key(owner)))
+        slot: Slot = await self.link.ask("slot_acquire", (_key(owner), name))
         slot.owner = owner
         return slot
 
@@ -215,7 +202,7 @@ class RemoteSlots:
     def advance(self, slot: Slot, flush_lsn: int, timeline: int) -> None:
         if flush_lsn > slot.restart_lsn and not slot.invalidated:
             slot.restart_lsn, slot.timeline = flush_lsn, timeline
-            self.link.tell("slot_advance", (slot.name, _key(slot.owner), flush_lsn, timeline))
+            self.link.tell("slot_advance", (_key(slot.owner), slot.name, flush_lsn, timeline))
 
 
 def _key(owner: object | None) -> int | None:
@@ -368,20 +355,20 @@ async def _serve(ctl: socket.socket, listener: socket.socket, generation: mmap.m
 
 
 def main() -> None:
-    """Entry point: `LOG_FORMAT LOG_LEVEL NICE LINK_FD LISTEN_FD GENERATION_FD`, as readerhost.py starts it."""
+    """Entry point: `LOG_FORMAT LOG_LEVEL LINK_FD LISTEN_FD GENERATION_FD`, as readerhost.py starts it."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() == 1:
         return  # the safekeeper died before the line above took effect
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the safekeeper stops us
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    fmt, level, nice, ctl_fd, listen_fd, generation_fd = sys.argv[1:7]
+    fmt, level, ctl_fd, listen_fd, generation_fd = sys.argv[1:6]
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # the threads it starts inherit it
         scheduling = "SCHED_IDLE"
     except (OSError, AttributeError):
-        os.nice(int(nice))
-        scheduling = f"nice {nice}"
+        os.nice(READER_NICE)
+        scheduling = f"nice {READER_NICE}"
     ctl = socket.socket(fileno=int(ctl_fd))
     listener = socket.socket(fileno=int(listen_fd))
     generation = mmap.mmap(int(generation_fd), GENERATION.size, prot=mmap.PROT_READ)

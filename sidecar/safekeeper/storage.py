@@ -590,18 +590,7 @@ class WalStorage:
         return b"".join(pieces)
 
     def _read_segment(self, segno: int, off: int, n: int) -> bytes:
-        fd = self._open_for_read(segno)
-        try:
-            data = os.pread(fd, n, off)
-            while len(data) < n:
-                more = os.pread(fd, n - len(data), off + len(data))
-                if not more:
-                    # A crash while the file was being pre-sized: its missing end is zeros.
-                    return data + bytes(n - len(data))
-                data += more
-            return data
-        finally:
-            os.close(fd)
+        return read_segment_file(self._open_for_read(segno), off, n)
 
     def _open_for_read(self, segno: int) -> int:
         for _ in range(2):  # a concurrent flush may rename the file between lookup and open
@@ -842,7 +831,7 @@ class WalStorage:
             # so a final file is complete and durable; a .partial beside it (another
             # timeline's copy, or a file put there by hand) can only be older or shorter.
             # Keeping both would make reads ambiguous. Among equals the newest timeline wins.
-            files.sort(key=lambda f: (not f.partial, f.tli))
+            files.sort(key=lambda f: segment_file_rank(f.tli, f.partial))
             self._files[segno] = files[-1]
             for stale in files[:-1]:
                 name = segment_file_name(stale.tli, segno, self.seg_size)
@@ -850,6 +839,27 @@ class WalStorage:
                 removed = True
         if removed:
             fsync_dir(self.wal_dir)
+
+
+def segment_file_rank(tli: int, partial: bool) -> tuple[bool, int]:
+    """Which of a segment's files is the one to read: the highest rank. A final name before a .partial (a
+    final name is given only once every byte is fdatasynced), then the newest timeline."""
+    return not partial, tli
+
+
+def read_segment_file(fd: int, off: int, n: int) -> bytes:
+    """`n` bytes of a segment file at `off`, then close `fd`. A crash while the file was being pre-sized
+    leaves its end missing: that reads as zeros."""
+    try:
+        data = os.pread(fd, n, off)
+        while len(data) < n:
+            more = os.pread(fd, n - len(data), off + len(data))
+            if not more:
+                return data + bytes(n - len(data))
+            data += more
+        return data
+    finally:
+        os.close(fd)
 
 
 def _check_seg_size(seg_size: int) -> None:
