@@ -634,6 +634,12 @@ class Chaos:
                                       else "is a primary now, beside the old one"))
             why = next((line for line in reversed(proc.stdout.splitlines()) if "failover stopped" in line),
                        f"exit code {proc.returncode}")
+            if "ends at E for good" in proc.stdout:
+                # It fenced before it stopped: the old timeline takes commits again only once an operator
+                # lifts the fence (`failover --undo`, as its output says); the fence stopped the old sidecar.
+                self.run_failover(n, standby, "--undo")
+                if not old_sidecar.running:
+                    d.start("proposer")
             d.mark("proposer", f"round {n}: failover refused; the old side goes on")
             return f"failover with the old side alive, refused ({why.strip()})"
         self.promote(standby)
@@ -669,11 +675,13 @@ class Chaos:
         self.wait(lambda: self.standby_replays(standby), self.round_timeout, "the standby to replay")
         return standby
 
-    def run_failover(self, n: int, standby: Standby) -> subprocess.CompletedProcess[str]:
-        """`walsidecar failover` to the standby, its output appended to failover.log."""
+    def run_failover(self, n: int, standby: Standby, *extra: str) -> subprocess.CompletedProcess[str]:
+        """`walsidecar failover` to the standby (or with `--undo`, lifting a fence), its output appended to
+        failover.log."""
         d = self.d
+        target = list(extra) if "--undo" in extra else ["--standby-dsn", standby.server.dsn(), *extra]
         proc = subprocess.run(
-            sidecar_argv("failover", "--standby-dsn", standby.server.dsn(), "--safekeepers", ",".join(d.addresses),
+            sidecar_argv("failover", *target, "--safekeepers", ",".join(d.addresses),
                          "--reader-passfile", str(d.reader_passfile), "--timeout", "60",
                          *d.link_args("failover", "proposer")),
             capture_output=True, text=True, timeout=self.round_timeout, stdin=subprocess.DEVNULL)
