@@ -218,7 +218,8 @@ class Broker:
     Every method is a coroutine running one blocking etcd3gw call in the broker's own thread.
     """
 
-    def __init__(self, endpoints: Sequence[str], certs_dir: Path | None = None, timeout: float = TIMEOUT) -> None:
+    def __init__(self, endpoints: Sequence[str], certs_dir: Path | None = None, timeout: float = TIMEOUT,
+                 tls_files: TlsFiles | None = None) -> None:
         import etcd3gw  # here: a safekeeper without --broker never loads it
 
         self.endpoints = parse_endpoints(endpoints)
@@ -228,7 +229,8 @@ class Broker:
             assert parts.hostname is not None
             self._clients.append(etcd3gw.Etcd3Client(
                 host=parts.hostname, port=parts.port or 2379, protocol=parts.scheme, timeout=timeout,
-                api_path="/v3/", session=_session(certs_dir if parts.scheme == "https" else None)))
+                api_path="/v3/", session=_session(certs_dir if parts.scheme == "https" else None,
+                                                  tls_files if parts.scheme == "https" else None)))
         self._current = 0
         self._errors: tuple[type[BaseException], ...] = (etcd3gw.exceptions.Etcd3Exception, OSError, ValueError,
                                                          KeyError, TypeError)
@@ -277,6 +279,13 @@ class Broker:
         import etcd3gw.lease
         return await self._call("renew the lease", lambda c: etcd3gw.lease.Lease(lease, c).refresh() > 0)
 
+    async def lease_ttl(self, lease: int) -> tuple[int, int]:
+        """(seconds left, seconds granted) of `lease`; seconds left is -1 once it has expired."""
+        def ask(c: Any) -> tuple[int, int]:
+            r = c.post(c.get_url("/kv/lease/timetolive"), json={"ID": lease})
+            return int(r.get("TTL", -1)), int(r.get("grantedTTL", 0))
+        return await self._call("read a lease", ask)
+
     async def revoke(self, lease: int) -> None:
         """End `lease` now: its keys go at once."""
         import etcd3gw.lease
@@ -324,8 +333,18 @@ class Broker:
         await self._call("resign", lambda c: c.transaction(txn))
 
 
-def _session(certs_dir: Path | None) -> Any:
-    """An HTTP session trusting only the deployment's CA and presenting its certificate, given `certs_dir`."""
+@dataclass(frozen=True)
+class TlsFiles:
+    """An etcd's TLS as another program's configuration names it (Patroni's etcd3 cacert, cert, key)."""
+
+    ca: str | None
+    cert: str | None = None
+    key: str | None = None
+
+
+def _session(certs_dir: Path | None, files: TlsFiles | None = None) -> Any:
+    """An HTTP session trusting only the deployment's CA and presenting its certificate, given `certs_dir`,
+    or the files given."""
     import requests
 
     from sidecar.tls import node_files
@@ -336,6 +355,10 @@ def _session(certs_dir: Path | None) -> Any:
         ca, cert, key = node_files(certs_dir)  # TlsError saying how to make what is missing
         session.verify = str(ca)
         session.cert = (str(cert), str(key))
+    elif files is not None:
+        session.verify = files.ca or True
+        if files.cert:
+            session.cert = (files.cert, files.key) if files.key else files.cert
     return session
 
 

@@ -331,8 +331,12 @@ def up(s: UpSettings) -> None:
 @configured(FollowLeaderSettings)
 def follow_leader(s: FollowLeaderSettings) -> None:
     """Run `walsidecar start` on this node while its Patroni is the leader; stop it when demoted (docs/ha.md)."""
-    from sidecar.patroni import FollowLeader
-    FollowLeader(s.patroni_url, s.sidecar_config, s.poll_interval).run()
+    from sidecar.patroni import FollowLeader, patroni_dcs
+    try:
+        dcs = patroni_dcs(s.patroni_config) if s.patroni_config is not None else None
+    except ValueError as e:
+        raise click.ClickException(f"--patroni-config: {e}") from e
+    FollowLeader(s.patroni_url, s.sidecar_config, s.poll_interval, dcs, s.leader_lost_after).run()
 
 
 @main.group()

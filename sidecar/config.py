@@ -632,6 +632,15 @@ class FollowLeaderSettings(Settings):
     sidecar_config: FilePath = Field(description="The --config file of the `walsidecar start` it runs while "
                                                  "this node is the primary (pg_dsn: this node's PostgreSQL).")
     poll_interval: float = Field(0.5, gt=0, description="Seconds between questions to Patroni.")
+    patroni_config: FilePath | None = Field(None, description="This node's patroni.yml: on a replica, the follower "
+                                                              "then ends a lost leader's etcd lease (its scope, "
+                                                              "namespace and etcd3 say where the key is), so that "
+                                                              "Patroni fails over without waiting out ttl. "
+                                                              "Without it, only the key's expiry does.")
+    leader_lost_after: float = Field(3.0, gt=0, description="Seconds for which the leader's REST API and PostgreSQL "
+                                                            "must accept no connection from this node, and etcd "
+                                                            "must show its lease not renewed, before the follower "
+                                                            "ends that lease (with --patroni-config).")
 
 
 class VerifyArchiveSettings(LinkSettings):

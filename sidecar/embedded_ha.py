@@ -33,11 +33,15 @@ NODES = ("node1", "node2")
 SCOPE = "walsidecar"
 
 # Patroni's timing (docs/ha.md "Timing"). A dead leader's key lives `ttl` seconds (Patroni raises anything
-# below 20 to 20: that floor bounds how fast a host loss is seen); the replica looks every `loop_wait` (and
+# below 20 to 20) unless the replica's follower ends its lease first; the replica looks every `loop_wait` (and
 # at once when it sees the key go); a DCS or PostgreSQL call is retried for `retry_timeout`. Patroni's rule
 # loop_wait + 2 * retry_timeout <= ttl keeps an etcd hiccup of retry_timeout from costing a healthy leader
 # its key; 2 + 2 * 5 = 12 leaves 8 s of margin.
 TTL, LOOP_WAIT, RETRY_TIMEOUT = 20, 2, 5
+# Ahead of that expiry, the replica's follow-leader ends a lost leader's lease (sidecar/patroni.py
+# LeaderLoss): after this many seconds of its ports refusing and its lease unrenewed (a live leader renews
+# every LOOP_WAIT, so 3 s is one missed renewal and more).
+LEADER_LOST_AFTER = 3.0
 # The gate's own bounds: well inside Patroni's patience (it renews the lock while the hook runs).
 GATE_TIMEOUT, GATE_CATCHUP_TIMEOUT = 15, 15
 
@@ -167,7 +171,11 @@ class Node(Member):
             f"catchup_timeout = {GATE_CATCHUP_TIMEOUT}\n"
             "\n[follow-leader]\n"
             f"patroni_url = {_toml(self.api)}\n"
-            f"sidecar_config = {_toml(str(config))}\n")
+            f"sidecar_config = {_toml(str(config))}\n"
+            "# On the replica: a leader whose ports accept nothing from here and whose etcd lease is not renewed\n"
+            f"# for leader_lost_after seconds loses its lease at once, not ttl ({TTL} s) after its last renewal.\n"
+            f"patroni_config = {_toml(str(self.dir / 'patroni.yml'))}\n"
+            f"leader_lost_after = {LEADER_LOST_AFTER}\n")
         gate = walsidecar_argv("failover-gate", "--config", str(config), "--log-format", "json")
         (self.dir / "patroni.yml").write_text(self.patroni_yaml(shlex.join(gate)))
         # The postgres OS user runs Patroni, the gate and restore_command: it owns what they read.

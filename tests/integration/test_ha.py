@@ -188,6 +188,9 @@ def test_a_host_loss_of_the_leader_promotes_the_other_node_with_every_acknowledg
     assert doc["primary"].get("sync_state") == "sync", doc["primary"]
     gate = up.node_log("node2")
     assert "gate open: the standby replayed E" in gate and "exited with 0" in gate
+    # node2's follower saw node1's host lost (its ports refused, its lease unrenewed in etcd) and ended
+    # node1's lease: Patroni elected without waiting out ttl.
+    assert "the leader's host is lost: ended its etcd lease" in up.node_log("node2", "sidecar.log")
 
     # node1 comes back as a replica of node2 (Patroni rewinds it: it may hold WAL no quorum acknowledged).
     up.ctl("start", "node1")

@@ -33,6 +33,7 @@ def files(tmp_path: Path) -> Path:
     (tmp_path / "afile").write_text("not a directory\n")
     (tmp_path / "bad.toml").write_text("quorum = [\n")
     (tmp_path / "typo.toml").write_text("qourum = 2\n")
+    (tmp_path / "noetcd.yml").write_text("scope: main\nname: node1\n")
     (tmp_path / "damaged").mkdir()
     (tmp_path / "damaged" / CONTROL_FILE).write_bytes(b"garbage")
     (tmp_path / "ctl-is-dir" / CONTROL_FILE).mkdir(parents=True)
@@ -107,6 +108,11 @@ CASES = [
     (("check", "--pg-dsn", "{unreachable}", "--safekeepers", "127.0.0.1:{free}", "--insecure"), "Connection refused"),
     (("status", "--pg-dsn", "{unreachable}", "--insecure"), "Primary:  unreachable"),
     (("init-postgres", "--pg-dsn", "{unreachable}"), "Connection refused"),
+    # follow-leader's lost-leader check needs Patroni's etcd3 section
+    (("follow-leader", "--sidecar-config", "{d}/typo.toml", "--patroni-config", "{d}/noetcd.yml"),
+     "no etcd3 section"),
+    (("follow-leader", "--sidecar-config", "{d}/typo.toml", "--leader-lost-after", "0"),
+     "--leader-lost-after = 0.0: Input should be greater than 0"),
 ]
 
 
