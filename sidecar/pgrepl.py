@@ -183,6 +183,13 @@ def timeline_of(history: TimelineHistory, current: int, lsn: int) -> int:
     return current
 
 
+def segment_timeline(history: TimelineHistory, current: int, segno: int, seg_size: int) -> int:
+    """The timeline in whose file segment `segno` is read: the newest one begun by the segment's end, as
+    PostgreSQL's recovery picks it (XLogFileReadAnyTLI). The file of a segment holding a switch point is the
+    new timeline's; it holds the old timeline's WAL before the switch too."""
+    return timeline_of(history, current, (segno + 1) * seg_size - 1)
+
+
 def on_lineage(history: TimelineHistory, current: int, timeline: int) -> bool:
     """True if `timeline` is the current one or one it descends from."""
     return timeline == current or any(e.timeline == timeline for e in history)

@@ -187,7 +187,7 @@ class Failover:
         from sidecar.config import RestoreWalSettings
         from sidecar.lsn import segment_file_name, segment_number
         from sidecar.ops.restore import Exit, restore_wal
-        from sidecar.pgrepl import timeline_of
+        from sidecar.pgrepl import segment_timeline
         s, end = self.s, fenced.start_lsn
         st = await read_standby(conn)
         have = max(st.replay_lsn, st.receive_lsn)
@@ -204,7 +204,9 @@ class Failover:
                                 cluster=getattr(s, "cluster", None))
         seg = st.wal_seg_size
         for segno in range(segment_number(max(st.replay_lsn, 1), seg), segment_number(end - 1, seg) + 1):
-            tli = timeline_of(fenced.timeline_history, fenced.fence.timeline, segno * seg)
+            # The segment of the standby's replay position may hold switches of earlier failovers: its
+            # file is the newest timeline's, not the one its first byte was written on.
+            tli = segment_timeline(fenced.timeline_history, fenced.fence.timeline, segno, seg)
             name = segment_file_name(tli, segno, seg)
             code = await asyncio.to_thread(restore_wal, rs, name, pg_wal / name, stop=False)
             if code != Exit.RESTORED:

@@ -18,7 +18,7 @@ from sidecar.timelines import TimelineHistory
 from sidecar.consensus.proposer import MAX_APPEND
 from sidecar.lsn import format_lsn, segment_file_name
 from sidecar.archivedwal import ArchivedWal, open_archived_wal
-from sidecar.pgrepl import timeline_end, timeline_of
+from sidecar.pgrepl import segment_timeline, timeline_end, timeline_of
 from sidecar.proposer import replication as repl
 from sidecar.wal.format import WalFormatError
 
@@ -201,7 +201,7 @@ class ArchiveReader:
         while pos < end:
             segno = pos // seg_size
             seg_start = segno * seg_size
-            tli = timeline_of(history, timeline, seg_start + seg_size - 1)
+            tli = segment_timeline(history, timeline, segno, seg_size)
             name = segment_file_name(tli, segno, seg_size)
             try:
                 data = await asyncio.to_thread(wal.segment, name, tli)

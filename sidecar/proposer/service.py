@@ -44,6 +44,9 @@ RECONNECT_MIN, RECONNECT_MAX = 0.5, 5.0
 # The walsender's "requested WAL segment ... has already been removed": the primary's pg_wal lacks it.
 WAL_REMOVED = "58P01"
 PERMANENT_TRIES = 3  # a wrong password or a missing database: tries before giving up (in case it was being set up)
+# When the primary's timeline ends, the term waits this long for the quorum to commit the old timeline's WAL
+# up to the switch point before it ends (see _stream).
+TIMELINE_END_COMMIT_WAIT = 10.0
 
 
 class SafekeeperLink(Protocol):
@@ -112,6 +115,7 @@ class ProposerService:
         self._primary = primary.PrimarySnapshot()
         self.stream: repl.ReplicationStream | None = None
         self._term_over: asyncio.Event = asyncio.Event()
+        self._commit_moved: asyncio.Event = asyncio.Event()  # set at each ReportStatus
         self._tasks: set[asyncio.Task[None]] = set()
         self._fetches: dict[str, asyncio.Task[None]] = {}
         self._replication_conn: psycopg.AsyncConnection | None = None
@@ -521,6 +525,7 @@ class ProposerService:
                     log_event(self.log, a)
 
     def _report(self, a: ReportStatus) -> None:
+        self._commit_moved.set()
         for o in self.observers:
             o.committed(a.flush_lsn)
         if self.stream is None:
@@ -554,8 +559,15 @@ class ProposerService:
             await stream.wait_closed()
             self.log.warning("replication stream ended", term=core.term)
         except repl.TimelineEnded as e:
+            # The WAL up to the switch point is the old timeline's last. The next term starts at its donor's
+            # flush: unless that WAL is on a quorum first, every next term starts below the switch again,
+            # streams the old timeline again and ends again, before its Appends are acknowledged.
+            self.stream = None
+            self._on_batch_end()
+            committed = await self._committed(core, e.next_lsn, TIMELINE_END_COMMIT_WAIT)
             self.log.warning("the primary's timeline ended; starting a new term", term=core.term,
-                             next_timeline=e.next_tli, switch_lsn=format_lsn(e.next_lsn))
+                             next_timeline=e.next_tli, switch_lsn=format_lsn(e.next_lsn),
+                             commit_lsn=format_lsn(core.commit_lsn), committed_to_the_switch=committed)
         except repl.ReplicationError as e:
             if e.sqlstate == WAL_REMOVED and core is self.core:
                 self.log.critical("refusing to stream", term=core.term, reason=str(e))
@@ -573,6 +585,18 @@ class ProposerService:
         finally:
             if core is self.core:
                 self._term_over.set()
+
+    async def _committed(self, core: Proposer, lsn: int, timeout: float) -> bool:
+        """Wait until `core`'s quorum commit reaches `lsn`, at most `timeout`; False if its term ended first."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while core is self.core and not self._term_over.is_set() and core.commit_lsn < lsn:
+            self._commit_moved.clear()
+            try:
+                await asyncio.wait_for(self._commit_moved.wait(), deadline - loop.time())
+            except asyncio.TimeoutError:
+                break
+        return core.commit_lsn >= lsn
 
     def _on_wal(self, lsn: int, data: memoryview) -> None:
         if not self._pending:

@@ -183,6 +183,36 @@ def test_a_promoted_standby_holding_every_committed_byte_becomes_the_primary(dep
         standby.teardown()
 
 
+def test_a_standby_that_replayed_past_the_committed_end_gets_the_rest_of_timeline_1_committed_in_one_term(
+        deployment: Deployment, procs: ProcessTracker, test_dir: Path) -> None:
+    """The standby holds timeline 1's WAL past what the safekeepers have (the sidecar was down while the primary
+    wrote it): the sidecar's first term on it streams timeline 1 from their end to the switch, and that WAL must
+    be on a quorum before the term ends. Without the wait, each new term started below the switch again and
+    ended at the switch again before its Appends were acknowledged, term after term."""
+    d = deployment
+    standby = standby_of(d, test_dir / "standby")
+    try:
+        write_acknowledged(d, 50)
+        d.stop("proposer")
+        with psycopg.connect(d.pg.dsn(), autocommit=True) as c:
+            c.execute("SET synchronous_commit = local")  # nobody acknowledges: the sidecar is down
+            c.execute("INSERT INTO load SELECT g, repeat('x', 200) FROM generate_series(1, 2000) g")
+        end = stop_primary(d)
+        wait_for(lambda: replayed(standby) > end, timeout=60, what="the standby to replay the shutdown checkpoint")
+        switch = promote(standby)
+        proposer = sidecar_on(d, procs, standby)
+        wait_for(lambda: sql(standby, f"SELECT sync_state FROM pg_stat_replication WHERE application_name = '{APP}'")
+                 == ("sync",) or not proposer.running, timeout=60, ignore=(TypeError,),
+                 what="the sidecar to stream from the promoted standby")
+        log = proposer.log_path.read_text()
+        assert proposer.running, log[-3000:]
+        assert log.count("the primary's timeline ended") == 1, log[-4000:]
+        assert re.search(r"committed_to_the_switch[\"=: ]+(True|true)", log), log[-3000:]
+        assert format_lsn(switch) in log
+    finally:
+        standby.teardown()
+
+
 def test_a_standby_promoted_behind_the_committed_position_is_refused(deployment: Deployment,
                                                                      procs: ProcessTracker, test_dir: Path) -> None:
     d = deployment

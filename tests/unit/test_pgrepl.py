@@ -65,6 +65,10 @@ def test_timelines() -> None:
     assert pgrepl.timeline_of(HISTORY, 3, 0x3000157) == 1
     assert pgrepl.timeline_of(HISTORY, 3, 0x3000158) == 2
     assert pgrepl.timeline_of(HISTORY, 3, 0x1000000A0) == 3
+    # A segment holding a switch is read from the new timeline's file (XLogFileReadAnyTLI).
+    assert pgrepl.segment_timeline(HISTORY, 3, 2, 0x1000000) == 1
+    assert pgrepl.segment_timeline(HISTORY, 3, 3, 0x1000000) == 2
+    assert pgrepl.segment_timeline(HISTORY, 3, 0x100, 0x1000000) == 3
     assert pgrepl.on_lineage(HISTORY, 3, 1) and pgrepl.on_lineage(HISTORY, 3, 3)
     assert not pgrepl.on_lineage(HISTORY, 3, 4)
 
