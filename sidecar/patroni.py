@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import socket
@@ -113,14 +114,19 @@ class PatroniDcs:
 def patroni_dcs(path: Path) -> PatroniDcs:
     """Read `path` as Patroni does (its own loader: defaults, PATRONI_* environment); ValueError saying what
     is missing or not supported."""
+    # Importing Patroni sets the process's umask to its data directory's (patroni.file_perm, at import), and
+    # its loader may again: the follower's files and the sidecar it starts keep the umask they were given.
+    umask = os.umask(0o022)
+    os.umask(umask)
     try:
         from patroni.config import Config
+        config = Config(str(path), validator=None)
     except ImportError:
         raise ValueError("Patroni is not installed: pip install 'walsidecar[ha]'") from None
-    try:
-        config = Config(str(path), validator=None)
     except Exception as e:  # Patroni's loader raises what YAML and its own checks raise
         raise ValueError(f"{path}: Patroni cannot read it: {e}") from None
+    finally:
+        os.umask(umask)
     scope = config.get("scope")
     if not scope:
         raise ValueError(f"{path}: no scope: Patroni's leader key is named after it")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,8 @@ from sidecar.broker import Broker
 from sidecar.patroni import FollowLeader, LeaderLoss, PatroniDcs, leader_member, patroni_dcs
 from support.etcd import EtcdServer
 from support.helpers import wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_leader_is_lost_only_after_answering_nothing_for_the_whole_time() -> None:
@@ -73,6 +77,19 @@ def test_patroni_dcs_reads_where_the_leader_key_is(tmp_path: Path) -> None:
                                       "  cert: /c.pem\n  key: /k.pem", extra="namespace: /db/\n"))
     assert dcs.endpoints == ("https://127.0.0.1:2379",) and dcs.leader_key == "/db/pgmain/leader"
     assert dcs.tls is not None and (dcs.tls.ca, dcs.tls.cert, dcs.tls.key) == ("/ca.pem", "/c.pem", "/k.pem")
+
+
+def test_reading_patroni_yml_leaves_the_umask_alone(tmp_path: Path) -> None:
+    """Importing Patroni sets the process's umask to 077 (patroni.file_perm): the follower's files, and those
+    of the sidecar it starts (some read by the postgres user), keep the umask they were given. A fresh
+    process: the umask changes at Patroni's first import only."""
+    pytest.importorskip("patroni")
+    path = _yaml(tmp_path, "  hosts: 127.0.0.1:2379")
+    out = subprocess.run([sys.executable, "-c", "import os, sys; from sidecar.patroni import patroni_dcs; "
+                          "os.umask(0o022); patroni_dcs(sys.argv[1]); print(oct(os.umask(0)))", str(path)],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0o22"
 
 
 @pytest.mark.parametrize("etcd3, message", [
