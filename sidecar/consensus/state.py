@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sidecar.consensus.messages import NO_FENCE, TermHistory, TimelineFence
+from sidecar.consensus.messages import NO_DEGRADED, NO_FENCE, DegradedRange, TermHistory, TimelineFence
 from sidecar.timelines import TimelineHistory
 
 
@@ -30,3 +30,6 @@ class AcceptorState:
     # later term it promises terms without granting them, since it may lack commits it acknowledged before
     # the loss (acceptor.on_vote). 0: no lost disk, or the WAL holds such a start.
     lost_disk_term: int = 0
+    # The open degraded range the proposer recorded here before acknowledging with fewer than a quorum
+    # (--commit-wait degrade-after): what `check` and a failover without the broker read (NO_DEGRADED: none).
+    degraded: DegradedRange = NO_DEGRADED
