@@ -361,7 +361,7 @@ class Acceptor:
         _check(lambda r: limits.check_degraded(r, msg.term), msg.record)
         s = self.state
         if msg.term < s.term:
-            return [Reply(DegradedRecordReply(s.term, msg.record.version))]  # it lost its term: the reply says so
+            return [Reply(DegradedRecordReply(s.term, 0))]  # it lost its term: the reply says so, and stores nothing
         if msg.term != self.elected_term or owner is not self.owner:
             raise AcceptorError(f"DegradedRecord for term {msg.term} on a connection that does not hold the term")
         if msg.record == s.degraded:
@@ -397,7 +397,7 @@ class Acceptor:
         # Positional construction: replace() costs several times more, and this runs per Append.
         self.state = AcceptorState(s.system_id, s.wal_seg_size, s.pg_version, s.timeline, s.term,
                                    s.term_history, s.timeline_history, commit, s.backup_lsn, horizon, s.fence,
-                                   s.members, s.lost_disk_term)
+                                   s.members, s.lost_disk_term, s.degraded)
         # commit_lsn is a hint: persist it lazily, once per segment of progress.
         if commit - self._persisted_commit >= max(s.wal_seg_size, 1):
             self._persisted_commit = commit

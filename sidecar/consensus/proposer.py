@@ -155,10 +155,11 @@ class TermsExhausted:
 
 @dataclass(frozen=True)
 class StoreDegraded:
-    """Record `record` durably in the broker (replacing version `record.version - 1`, or creating it at 1), then
+    """Record `record` durably in the broker, in place of `previous` (NO_DEGRADED: where no range is open), then
     call `degraded_stored(record.version)`: no acknowledgement above the quorum is made before that call."""
 
     record: DegradedRange
+    previous: DegradedRange = NO_DEGRADED
 
 
 @dataclass(frozen=True)
@@ -341,6 +342,9 @@ class Proposer:
         # and since when (the service's clock) the quorum commit stalled where.
         self.degraded = NO_DEGRADED
         self._stored = 0
+        # Versions only grow in this core, over every range it opens (and above an inherited one): a member's reply
+        # names the version it stored, and must never be taken for another range's.
+        self._version = config.carried.record.version if config.carried else 0
         self._members: dict[int, str] = {}
         self._degraded_high = 0
         self._stall: tuple[int, float] | None = None
@@ -502,9 +506,10 @@ class Proposer:
         d = self.degraded
         start = d.start_lsn if d else self.commit_lsn
         self._members = dict(members)
-        self.degraded = DegradedRange(self.term, start, d.version + 1 if d else 1, frozenset(members))
-        return [StoreDegraded(self.degraded)] + [Send(n, DegradedRecord(self.term, self.degraded))
-                                                  for n in sorted(members.values())]
+        self._version += 1
+        self.degraded = DegradedRange(self.term, start, self._version, frozenset(members))
+        return [StoreDegraded(self.degraded, d)] + [Send(n, DegradedRecord(self.term, self.degraded))
+                                                     for n in sorted(members.values())]
 
     def _member_left(self, name: str) -> list[Action]:
         if not self.degraded or name not in self._members.values():

@@ -10,7 +10,10 @@ from sidecar.timelines import TimelineHistory
 
 @dataclass(frozen=True)
 class AcceptorState:
-    """Persisted fields of docs/protocol.md "Safekeeper state"; `flush_lsn` is deliberately absent."""
+    """Persisted fields of docs/protocol.md "Safekeeper state"; `flush_lsn` is deliberately absent.
+
+    `acceptor._learn` builds it positionally on the hot path: a new field goes there too.
+    """
 
     system_id: int = 0
     wal_seg_size: int = 0

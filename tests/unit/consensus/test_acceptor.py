@@ -769,5 +769,16 @@ def test_a_degraded_range_only_from_the_connection_holding_the_term() -> None:
     assert snapshot(a) == before
     # From an earlier term: nothing is stored, and the reply tells that proposer the term it lost to.
     assert a.on_degraded(DegradedRecord(2, DegradedRange(2, 10, 1, frozenset({1})))) == \
-        [Reply(DegradedRecordReply(3, 1))]
+        [Reply(DegradedRecordReply(3, 0))]
     assert snapshot(a) == before
+
+
+def test_the_append_path_keeps_the_degraded_range() -> None:
+    """Appends rebuild the state on their hot path: the stored range must survive them."""
+    a = elected_acceptor(term=3)
+    rng = DegradedRange(3, 1000, 1, frozenset({1}))
+    a.on_degraded(DegradedRecord(3, rng))
+    a.on_append(Append(3, 1000, 0, 0, b"x" * 100))
+    a.on_flushed(1100)
+    a.on_append(Append(3, 1100, 1100, 1100))  # a heartbeat that moves commit_lsn
+    assert a.state.commit_lsn == 1100 and a.state.degraded == rng

@@ -82,7 +82,7 @@ def test_a_member_that_leaves_is_recorded_out_before_the_next_degraded_acknowled
     p.peer_message("a", DegradedRecordReply(1, 1))
     assert flushed(p.degraded_stored(1)) == [BOOT + 100]
     out = p.peer_disconnected("a")
-    assert of(out, StoreDegraded) == [StoreDegraded(DegradedRange(1, BOOT + 50, 2, frozenset()))]
+    assert of(out, StoreDegraded) == [StoreDegraded(DegradedRange(1, BOOT + 50, 2, frozenset()), rng)]
     assert p.status()[1] == BOOT + 100  # never back
     assert not p.degraded_confirmed
 
@@ -125,7 +125,7 @@ def test_a_joining_safekeeper_is_recorded_before_it_counts() -> None:
     out = p.peer_message("e", ElectedReply(1, BOOT))
     assert not of(out, StoreDegraded)  # below the degraded position: it would not hold every acknowledgement
     out = p.peer_message("e", AppendReply(1, BOOT + 250, 0))  # above it: it joins
-    assert of(out, StoreDegraded) == [StoreDegraded(DegradedRange(1, BOOT, 2, frozenset({A, ord("e")})))]
+    assert of(out, StoreDegraded) == [StoreDegraded(DegradedRange(1, BOOT, 2, frozenset({A, ord("e")})), DegradedRange(1, BOOT, 1, frozenset({A})))]
     p.peer_message("a", AppendReply(1, BOOT + 300, 0))
     assert p.status()[1] == BOOT + 200  # version 2 is not recorded yet
     p.peer_message("a", DegradedRecordReply(1, 2))
