@@ -14,7 +14,7 @@ import asyncio
 import shlex
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psycopg
@@ -23,6 +23,8 @@ from psycopg.conninfo import conninfo_to_dict
 from sidecar.address import Address
 from sidecar.config import FailoverBase, FailoverSettings
 from sidecar.consensus import lineage, primary_check
+from sidecar.consensus.degraded import describe
+from sidecar.consensus.messages import NO_DEGRADED, DegradedRange
 from sidecar.timelines import TimelineHistory
 from sidecar.consensus.proposer import FailoverTerm, ProposerConfig, VerifyPrimary
 from sidecar.linkauth import client_security
@@ -222,8 +224,9 @@ class Failover:
         s, say = self.s, self.say
         say(f"  standby: system {standby.system_id}, timeline {standby.timeline}, replayed up to "
             f"{format_lsn(standby.replay_lsn)}")
+        gate = await self._open_range()
         say("1/5 fence: winning a new term from a quorum of safekeepers (no WAL is streamed)")
-        fence = Fence(self._config(standby), self.security, precheck=self._precheck(standby),
+        fence = Fence(replace(self._config(standby), gate=gate), self.security, precheck=self._precheck(standby),
                       copy=self.donor.copy, say=say)
         try:
             try:
@@ -250,10 +253,68 @@ class Failover:
                 fence.check()
             except FenceError as e:
                 raise FailoverError(f"not promoting: the fence term was lost: {e}") from None
+            await self._final(gate, fenced.term)
         except BaseException:
             await fence.close()
             raise
         return fence, fenced
+
+    async def _open_range(self) -> DegradedRange:
+        """The open degraded range of --commit-wait degrade-after, which the fence's votes must cover: etcd's with
+        --broker; without it, refuse when a safekeeper holds a copy of one (the record is in etcd only)."""
+        from sidecar.broker import Broker, BrokerError
+        s, say = self.s, self.say
+        if s.broker:
+            broker = Broker(s.broker, s.certs_dir)
+            try:
+                gate = await broker.read_degraded(s.cluster or "")
+            except BrokerError as e:
+                raise FailoverError(f"not promoting: cannot read the degraded range of cluster {s.cluster} from etcd "
+                                    f"({e}); a sidecar with --commit-wait degrade-after may have acknowledged commits "
+                                    "that only some safekeepers hold: run failover again once etcd answers") from None
+            finally:
+                broker.close()
+            if gate:
+                say(f"  etcd holds an open {describe(gate)}: the fence's votes must include one of its members that "
+                    f"still holds its WAL of term {gate.term}")
+            else:
+                say(f"  etcd holds no open degraded range for cluster {s.cluster}")
+            return gate
+        held = []
+        for address in s.safekeepers:
+            try:
+                info = await probe_safekeeper(address, min(s.timeout, 10.0), self.security)
+            except ProbeError:
+                continue  # the fence needs a quorum anyway, and says who did not answer
+            if info.degraded:
+                held.append(f"{address} holds a copy of the {describe(info.degraded)}")
+        if held:
+            raise FailoverError("not promoting: " + "; ".join(held) + ". Commits may have been acknowledged that "
+                                "only some safekeepers hold, and the range is recorded in etcd: run failover with "
+                                "--broker and --cluster (the sidecar's)")
+        return NO_DEGRADED
+
+    async def _final(self, gate: DegradedRange, fence_term: int) -> None:
+        """Just before promoting: etcd still holds the range the votes covered (or none), which is closed, and no
+        sidecar of an older term may open one from now on (the failover term rises to ours)."""
+        from sidecar.broker import Broker, BrokerError
+        s = self.s
+        if not s.broker:
+            return
+        broker = Broker(s.broker, s.certs_dir)
+        try:
+            done = await broker.failover_final(s.cluster or "", gate, fence_term)
+        except BrokerError as e:
+            raise FailoverError(f"not promoting: cannot write the failover's term to etcd ({e}): run failover again "
+                                "once etcd answers") from None
+        finally:
+            broker.close()
+        if not done:
+            raise FailoverError(f"not promoting: the degraded range in etcd changed while failing over (the old "
+                                f"primary's sidecar recorded {'a new version of it' if gate else 'one'}): run "
+                                "failover again, which reads it afresh")
+        if gate:
+            self.say(f"  the {describe(gate)} is closed: E holds every commit acknowledged in it, on a quorum")
 
     def _config(self, st: StandbyState) -> ProposerConfig:
         s = self.s
