@@ -136,7 +136,7 @@ _INFO_REPLY_OLDER_SIZES = {Struct(">QQIIIQQQQB").size: 1, Struct(">QQIIIQQQQBHQ"
 # Then a report, only when there is something in it (so the reply is unchanged on the wire while there is
 # none): slot_wal_limit, len(slots); per slot its WAL held, invalidated, then its name as a u16-length
 # string; then the archived object it found not to be its WAL, a u16-length string ("": none).
-# then the safekeeper's copy of a degraded range (a DegradedRange: term 0 is none).
+# then the safekeeper's copy of a degraded range (a DegradedRange: term 0 is none) and its degrade_term (u64).
 _INFO_SLOTS = Struct(">QH")
 _INFO_SLOT = Struct(">QB")
 MAX_INFO_SLOTS = 1000
@@ -253,6 +253,7 @@ def _check_info_reply(m: InfoReply) -> None:
     limits.check_members(m.members)
     limits.check_term(m.lost_disk_term, "lost disk term")
     limits.check_degraded(m.degraded, limits.MAX_TERM)
+    limits.check_term(m.degrade_term, "degrade term")
 
 
 def _check_degraded_record(m: DegradedRecord) -> None:
@@ -425,12 +426,13 @@ def _encode_info_reply(m: InfoReply) -> bytes:
         body += _INFO_SLOTS.pack(m.slot_wal_limit, len(m.slots)) + b"".join(
             _INFO_SLOT.pack(h.wal_bytes, 1 if h.invalidated else 0) + _blob(_utf8(h.name, "slot name"))
             for h in m.slots) + _fence_bytes(m.fence) + _blob(_utf8(m.archive_mismatch, "archive mismatch")) \
-            + _degraded_bytes(m.degraded)
+            + _degraded_bytes(m.degraded) + _LOST_DISK_TERM.pack(m.degrade_term)
     return _framed(TAG_INFO_REPLY, body)
 
 
 def _has_report(m: InfoReply) -> bool:
-    return bool(m.slot_wal_limit or m.slots or m.archive_mismatch or m.fence != NO_FENCE or m.degraded)
+    return bool(m.slot_wal_limit or m.slots or m.archive_mismatch or m.fence != NO_FENCE or m.degraded
+                or m.degrade_term)
 
 
 def _encode_degraded_record(m: DegradedRecord) -> bytes:
@@ -690,7 +692,7 @@ def _decode_info_reply(body: Body) -> InfoReply:
                             "upgrade it to this release")
     _need_at_least(body, _INFO_REPLY.size, "InfoReply")
     *fields, connected, reader_port, backup, members, amnesic, lost_disk_term = _INFO_REPLY.unpack_from(body)
-    limit, slots, mismatch, fence, degraded = 0, [], "", NO_FENCE, NO_DEGRADED
+    limit, slots, mismatch, fence, degraded, degrade_term = 0, [], "", NO_FENCE, NO_DEGRADED, 0
     if len(body) > _INFO_REPLY.size:
         _need_at_least(body, _INFO_REPLY.size + _INFO_SLOTS.size, "InfoReply")
         limit, count = _INFO_SLOTS.unpack_from(body, _INFO_REPLY.size)
@@ -716,8 +718,9 @@ def _decode_info_reply(body: Body) -> InfoReply:
         _need_at_least(body, at + length, "InfoReply")
         mismatch = _text(body[:at + length], at, length, "archive mismatch", "InfoReply")
         degraded, at = _degraded(body, at + length, "InfoReply")
-        _no_trailing(body, at, "InfoReply")
-        if not (limit or slots or mismatch or fence != NO_FENCE or degraded):
+        _need_exact(body, at + _LOST_DISK_TERM.size, "InfoReply")
+        (degrade_term,) = _LOST_DISK_TERM.unpack_from(body, at)
+        if not (limit or slots or mismatch or fence != NO_FENCE or degraded or degrade_term):
             raise ProtocolError("InfoReply: an empty report is sent as none")  # one encoding per message
     else:
         _need_exact(body, _INFO_REPLY.size, "InfoReply")
@@ -725,7 +728,7 @@ def _decode_info_reply(body: Body) -> InfoReply:
                   reader_port=reader_port, backup_lsn=backup, slot_wal_limit=limit, slots=tuple(slots),
                   archive_mismatch=mismatch, fence=fence, members=members,
                   amnesic=_bool(amnesic, "amnesic", "InfoReply"), lost_disk_term=lost_disk_term,
-                  degraded=degraded)
+                  degraded=degraded, degrade_term=degrade_term)
     _check_info_reply(m)
     return m
 

@@ -214,6 +214,7 @@ class InfoReply:
     # A lost disk that learned this term and does not vote until its WAL holds the start of a later one (0: none).
     lost_disk_term: int = 0
     degraded: DegradedRange = NO_DEGRADED  # its copy of an open degraded range (NO_DEGRADED: none)
+    degrade_term: int = 0  # the last term whose proposer ran --commit-wait degrade-after (0: none)
 
 
 @dataclass(frozen=True)

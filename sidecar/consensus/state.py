@@ -36,3 +36,6 @@ class AcceptorState:
     # The open degraded range the proposer recorded here before acknowledging with fewer than a quorum
     # (--commit-wait degrade-after): what `check` and a failover without the broker read (NO_DEGRADED: none).
     degraded: DegradedRange = NO_DEGRADED
+    # The last term whose proposer ran degrade-after (it sent a DegradedRecord, if only to clear a copy; 0: none):
+    # a failover without the broker refuses then, since a range may be open on safekeepers it does not hear.
+    degrade_term: int = 0

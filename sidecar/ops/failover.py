@@ -261,7 +261,8 @@ class Failover:
 
     async def _open_range(self) -> DegradedRange:
         """The open degraded range of --commit-wait degrade-after, which the fence's votes must cover: etcd's with
-        --broker; without it, refuse when a safekeeper holds a copy of one (the record is in etcd only)."""
+        --broker. Without it, refuse when a safekeeper holds a copy of one, or was written by a sidecar running
+        degrade-after at all: a range may be open on members this failover does not hear."""
         from sidecar.broker import Broker, BrokerError
         s, say = self.s, self.say
         if s.broker:
@@ -280,14 +281,34 @@ class Failover:
             else:
                 say(f"  etcd holds no open degraded range for cluster {s.cluster}")
             return gate
+        # Every safekeeper that joined a degrade-after sidecar's term is marked (degrade_term), and a term needs a
+        # quorum: any quorum of answers includes a marked one. Those that answer later are not waited for.
+        answers: dict[str, InfoReply] = {}
+        problems: dict[str, str] = {}
+        deadline = time.monotonic() + s.timeout
+        while len(answers) < s.quorum:
+            for address in s.safekeepers:
+                if address in answers:
+                    continue
+                try:
+                    answers[address] = await probe_safekeeper(address, min(s.timeout, 10.0), self.security)
+                except ProbeError as e:
+                    problems[address] = str(e)
+            if len(answers) >= s.quorum:
+                break
+            if time.monotonic() > deadline:
+                raise FailoverError(f"only {len(answers)} of {len(s.safekeepers)} safekeepers answered within "
+                                    f"{s.timeout:g}s, a quorum of {s.quorum} is needed ("
+                                    + "; ".join(f"{a}: {p}" for a, p in sorted(problems.items())
+                                                if a not in answers) + "): start them, then run failover again")
+            await asyncio.sleep(POLL_INTERVAL)
         held = []
-        for address in s.safekeepers:
-            try:
-                info = await probe_safekeeper(address, min(s.timeout, 10.0), self.security)
-            except ProbeError:
-                continue  # the fence needs a quorum anyway, and says who did not answer
+        for address, info in answers.items():
             if info.degraded:
                 held.append(f"{address} holds a copy of the {describe(info.degraded)}")
+            elif info.degrade_term:
+                held.append(f"{address} was written in term {info.degrade_term} by a sidecar with --commit-wait "
+                            "degrade-after, whose open degraded range (if any) is in etcd")
         if held:
             raise FailoverError("not promoting: " + "; ".join(held) + ". Commits may have been acknowledged that "
                                 "only some safekeepers hold, and the range is recorded in etcd: run failover with "

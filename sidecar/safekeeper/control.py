@@ -23,12 +23,14 @@ from sidecar.durable import write_durably
 
 CONTROL_FILE = "safekeeper.control"
 CONTROL_MAGIC = b"WSKC"
-CONTROL_VERSION = 4  # 2: the failover fence (AcceptorState.fence); 3: members and lost_disk_term; 4: degraded
+# 2: the failover fence (AcceptorState.fence); 3: members and lost_disk_term; 4: degraded and degrade_term
+CONTROL_VERSION = 4
 # Versions this build reads: a version 1 file has no fence, as if none was set; versions 1 and 2 have no member
 # count (unknown until the next Greeting) and no lost disk being recovered.
 # Versions before 4 hold no degraded range (none was ever recorded by them).
-_READS = {1: frozenset({"fence", "members", "lost_disk_term", "degraded"}),
-          2: frozenset({"members", "lost_disk_term", "degraded"}), 3: frozenset({"degraded"}),
+_READS = {1: frozenset({"fence", "members", "lost_disk_term", "degraded", "degrade_term"}),
+          2: frozenset({"members", "lost_disk_term", "degraded", "degrade_term"}),
+          3: frozenset({"degraded", "degrade_term"}),
           4: frozenset()}  # version -> the fields it lacks
 _HEADER = struct.Struct("<4sIII")
 _CORRUPT_HINT = "the control file is corrupt; restore it or re-create this safekeeper from its peers"

@@ -222,6 +222,13 @@ def test_after_a_degraded_window_and_a_leader_kill_failover_refuses_until_a_memb
     d.start_safekeeper(2)
     d.start_safekeeper(3)
 
+    # Without etcd, the safekeepers it hears say a degrade-after sidecar wrote them: it refuses at once.
+    proc = walsidecar("failover", "--standby-dsn", standby.server.dsn(), "--safekeepers", ",".join(d.addresses),
+                      "--reader-passfile", str(d.reader_passfile), "--timeout", "10", *d.tls("proposer"), timeout=120)
+    assert proc.returncode == 1, proc.stdout
+    assert "by a sidecar with --commit-wait degrade-after" in proc.stdout and "--broker" in proc.stdout, proc.stdout
+    assert "1/5 fence" not in proc.stdout, proc.stdout
+
     code, out = failover(d, standby, etcd, "--timeout", "10")
     assert code == 1, out
     assert "not promoting" in out and f"degraded range of term {record.term}" in out, out

@@ -27,7 +27,7 @@ SAMPLE = ControlData(
         timeline_history=(TimelineEntry(1, 0x1800000),),
         commit_lsn=0x2000000, backup_lsn=0x1000000, peer_horizon_lsn=0x1F00000,
         fence=TimelineFence(8, 1, 0x1900000), members=5, lost_disk_term=7,
-        degraded=DegradedRange(9, 0x2000100, 2, frozenset({3, 1})),
+        degraded=DegradedRange(9, 0x2000100, 2, frozenset({3, 1})), degrade_term=9,
     ),
 )
 
@@ -73,24 +73,25 @@ def test_a_version_3_file_reads_as_no_degraded_range(tmp_path: Path) -> None:
     """The previous release never recorded a degraded range: its control file reads as none."""
     save_control(tmp_path, SAMPLE)
     obj = json.loads((tmp_path / CONTROL_FILE).read_bytes()[16:])
-    del obj["degraded"]
+    del obj["degraded"], obj["degrade_term"]
     body = json.dumps(obj).encode()
     (tmp_path / CONTROL_FILE).write_bytes(struct.pack("<4sIII", b"WSKC", 3, len(body), google_crc32c.value(body)) + body)
     loaded = load_control(tmp_path)
-    assert loaded is not None and loaded.state == dataclasses.replace(SAMPLE.state, degraded=NO_DEGRADED)
+    assert loaded is not None and loaded.state == dataclasses.replace(SAMPLE.state, degraded=NO_DEGRADED,
+                                                                           degrade_term=0)
 
 
 def test_a_version_1_file_reads_as_no_fence(tmp_path: Path) -> None:
     """The previous release's control file (no fence) is read by this one, as if no failover had set one."""
     save_control(tmp_path, SAMPLE)
     obj = json.loads((tmp_path / CONTROL_FILE).read_bytes()[16:])
-    del obj["fence"], obj["members"], obj["lost_disk_term"], obj["degraded"]
+    del obj["fence"], obj["members"], obj["lost_disk_term"], obj["degraded"], obj["degrade_term"]
     body = json.dumps(obj).encode()
     (tmp_path / CONTROL_FILE).write_bytes(struct.pack("<4sIII", b"WSKC", 1, len(body), google_crc32c.value(body)) + body)
     loaded = load_control(tmp_path)
     assert loaded is not None and \
         loaded.state == dataclasses.replace(SAMPLE.state, fence=NO_FENCE, members=0, lost_disk_term=0,
-                                            degraded=NO_DEGRADED)
+                                            degraded=NO_DEGRADED, degrade_term=0)
 
 
 def test_a_version_2_file_reads_as_no_member_count_and_no_lost_disk(tmp_path: Path) -> None:
@@ -98,12 +99,12 @@ def test_a_version_2_file_reads_as_no_member_count_and_no_lost_disk(tmp_path: Pa
     tells it) and no lost disk being recovered."""
     save_control(tmp_path, SAMPLE)
     obj = json.loads((tmp_path / CONTROL_FILE).read_bytes()[16:])
-    del obj["members"], obj["lost_disk_term"], obj["degraded"]
+    del obj["members"], obj["lost_disk_term"], obj["degraded"], obj["degrade_term"]
     body = json.dumps(obj).encode()
     (tmp_path / CONTROL_FILE).write_bytes(struct.pack("<4sIII", b"WSKC", 2, len(body), google_crc32c.value(body)) + body)
     loaded = load_control(tmp_path)
     assert loaded is not None and loaded.state == dataclasses.replace(SAMPLE.state, members=0, lost_disk_term=0,
-                                                                         degraded=NO_DEGRADED)
+                                                                         degraded=NO_DEGRADED, degrade_term=0)
     (tmp_path / CONTROL_FILE).write_bytes(reframe(body))  # a version 4 file lacking them is corrupt
     with pytest.raises(ControlFileError, match="missing fields"):
         load_control(tmp_path)
