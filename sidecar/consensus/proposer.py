@@ -11,7 +11,7 @@ new term, so the service builds a new `Proposer` (with `min_term`) after a strea
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
 from typing import Any, ClassVar
 
@@ -350,6 +350,7 @@ class Proposer:
         self._stall: tuple[int, float] | None = None
         self.carried = config.carried
         self.gate_waiting: str | None = None  # why a failover's term waits for more votes
+        self._gate = config.gate  # a failover's: the range its votes must cover, until E is on a quorum
 
     # ---- events -------------------------------------------------------------------------
 
@@ -625,7 +626,7 @@ class Proposer:
                 return withheld
             p.vote = msg
             if sum(q.vote is not None for q in self.peers.values()) >= self.config.quorum:
-                if self.config.gate and self._gate_votes_lack_member():
+                if self._gate and self._gate_votes_lack_member():
                     return []  # wait for a member's vote: the failover's timeout says which are missing
                 return self._elect()
             return []
@@ -672,10 +673,10 @@ class Proposer:
 
     def _gate_votes_lack_member(self) -> bool:
         votes = self._gate_votes()
-        if degraded.holding_members(self.config.gate, votes):
+        if degraded.holding_members(self._gate, votes):
             self.gate_waiting = None
             return False
-        self.gate_waiting = degraded.gate_problem(self.config.gate, votes, 0)
+        self.gate_waiting = degraded.gate_problem(self._gate, votes, 0)
         return True
 
     def _elect(self) -> list[Action]:
@@ -684,12 +685,12 @@ class Proposer:
         if ended:
             return ended
         donor, dv, start = self._donor(votes)
-        if self.config.gate:
-            problem = degraded.gate_problem(self.config.gate, self._gate_votes(), start)
+        if self._gate:
+            problem = degraded.gate_problem(self._gate, self._gate_votes(), start)
             if problem is not None:
                 # Before any Elected: no fence is set, nothing is cut; the old primary's sidecar campaigns again.
                 self.phase = Phase.STOPPED
-                return [GateRefused(self.term, self.config.gate, problem)]
+                return [GateRefused(self.term, self._gate, problem)]
         self.fence = self._fence_of_term(votes, start)
         self.term_start = start
         self.history = hist.extend(dv.term_history if dv.flush_lsn else (), self.term, start)
@@ -787,11 +788,9 @@ class Proposer:
             self.buffer.trim(self._trim_point())
             self.buffer.bound(self.config.buffer_limit)
         actions = self._degraded_progress() if self.degraded or self.carried else []
-        if self.config.failover is FailoverTerm.END and self.config.gate and self.phase is Phase.STREAMING \
-                and self.commit_lsn >= self.term_start > 0:
+        if self._gate and self.phase is Phase.STREAMING and self.commit_lsn >= self.term_start > 0:
             # E, which holds every degraded acknowledgement (the gate checked the votes), is on a quorum.
-            gate = self.config.gate
-            self.config = replace(self.config, gate=NO_DEGRADED)
+            gate, self._gate = self._gate, NO_DEGRADED
             actions += [CloseDegraded(gate), DegradeEnded(self.term, gate.term, self.commit_lsn)] + \
                 self._clear_copies()
         status = self.status(flushes)
