@@ -6,6 +6,7 @@ Keys (values are text, readable with `etcdctl get --prefix walsidecar/`):
     walsidecar/<cluster>/<timeline>/uploader                   the id of the safekeeper that uploads WAL
     walsidecar/<cluster>/degraded                              the open degraded range (--commit-wait degrade-after)
     walsidecar/<cluster>/failover-term                         the fence term of the last failover that checked it
+    walsidecar/<cluster>/degrade-after                         "on" once a sidecar with degrade-after ran under the name
 
 Every safekeeper key hangs on its safekeeper's lease, so a dead safekeeper's keys vanish when the lease
 runs out. The last two hang on no lease: a degraded range outlives the sidecar that opened it, until a
@@ -88,6 +89,10 @@ def degraded_key(cluster: str) -> str:
 
 def failover_term_key(cluster: str) -> str:
     return f"{ROOT}/{cluster}/failover-term"
+
+
+def degrade_after_key(cluster: str) -> str:
+    return f"{ROOT}/{cluster}/degrade-after"
 
 
 def encode_degraded(record: DegradedRange) -> str:
@@ -364,6 +369,14 @@ class Broker:
             return decode_degraded(text)
         except ValueError as e:
             raise BrokerError(f"{degraded_key(cluster)}: {e}") from None
+
+    async def mark_degrade_after(self, cluster: str) -> None:
+        """Say, for good, that a sidecar with degrade-after runs under `cluster`: a failover given another name sees
+        safekeepers such a sidecar wrote and no mark under its name, and refuses instead of reading the wrong key."""
+        await self._call("mark degrade-after", lambda c: c.put(degrade_after_key(cluster), "on"))
+
+    async def degrade_after_marked(self, cluster: str) -> bool:
+        return bool(await self._call("read the degrade-after mark", lambda c: c.get(degrade_after_key(cluster))))
 
     async def store_degraded(self, cluster: str, record: DegradedRange, previous: DegradedRange) -> bool:
         """Write `record` in place of `previous`, in one transaction; False when the key holds something else.

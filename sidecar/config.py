@@ -593,13 +593,6 @@ class FailoverBase(BrokerSettings, SafekeepersMixin, ReaderCredentials):
                                                            "the committed end before failover gives up without "
                                                            "promoting it.")
 
-    @model_validator(mode="after")
-    def _broker_needs_a_cluster(self) -> FailoverBase:
-        # --broker is where a sidecar with --commit-wait degrade-after records its open degraded range: the
-        # failover reads it under the cluster name that sidecar was given.
-        if self.broker and not self.cluster:
-            raise ValueError("cluster: with --broker, give --cluster, the name the sidecars were started with")
-        return self
 
 
 class FailoverSettings(FailoverBase):

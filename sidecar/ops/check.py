@@ -137,11 +137,12 @@ class SetupChecker:
         else as the proposer or a safekeeper's copy says."""
         s = self.s
         record = None
-        if s.broker and s.cluster:
+        cluster = s.cluster or (str(self.system_id) if self.system_id else None)
+        if s.broker and cluster:
             try:
                 broker = Broker(s.broker, s.certs_dir, timeout=s.timeout)
                 try:
-                    record = await broker.read_degraded(s.cluster)
+                    record = await broker.read_degraded(cluster)
                 finally:
                     broker.close()
             except (BrokerError, TlsError) as e:
@@ -150,7 +151,7 @@ class SetupChecker:
         prop = (self._proposer_doc or {}).get("degraded")
         copies = {addr: r for addr, r in self._degraded_copies.items() if r}
         if record:
-            where = f"etcd (walsidecar/{s.cluster}/degraded)"
+            where = f"etcd (walsidecar/{cluster}/degraded)"
             detail = describe(record)
         elif record is None and prop:
             where = f"the proposer at {s.proposer_metrics}"

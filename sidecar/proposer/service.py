@@ -387,6 +387,7 @@ class ProposerService:
         from sidecar.broker import BrokerError
         assert self._broker is not None
         try:
+            await self._broker.mark_degrade_after(self._cluster)
             record = await self._broker.read_degraded(self._cluster)
         except BrokerError as e:
             self.log.error("cannot read the degraded range from etcd: not degrading until it answers (tried again "

@@ -228,6 +228,11 @@ def test_after_a_degraded_window_and_a_leader_kill_failover_refuses_until_a_memb
     assert proc.returncode == 1, proc.stdout
     assert "by a sidecar with --commit-wait degrade-after" in proc.stdout and "--broker" in proc.stdout, proc.stdout
     assert "1/5 fence" not in proc.stdout, proc.stdout
+    # Nor under another cluster name than the sidecar's: etcd has no mark of a degrade-after sidecar there.
+    proc = walsidecar("failover", "--standby-dsn", standby.server.dsn(), "--safekeepers", ",".join(d.addresses),
+                      "--reader-passfile", str(d.reader_passfile), "--broker", etcd.url, "--cluster", "another",
+                      "--timeout", "10", *d.tls("proposer"), timeout=120)
+    assert proc.returncode == 1 and "give --cluster the name the sidecar was started with" in proc.stdout, proc.stdout
 
     code, out = failover(d, standby, etcd, "--timeout", "10")
     assert code == 1, out

@@ -191,6 +191,9 @@ def test_a_degraded_range_is_written_over_the_one_before_and_a_failover_ends_old
         broker = Broker([etcd.url])
         try:
             assert await broker.read_degraded("c") == NO_DEGRADED
+            assert not await broker.degrade_after_marked("c")
+            await broker.mark_degrade_after("c")
+            assert await broker.degrade_after_marked("c") and not await broker.degrade_after_marked("d")
             assert await broker.store_degraded("c", one, NO_DEGRADED)
             assert not await broker.store_degraded("c", one, NO_DEGRADED)  # a range is open already
             assert not await broker.store_degraded("c", two, DegradedRange(3, 0x3000000, 7, frozenset({1})))

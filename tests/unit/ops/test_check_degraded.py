@@ -15,6 +15,7 @@ def lines(prop: dict | None, copies: dict[str, DegradedRange]) -> list[tuple[str
     checker = SetupChecker.__new__(SetupChecker)
     checker.checks = []
     checker.s = SimpleNamespace(broker=(), cluster=None, proposer_metrics="127.0.0.1:9")  # no etcd asked
+    checker.system_id = None
     checker._proposer_doc = prop  # noqa: SLF001
     checker._degraded_copies = copies  # noqa: SLF001
     asyncio.run(checker._degraded())  # noqa: SLF001
