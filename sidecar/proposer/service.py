@@ -145,6 +145,7 @@ class ProposerService:
             self._broker = Broker(endpoints, certs)
         self._carry: DegradedCarry | None = None
         self._broker_read = False
+        self._closing: set[DegradedRange] = set()  # ranges our cores closed: one still in etcd is being deleted
         self._broker_ops: asyncio.Queue[tuple[StoreDegraded | CloseDegraded, Proposer]] = asyncio.Queue()
 
     def subscribe(self, observer: ProposerObserver) -> None:
@@ -321,7 +322,7 @@ class ProposerService:
         conn = await self.replication.connect(opts.application_name)
         self._replication_conn = conn
         system_id, timeline, primary_flush = await self.replication.identify_system(conn)
-        if self._broker is not None and not self._broker_read:
+        if self._broker is not None and self._carry is None:
             await self._read_open_range(primary_flush)
         slot = await self.replication.read_slot(conn, opts.slot)
         if slot is None:
@@ -382,19 +383,21 @@ class ProposerService:
     # ---- degrade-after: the broker's record of the open range ------------------------------------
 
     async def _read_open_range(self, primary_flush: int) -> None:
-        """At start: a range a dead sidecar left open is closed once our quorum holds the primary's WAL up to its
-        flush now, at or above anything that sidecar acknowledged. Until the broker answers, no degrading."""
+        """At each term's start with no range to close: a range a dead sidecar left open (a write of it may land
+        after it died) is closed once our quorum holds the primary's WAL up to its flush now, at or above anything
+        that sidecar acknowledged. Until the broker first answers, no degrading."""
         from sidecar.broker import BrokerError
         assert self._broker is not None
         try:
             await self._broker.mark_degrade_after(self._cluster)
             record = await self._broker.read_degraded(self._cluster)
         except BrokerError as e:
-            self.log.error("cannot read the degraded range from etcd: not degrading until it answers (tried again "
-                           "at the next term)", error=str(e), cluster=self._cluster)
+            self.log.error("cannot read the degraded range from etcd: " + ("" if self._broker_read else
+                           "not degrading until it answers ") + "(tried again at the next term)", error=str(e),
+                           cluster=self._cluster)
             return
         self._broker_read = True
-        if record and self._carry is None:
+        if record and self._carry is None and record not in self._closing:
             self._carry = DegradedCarry(record, primary_flush)
             self.log.warning("an earlier sidecar left a degraded range open; it closes once a quorum holds the "
                              "primary's WAL up to its flush now", range=describe(record),
@@ -604,6 +607,8 @@ class ProposerService:
                     self.links[a.peer].drop(faulted=True)
                 case StoreDegraded() | CloseDegraded():
                     if self._broker is not None and self.core is not None:
+                        if isinstance(a, CloseDegraded):
+                            self._closing.add(a.record)
                         self._broker_ops.put_nowait((a, self.core))
                 case GateRefused():
                     pass  # only a failover's term has a gate

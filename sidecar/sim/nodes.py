@@ -138,3 +138,4 @@ class Service:
     # transaction went through.
     carry: DegradedCarry | None = None
     gate_final: bool | None = None
+    closing: set = field(default_factory=set)  # ranges its cores closed (a delete may still be queued)

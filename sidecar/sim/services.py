@@ -136,6 +136,7 @@ class Services:
                     # The failover's last transaction, just before it promotes (ops/failover.py).
                     svc.gate_final = self.broker.failover_final(a.record, core.term if core else 0)
                 case CloseDegraded():
+                    svc.closing.add(a.record)
                     self.broker.submit("close", a.record, lambda ok: None)
                 case GateRefused():
                     self.ctx.count("failovers refused by the degraded gate")
@@ -196,6 +197,10 @@ class Services:
             svc.primary = rng.choice(live)
         svc.attempts += 1
         svc.label = f"{svc.name}.{svc.attempts}"
+        record = self.broker.record
+        if self.ctx.degrade_after and svc.carry is None and record and record not in svc.closing:
+            # The service's read at each term's start: a range a dead sidecar's late write left open.
+            svc.carry = DegradedCarry(record, svc.primary.flush)
         svc.core = Proposer(self.config(svc.primary, svc), min_term=svc.last_term)
         self.ctx.event(svc.label, "new term attempt", f"primary={svc.primary.name}", f"min_term={svc.last_term}")
         for name, c in svc.links.items():
@@ -228,9 +233,6 @@ class Services:
         pgs = self.primaries
         svc = Service(f"P{len(self.all) + 1}", pgs.current if pgs.current.alive else self.ctx.rng.choice(pgs.live()))
         svc.links = {sk.name: None for sk in self.safekeepers}
-        if self.broker.record:
-            # A dead sidecar's range: the primary's flush now is at or above anything it acknowledged.
-            svc.carry = DegradedCarry(self.broker.record, svc.primary.flush)
         self.all.append(svc)
         self.ctx.event(svc.name, "starts")
         self.new_core(svc)
