@@ -89,6 +89,7 @@ class SetupChecker:
         self.lineage: tuple[int, int] | None = None  # the primary's (timeline, flush LSN)
         self._proposer_doc: dict | None = None  # the proposer's /status, with --proposer-metrics
         self._degraded_copies: dict[str, DegradedRange] = {}  # safekeeper address -> its copy of a degraded range
+        self._degrade_seen = False  # a safekeeper was written by a sidecar with --commit-wait degrade-after
 
     def command(self, name: str, *options: str, certs: str = "CERTS_DIR") -> str:
         """`walsidecar NAME OPTIONS` with this check's TLS choice, ready to paste; CAPITALS are for the user to fill."""
@@ -134,8 +135,13 @@ class SetupChecker:
 
     async def _degraded(self) -> None:
         """FAILED while a degraded range is open (--commit-wait degrade-after): in etcd (with --broker, the record),
-        else as the proposer or a safekeeper's copy says."""
+        else as the proposer or a safekeeper's copy says. Nothing for a cluster that never ran degrade-after."""
         s = self.s
+        prop = (self._proposer_doc or {}).get("degraded")
+        in_use = self._degrade_seen or prop is not None or \
+            str((self._proposer_doc or {}).get("commit_wait", "")).startswith("degrade")
+        if not in_use:
+            return
         record = None
         cluster = s.cluster or (str(self.system_id) if self.system_id else None)
         if s.broker and cluster:
@@ -148,7 +154,6 @@ class SetupChecker:
             except (BrokerError, TlsError) as e:
                 self.add(_fail("degraded range", f"cannot read it from etcd: {e}", "start etcd, or fix --broker"))
                 return
-        prop = (self._proposer_doc or {}).get("degraded")
         copies = {addr: r for addr, r in self._degraded_copies.items() if r}
         if record:
             where = f"etcd (walsidecar/{cluster}/degraded)"
@@ -162,8 +167,7 @@ class SetupChecker:
             where = f"safekeeper {addr}" + (f" and {len(copies) - 1} other(s)" if len(copies) > 1 else "")
             detail = describe(r)
         else:
-            if record is not None or prop is not None or self._degraded_copies:
-                self.add(_ok("degraded range", "none open: every acknowledged commit is on a quorum"))
+            self.add(_ok("degraded range", "none open: every acknowledged commit is on a quorum"))
             return
         self.add(_fail("degraded range", f"{where} holds an open {detail}: commits were acknowledged by fewer than a "
                                          "quorum of safekeepers; failover and failover-gate refuse every standby "
@@ -382,6 +386,7 @@ class SetupChecker:
 
         replies = await asyncio.gather(*(one(a) for a in self.s.safekeepers))
         self._degraded_copies = {a: r.degraded for a, r in zip(self.s.safekeepers, replies) if isinstance(r, InfoReply)}
+        self._degrade_seen = any(isinstance(r, InfoReply) and r.degrade_term for r in replies)
         n_listed = len(self.s.safekeepers)
         good = 0
         ids: dict[int, str] = {}

@@ -11,8 +11,9 @@ from sidecar.ops.check import SetupChecker
 RANGE = DegradedRange(4, 0x3000000, 2, frozenset({1, 3}))
 
 
-def lines(prop: dict | None, copies: dict[str, DegradedRange]) -> list[tuple[str, str]]:
+def lines(prop: dict | None, copies: dict[str, DegradedRange], seen: bool = True) -> list[tuple[str, str]]:
     checker = SetupChecker.__new__(SetupChecker)
+    checker._degrade_seen = seen  # noqa: SLF001
     checker.checks = []
     checker.s = SimpleNamespace(broker=(), cluster=None, proposer_metrics="127.0.0.1:9")  # no etcd asked
     checker.system_id = None
@@ -31,7 +32,8 @@ def test_an_open_range_fails_the_check() -> None:
     assert "members: safekeepers 1, 3" in detail
 
 
-def test_no_range_is_ok_and_nothing_asked_says_nothing() -> None:
+def test_no_range_is_ok_and_a_cluster_that_never_degraded_gets_no_line() -> None:
     assert lines({"degraded": None}, {"127.0.0.1:7601": NO_DEGRADED}) == [
         ("OK", "none open: every acknowledged commit is on a quorum")]
-    assert lines(None, {}) == []
+    assert lines(None, {"127.0.0.1:7601": NO_DEGRADED}, seen=False) == []
+    assert lines({"degraded": None, "commit_wait": "wait"}, {}, seen=False) == []
