@@ -10,16 +10,15 @@ from sidecar.consensus import proposer as proposer_mod
 
 from sidecar.consensus.limits import MAX_LSN, MAX_TERM
 from sidecar.consensus.messages import (
-    Append, AppendReply, Elected, ElectedReply, GreetingReply, TermEntry, TermHistory,
-    VoteReply, VoteRequest,
+    Append, AppendReply, Elected, ElectedReply, GreetingReply, VoteReply, VoteRequest,
 )
 from sidecar.timelines import TimelineEntry
 from sidecar.consensus.proposer import (
-    Action, Campaign, DropPeer, FetchWal, Phase, Proposer, ProposerConfig, ReportStatus, Send, StartStreaming,
+    Action, Campaign, DropPeer, FetchWal, Phase, Proposer, ReportStatus, Send, StartStreaming,
     TermLost, TermsExhausted, VerifyPrimary,
 )
 
-from tests.support.core import BOOT, PEERS, PROBED, config, grant, greet, h, of, sends, streaming  # noqa: F401
+from tests.support.core import BOOT, PEERS, config, grant, greet, h, of, sends, streaming
 
 
 def appends_to(actions: Sequence[Action], peer: str) -> list[Append]:
