@@ -71,7 +71,8 @@ from sidecar.consensus.acceptor import (  # noqa: E402
     Acceptor, AcceptorAction, AcceptorError, Persist, RecordEnd, Reply, Truncate, Write,
 )
 from sidecar.consensus.messages import (  # noqa: E402
-    PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply, InfoReply,
+    PROTOCOL_VERSION, Append, AppendReply, DegradedRange, DegradedRecord, DegradedRecordReply, Elected, ElectedReply,
+    Greeting, GreetingReply, InfoReply,
     InfoRequest, Message, Refusal, TermEntry, VoteReply, VoteRequest,
 )
 from sidecar.timelines import TimelineEntry  # noqa: E402
@@ -193,6 +194,8 @@ messages = st.one_of(
     st.builds(Refusal, text),
     st.just(InfoRequest()),
     st.builds(InfoReply, u64, u64, u32, u32, u32, u64, u64, u64, u64, st.booleans(), st.integers(0, 0xFFFF)),
+    st.builds(DegradedRecord, u64, st.builds(DegradedRange, u64, u64, u64, st.frozensets(u64, max_size=5))),
+    st.builds(DegradedRecordReply, u64, u64),
 )
 # Values a mutation writes over four bytes: mostly frame lengths at the limits.
 _LENGTHS = [0, 1, 2, 8, codec.MAX_FRAME, codec.MAX_FRAME + 1, U32, 16 * 1024, 0x7FFFFFFF]

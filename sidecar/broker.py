@@ -4,9 +4,13 @@ Keys (values are text, readable with `etcdctl get --prefix walsidecar/`):
 
     walsidecar/<cluster>/<timeline>/safekeepers/<id>/<field>   one key per SafekeeperState field
     walsidecar/<cluster>/<timeline>/uploader                   the id of the safekeeper that uploads WAL
+    walsidecar/<cluster>/degraded                              the open degraded range (--commit-wait degrade-after)
+    walsidecar/<cluster>/failover-term                         the fence term of the last failover that checked it
+    walsidecar/<cluster>/degrade-after                         "on" once a sidecar with degrade-after ran under the name
 
-Every key hangs on its safekeeper's lease, so a dead safekeeper's keys vanish when the lease runs
-out. The broker is never on the commit path: calls run in a thread of their own (a hung etcd never
+Every safekeeper key hangs on its safekeeper's lease, so a dead safekeeper's keys vanish when the lease
+runs out. The last two hang on no lease: a degraded range outlives the sidecar that opened it, until a
+quorum holds what it acknowledged (consensus/degraded.py). The broker is never on the commit path: calls run in a thread of their own (a hung etcd never
 holds a thread the WAL's fsync needs) and every failure is a BrokerError for the caller to retry.
 The client is etcd3gw (etcd's v3 JSON gateway); `--broker` may name several endpoints of one
 etcd cluster, tried in turn.
@@ -25,6 +29,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+from sidecar.consensus.messages import NO_DEGRADED, DegradedRange
 from sidecar.logs import get_logger
 from sidecar.lsn import format_lsn, parse_lsn
 
@@ -76,6 +81,43 @@ def safekeepers_prefix(cluster: str, timeline: int) -> str:
 
 def uploader_key(cluster: str, timeline: int) -> str:
     return timeline_prefix(cluster, timeline) + "uploader"
+
+
+def degraded_key(cluster: str) -> str:
+    return f"{ROOT}/{cluster}/degraded"
+
+
+def failover_term_key(cluster: str) -> str:
+    return f"{ROOT}/{cluster}/failover-term"
+
+
+def degrade_after_key(cluster: str) -> str:
+    return f"{ROOT}/{cluster}/degrade-after"
+
+
+def encode_degraded(record: DegradedRange) -> str:
+    """One text per range (the transactions compare it byte for byte), readable with etcdctl."""
+    import json
+    return json.dumps({"term": record.term, "start_lsn": format_lsn(record.start_lsn), "version": record.version,
+                       "members": sorted(record.members)}, sort_keys=True, separators=(",", ":"))
+
+
+def decode_degraded(text: str) -> DegradedRange:
+    """ValueError unless `text` is what encode_degraded writes."""
+    import json
+    try:
+        obj = json.loads(text)
+        record = DegradedRange(int(obj["term"]), parse_lsn(obj["start_lsn"]), int(obj["version"]),
+                               frozenset(int(n) for n in obj["members"]))
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"not a degraded range: {text[:200]!r} ({e})") from None
+    if not record or encode_degraded(record) != text:
+        raise ValueError(f"not a degraded range as walsidecar writes it: {text[:200]!r}")
+    return record
+
+
+def _term_text(term: int) -> str:
+    return f"{term:020d}"  # etcd compares values as bytes: zero-padded, byte order is number order
 
 
 def entry_key_beside(uploader: str, node_id: int) -> str:
@@ -325,6 +367,69 @@ class Broker:
                "success": [{"request_put": {"key": _b64(key), "value": _b64(value), "lease": lease}}],
                "failure": []}
         return bool((await self._call("campaign", lambda c: c.transaction(txn))).get("succeeded", False))
+
+    async def read_degraded(self, cluster: str) -> DegradedRange:
+        """The open degraded range of `cluster` (NO_DEGRADED: none); BrokerError when it cannot be read."""
+        got = await self._call("read the degraded range", lambda c: c.get(degraded_key(cluster)))
+        if not got:
+            return NO_DEGRADED
+        text = got[0].decode(errors="replace")
+        try:
+            return decode_degraded(text)
+        except ValueError as e:
+            raise BrokerError(f"{degraded_key(cluster)}: {e}") from None
+
+    async def mark_degrade_after(self, cluster: str) -> None:
+        """Say, for good, that a sidecar with degrade-after runs under `cluster`: a failover given another name sees
+        safekeepers such a sidecar wrote and no mark under its name, and refuses instead of reading the wrong key."""
+        await self._call("mark degrade-after", lambda c: c.put(degrade_after_key(cluster), "on"))
+
+    async def degrade_after_marked(self, cluster: str) -> bool:
+        return bool(await self._call("read the degrade-after mark", lambda c: c.get(degrade_after_key(cluster))))
+
+    async def store_degraded(self, cluster: str, record: DegradedRange, previous: DegradedRange) -> bool:
+        """Write `record` in place of `previous`, in one transaction; False when the key holds something else.
+
+        A new range (`previous` is none) needs the key absent and no failover of its term or a later one since:
+        the sidecar of a primary a failover replaced must not open a range on safekeepers the fence missed.
+        """
+        key, value = _b64(degraded_key(cluster)), _b64(encode_degraded(record))
+        put = [{"request_put": {"key": key, "value": value}}]  # no lease: it outlives this sidecar
+        if previous:
+            compares = [[{"key": key, "result": "EQUAL", "target": "VALUE",
+                          "value": _b64(encode_degraded(previous))}]]
+        else:
+            absent = {"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": 0}
+            floor = _b64(failover_term_key(cluster))
+            compares = [[absent, {"key": floor, "result": "EQUAL", "target": "CREATE", "create_revision": 0}],
+                        [absent, {"key": floor, "result": "LESS", "target": "VALUE",
+                                  "value": _b64(_term_text(record.term))}]]
+        for compare in compares:
+            txn = {"compare": compare, "success": put, "failure": []}
+            if (await self._call("record the degraded range", lambda c: c.transaction(txn))).get("succeeded"):
+                return True
+        return False
+
+    async def close_degraded(self, cluster: str, record: DegradedRange) -> bool:
+        """Delete the range if the key still holds `record`; False when it holds something else (or nothing)."""
+        key = _b64(degraded_key(cluster))
+        txn = {"compare": [{"key": key, "result": "EQUAL", "target": "VALUE", "value": _b64(encode_degraded(record))}],
+               "success": [{"request_delete_range": {"key": key}}], "failure": []}
+        return bool((await self._call("close the degraded range", lambda c: c.transaction(txn))).get("succeeded"))
+
+    async def failover_final(self, cluster: str, gate: DegradedRange, fence_term: int) -> bool:
+        """A failover's last step before promoting: the key still holds the range it gated on (or none), which it
+        deletes, and the failover term rises to `fence_term`; False (nothing changed) when the key changed."""
+        key = _b64(degraded_key(cluster))
+        if gate:
+            compare = {"key": key, "result": "EQUAL", "target": "VALUE", "value": _b64(encode_degraded(gate))}
+        else:
+            compare = {"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": 0}
+        success = [{"request_put": {"key": _b64(failover_term_key(cluster)), "value": _b64(_term_text(fence_term))}}]
+        if gate:
+            success.append({"request_delete_range": {"key": key}})
+        txn = {"compare": [compare], "success": success, "failure": []}
+        return bool((await self._call("check the degraded range", lambda c: c.transaction(txn))).get("succeeded"))
 
     async def delete_if(self, key: str, lease: int) -> None:
         """Delete `key` if it still hangs on `lease` (a holder resigning never deletes its successor's)."""

@@ -286,7 +286,9 @@ def start(s: StartSettings) -> None:
                                                s.allow_primary_mismatch, s.wal_buffer * 1024 * 1024, ctx, readers,
                                                primary_retention=parse_size(s.primary_retention) if s.primary_retention else None,
                                                archive=(s.archive, s.s3_endpoint, s.cluster) if s.archive else None,
-                                               commit_wait=parse_commit_wait(s.commit_wait)))
+                                               commit_wait=parse_commit_wait(s.commit_wait),
+                                               broker=(s.broker, s.cluster, s.certs_dir)
+                                               if s.broker and s.cluster else None))
         monitor = ProposerMonitor(service, s.quorum_wait_alert or None)  # reads the service's published view
         service.subscribe(monitor)
         endpoint = _endpoint(monitor, s.metrics, s.certs_dir)

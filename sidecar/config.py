@@ -357,7 +357,7 @@ class SafekeeperSettings(SafekeeperDataSettings, ArchiveSettings, SafekeeperBrok
         return self
 
 
-class StartSettings(ArchiveSettings, ClusterSettings, SafekeepersMixin, PrimarySettings, TlsSettings):
+class StartSettings(ArchiveSettings, BrokerSettings, SafekeepersMixin, PrimarySettings, TlsSettings):
     """walsidecar start: the WAL proposer attached to a primary."""
 
     command: ClassVar[str] = "start"
@@ -382,7 +382,21 @@ class StartSettings(ArchiveSettings, ClusterSettings, SafekeepersMixin, PrimaryS
         "are up. wait: it waits until they are back (never acknowledged below the quorum). terminate-after=T "
         "(e.g. 30s): a backend that waited T in SyncRep without a quorum is terminated "
         "(pg_terminate_backend, never a cancel), so its client gets an error and the commit's outcome is "
-        "unknown to it; nothing is ever acknowledged without the quorum. Needs pg_signal_backend.")
+        "unknown to it; nothing is ever acknowledged without the quorum. Needs pg_signal_backend. "
+        "degrade-after=T (opt-in, DANGEROUS to availability of failovers, not to the primary's commits): after T "
+        "without a quorum, commits are acknowledged by the safekeepers that are up, once the degraded range is "
+        "recorded in etcd (--broker, --cluster) and on them; until a quorum holds them again, `check` fails and "
+        "failover/failover-gate refuse every standby unless one of those safekeepers votes (docs/operations.md).")
+
+    @model_validator(mode="after")
+    def _degrade_needs_the_broker(self) -> StartSettings:
+        if self.commit_wait.strip().startswith("degrade-after"):
+            missing = [name for name, value in (("broker", self.broker), ("cluster", self.cluster)) if not value]
+            if missing:
+                raise ValueError(f"{missing[0]}: --commit-wait degrade-after records its degraded ranges in etcd: "
+                                 "give " + " and ".join(f"--{m}" for m in missing) + " (the same --cluster as "
+                                 "failover and failover-gate get)")
+        return self
 
 
 class CheckSettings(BrokerSettings, SafekeepersMixin, PrimarySettings, TlsSettings):
@@ -565,7 +579,7 @@ class ReaderSlotSettings(ReaderCredentials):
                                                  "that safekeeper's WAL until the reader moves it.")
 
 
-class FailoverBase(SafekeepersMixin, ReaderCredentials):
+class FailoverBase(BrokerSettings, SafekeepersMixin, ReaderCredentials):
     """What failover and failover-gate share: the standby, the safekeepers and how long each step may take."""
 
     cert_role: ClassVar[str] = "proposer"
@@ -578,6 +592,7 @@ class FailoverBase(SafekeepersMixin, ReaderCredentials):
     catchup_timeout: float = Field(60.0, gt=0, description="Seconds the standby may replay nothing while below "
                                                            "the committed end before failover gives up without "
                                                            "promoting it.")
+
 
 
 class FailoverSettings(FailoverBase):
@@ -597,7 +612,7 @@ class FailoverSettings(FailoverBase):
         return self
 
 
-class FailoverGateSettings(ArchiveSettings, ClusterSettings, FailoverBase):
+class FailoverGateSettings(ArchiveSettings, FailoverBase):
     """walsidecar failover-gate: Patroni's pre_promote; failover's fence, recover and catch up, without promoting."""
 
     command: ClassVar[str] = "failover-gate"

@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 from sidecar.consensus import history as hist
 from sidecar.consensus import limits, lineage
 from sidecar.consensus.messages import (
-    PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply,
-    InfoReply, Message, TermHistory, VoteReply, VoteRequest,
+    PROTOCOL_VERSION, Append, AppendReply, DegradedRecord, DegradedRecordReply, Elected, ElectedReply, Greeting,
+    GreetingReply, InfoReply, Message, TermHistory, VoteReply, VoteRequest,
 )
 from sidecar.timelines import TimelineHistory
 from sidecar.consensus.quorum import peers_needed_after_a_lost_disk
@@ -149,7 +149,8 @@ class Acceptor:
                          self.flush_lsn, s.commit_lsn, proposer_connected=self.owner is not None,
                          reader_port=self.reader_port, backup_lsn=s.backup_lsn,
                          archive_mismatch=self.archive_mismatch, fence=s.fence, members=self.members,
-                         amnesic=self.amnesic, lost_disk_term=self.recovering_from)
+                         amnesic=self.amnesic, lost_disk_term=self.recovering_from, degraded=s.degraded,
+                         degrade_term=s.degrade_term)
 
     @property
     def members(self) -> int:
@@ -351,6 +352,24 @@ class Acceptor:
             actions.append(Reply(AppendReply(s.term, self.flush_lsn, self.state.commit_lsn)))
         return actions
 
+    def on_degraded(self, msg: DegradedRecord, owner: object = None) -> list[AcceptorAction]:
+        """Store the term owner's degraded range (or clear it) durably; the reply says it is stored.
+
+        The proposer acknowledges a commit that this safekeeper alone may hold only after this reply: a
+        failover finds the range here even when the broker is out of reach.
+        """
+        _check(limits.check_term, msg.term, "DegradedRecord term")
+        _check(lambda r: limits.check_degraded(r, msg.term), msg.record)
+        s = self.state
+        if msg.term < s.term:
+            return [Reply(DegradedRecordReply(s.term, 0))]  # it lost its term: the reply says so, and stores nothing
+        if msg.term != self.elected_term or owner is not self.owner:
+            raise AcceptorError(f"DegradedRecord for term {msg.term} on a connection that does not hold the term")
+        if (msg.record, msg.term) == (s.degraded, s.degrade_term):
+            return [Reply(DegradedRecordReply(s.term, msg.record.version))]
+        self.state = replace(s, degraded=msg.record, degrade_term=msg.term)
+        return [Persist(self.state), Reply(DegradedRecordReply(s.term, msg.record.version))]
+
     def on_flushed(self, flush_lsn: int) -> list[AcceptorAction]:
         """Storage has fsynced up to `flush_lsn`: acknowledge it, in the term promised now.
 
@@ -379,7 +398,7 @@ class Acceptor:
         # Positional construction: replace() costs several times more, and this runs per Append.
         self.state = AcceptorState(s.system_id, s.wal_seg_size, s.pg_version, s.timeline, s.term,
                                    s.term_history, s.timeline_history, commit, s.backup_lsn, horizon, s.fence,
-                                   s.members, s.lost_disk_term)
+                                   s.members, s.lost_disk_term, s.degraded, s.degrade_term)
         # commit_lsn is a hint: persist it lazily, once per segment of progress.
         if commit - self._persisted_commit >= max(s.wal_seg_size, 1):
             self._persisted_commit = commit

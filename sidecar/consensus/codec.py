@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 from sidecar.consensus import limits
 from sidecar.consensus.limits import MAX_LSN, MAX_TERM
 from sidecar.consensus.messages import (
+    NO_DEGRADED,
     NO_FENCE,
     PROTOCOL_VERSION,
     Append,
@@ -30,6 +31,9 @@ from sidecar.consensus.messages import (
     AuthChallenge,
     AuthConfirm,
     AuthResponse,
+    DegradedRange,
+    DegradedRecord,
+    DegradedRecordReply,
     Elected,
     ElectedReply,
     Greeting,
@@ -80,6 +84,8 @@ TAG_INFO_REPLY = ord("I")
 TAG_AUTH_CHALLENGE = ord("c")
 TAG_AUTH_RESPONSE = ord("r")
 TAG_AUTH_CONFIRM = ord("R")
+TAG_DEGRADED_RECORD = ord("d")
+TAG_DEGRADED_RECORD_REPLY = ord("D")
 
 TAGS: MappingProxyType[type, int] = MappingProxyType({
     Greeting: TAG_GREETING,
@@ -96,6 +102,8 @@ TAGS: MappingProxyType[type, int] = MappingProxyType({
     AuthChallenge: TAG_AUTH_CHALLENGE,
     AuthResponse: TAG_AUTH_RESPONSE,
     AuthConfirm: TAG_AUTH_CONFIRM,
+    DegradedRecord: TAG_DEGRADED_RECORD,
+    DegradedRecordReply: TAG_DEGRADED_RECORD_REPLY,
 })
 
 _U32 = Struct(">I")
@@ -128,9 +136,15 @@ _INFO_REPLY_OLDER_SIZES = {Struct(">QQIIIQQQQB").size: 1, Struct(">QQIIIQQQQBHQ"
 # Then a report, only when there is something in it (so the reply is unchanged on the wire while there is
 # none): slot_wal_limit, len(slots); per slot its WAL held, invalidated, then its name as a u16-length
 # string; then the archived object it found not to be its WAL, a u16-length string ("": none).
+# then the safekeeper's copy of a degraded range (a DegradedRange: term 0 is none) and its degrade_term (u64).
 _INFO_SLOTS = Struct(">QH")
 _INFO_SLOT = Struct(">QB")
 MAX_INFO_SLOTS = 1000
+# A DegradedRange: term, start_lsn, version, len(members); then each member's node id, ascending.
+_DEGRADED = Struct(">QQQH")
+_NODE_ID = Struct(">Q")
+_DEGRADED_RECORD = Struct(">Q")  # term; then a DegradedRange
+_DEGRADED_RECORD_REPLY = Struct(">QQ")  # term, version
 # AuthChallenge: nonce, then the certificate as a u16 length and its bytes (none from link auth v1);
 # AuthResponse: nonce, the u16 port dialled, then certificate, host and signature, each a u16 length
 # and its bytes; AuthConfirm: certificate and signature the same way.
@@ -238,6 +252,18 @@ def _check_info_reply(m: InfoReply) -> None:
     limits.check_fence(m.fence, limits.MAX_TERM)
     limits.check_members(m.members)
     limits.check_term(m.lost_disk_term, "lost disk term")
+    limits.check_degraded(m.degraded, limits.MAX_TERM)
+    limits.check_term(m.degrade_term, "degrade term")
+
+
+def _check_degraded_record(m: DegradedRecord) -> None:
+    limits.check_term(m.term)
+    limits.check_degraded(m.record, m.term)
+
+
+def _check_degraded_record_reply(m: DegradedRecordReply) -> None:
+    limits.check_term(m.term)
+    limits.check_term(m.version, "degraded range version")
 
 
 def _check_auth_challenge(m: AuthChallenge) -> None:
@@ -273,6 +299,8 @@ _BOUNDS: MappingProxyType[type, Callable[[Any], None]] = MappingProxyType({
     AuthChallenge: _check_auth_challenge,
     AuthResponse: _check_auth_response,
     AuthConfirm: _check_auth_confirm,
+    DegradedRecord: _check_degraded_record,
+    DegradedRecordReply: _check_degraded_record_reply,
 })
 
 
@@ -312,6 +340,12 @@ def _timeline_history_bytes(history: TimelineHistory) -> bytes:
 
 def _fence_bytes(fence: TimelineFence) -> bytes:
     return _FENCE.pack(fence.term, fence.timeline, fence.lsn)
+
+
+def _degraded_bytes(record: DegradedRange) -> bytes:
+    members = sorted(record.members)
+    return _DEGRADED.pack(record.term, record.start_lsn, record.version, len(members)) + b"".join(
+        _NODE_ID.pack(n) for n in members)
 
 
 def _framed(tag: int, body: bytes) -> bytes:
@@ -388,11 +422,27 @@ def _encode_info_reply(m: InfoReply) -> bytes:
     body = _INFO_REPLY.pack(m.node_id, m.system_id, m.wal_seg_size, m.pg_version, m.timeline, m.term,
                             m.last_log_term, m.flush_lsn, m.commit_lsn, 1 if m.proposer_connected else 0,
                             m.reader_port, m.backup_lsn, m.members, 1 if m.amnesic else 0, m.lost_disk_term)
-    if m.slot_wal_limit or m.slots or m.archive_mismatch or m.fence != NO_FENCE:  # without them, the shortest body
+    if _has_report(m):  # without one, the shortest body
         body += _INFO_SLOTS.pack(m.slot_wal_limit, len(m.slots)) + b"".join(
             _INFO_SLOT.pack(h.wal_bytes, 1 if h.invalidated else 0) + _blob(_utf8(h.name, "slot name"))
-            for h in m.slots) + _fence_bytes(m.fence) + _blob(_utf8(m.archive_mismatch, "archive mismatch"))
+            for h in m.slots) + _fence_bytes(m.fence) + _blob(_utf8(m.archive_mismatch, "archive mismatch")) \
+            + _degraded_bytes(m.degraded) + _LOST_DISK_TERM.pack(m.degrade_term)
     return _framed(TAG_INFO_REPLY, body)
+
+
+def _has_report(m: InfoReply) -> bool:
+    return bool(m.slot_wal_limit or m.slots or m.archive_mismatch or m.fence != NO_FENCE or m.degraded
+                or m.degrade_term)
+
+
+def _encode_degraded_record(m: DegradedRecord) -> bytes:
+    _check_degraded_record(m)
+    return _framed(TAG_DEGRADED_RECORD, _DEGRADED_RECORD.pack(m.term) + _degraded_bytes(m.record))
+
+
+def _encode_degraded_record_reply(m: DegradedRecordReply) -> bytes:
+    _check_degraded_record_reply(m)
+    return _framed(TAG_DEGRADED_RECORD_REPLY, _DEGRADED_RECORD_REPLY.pack(m.term, m.version))
 
 
 def _blob(value: bytes) -> bytes:
@@ -428,6 +478,8 @@ _ENCODERS: MappingProxyType[type, Callable[[Any], bytes]] = MappingProxyType({
     Refusal: _encode_refusal,
     InfoRequest: _encode_info_request,
     InfoReply: _encode_info_reply,
+    DegradedRecord: _encode_degraded_record,
+    DegradedRecordReply: _encode_degraded_record_reply,
     AuthChallenge: _encode_auth_challenge,
     AuthResponse: _encode_auth_response,
     AuthConfirm: _encode_auth_confirm,
@@ -640,7 +692,7 @@ def _decode_info_reply(body: Body) -> InfoReply:
                             "upgrade it to this release")
     _need_at_least(body, _INFO_REPLY.size, "InfoReply")
     *fields, connected, reader_port, backup, members, amnesic, lost_disk_term = _INFO_REPLY.unpack_from(body)
-    limit, slots, mismatch, fence = 0, [], "", NO_FENCE
+    limit, slots, mismatch, fence, degraded, degrade_term = 0, [], "", NO_FENCE, NO_DEGRADED, 0
     if len(body) > _INFO_REPLY.size:
         _need_at_least(body, _INFO_REPLY.size + _INFO_SLOTS.size, "InfoReply")
         limit, count = _INFO_SLOTS.unpack_from(body, _INFO_REPLY.size)
@@ -662,16 +714,52 @@ def _decode_info_reply(body: Body) -> InfoReply:
         fence, at = _fence(body, at, "InfoReply")
         _need_at_least(body, at + _U16.size, "InfoReply")
         (length,) = _U16.unpack_from(body, at)
-        mismatch = _text(body, at + _U16.size, length, "archive mismatch", "InfoReply")
-        if not (limit or slots or mismatch or fence != NO_FENCE):
+        at += _U16.size
+        _need_at_least(body, at + length, "InfoReply")
+        mismatch = _text(body[:at + length], at, length, "archive mismatch", "InfoReply")
+        degraded, at = _degraded(body, at + length, "InfoReply")
+        _need_exact(body, at + _LOST_DISK_TERM.size, "InfoReply")
+        (degrade_term,) = _LOST_DISK_TERM.unpack_from(body, at)
+        if not (limit or slots or mismatch or fence != NO_FENCE or degraded or degrade_term):
             raise ProtocolError("InfoReply: an empty report is sent as none")  # one encoding per message
     else:
         _need_exact(body, _INFO_REPLY.size, "InfoReply")
     m = InfoReply(*fields, proposer_connected=_bool(connected, "proposer_connected", "InfoReply"),
                   reader_port=reader_port, backup_lsn=backup, slot_wal_limit=limit, slots=tuple(slots),
                   archive_mismatch=mismatch, fence=fence, members=members,
-                  amnesic=_bool(amnesic, "amnesic", "InfoReply"), lost_disk_term=lost_disk_term)
+                  amnesic=_bool(amnesic, "amnesic", "InfoReply"), lost_disk_term=lost_disk_term,
+                  degraded=degraded, degrade_term=degrade_term)
     _check_info_reply(m)
+    return m
+
+
+def _degraded(body: Body, start: int, name: str) -> tuple[DegradedRange, int]:
+    _need_at_least(body, start + _DEGRADED.size, name)
+    term, begin, version, count = _DEGRADED.unpack_from(body, start)
+    at = start + _DEGRADED.size
+    if count > limits.MAX_MEMBERS:
+        raise ProtocolError(f"{name}: degraded range of {count} members exceeds {limits.MAX_MEMBERS}")
+    _need_at_least(body, at + count * _NODE_ID.size, name)
+    members = [_NODE_ID.unpack_from(body, at + i * _NODE_ID.size)[0] for i in range(count)]
+    if any(a >= b for a, b in zip(members, members[1:])):
+        raise ProtocolError(f"{name}: degraded range members are not ascending")  # one encoding per message
+    return DegradedRange(term, begin, version, frozenset(members)), at + count * _NODE_ID.size
+
+
+def _decode_degraded_record(body: Body) -> DegradedRecord:
+    _need_at_least(body, _DEGRADED_RECORD.size, "DegradedRecord")
+    (term,) = _DEGRADED_RECORD.unpack_from(body)
+    record, at = _degraded(body, _DEGRADED_RECORD.size, "DegradedRecord")
+    _no_trailing(body, at, "DegradedRecord")
+    m = DegradedRecord(term, record)
+    _check_degraded_record(m)
+    return m
+
+
+def _decode_degraded_record_reply(body: Body) -> DegradedRecordReply:
+    _need_exact(body, _DEGRADED_RECORD_REPLY.size, "DegradedRecordReply")
+    m = DegradedRecordReply(*_DEGRADED_RECORD_REPLY.unpack_from(body))
+    _check_degraded_record_reply(m)
     return m
 
 
@@ -737,6 +825,8 @@ _DECODERS: MappingProxyType[int, Callable[[Body], Message]] = MappingProxyType({
     TAG_AUTH_CHALLENGE: _decode_auth_challenge,
     TAG_AUTH_RESPONSE: _decode_auth_response,
     TAG_AUTH_CONFIRM: _decode_auth_confirm,
+    TAG_DEGRADED_RECORD: _decode_degraded_record,
+    TAG_DEGRADED_RECORD_REPLY: _decode_degraded_record_reply,
 })
 
 

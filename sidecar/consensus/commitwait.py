@@ -1,8 +1,10 @@
 """What happens to a commit that waits in SyncRep while the sidecar has no safekeeper quorum (--commit-wait).
 
 Pure: the service reads the waiters from pg_stat_activity, owns the clock, and terminates what
-`TerminateAfter.decide` returns. Nothing here ever moves the flush position reported to the primary:
-a commit is acknowledged only by a quorum, whatever the policy. Ending a wait is done by terminating
+`TerminateAfter.decide` returns. Nothing here moves the flush position reported to the primary: with
+`wait` and `terminate-after` a commit is acknowledged only by a quorum; `degrade-after` (opt-in) has the
+proposer core acknowledge with the safekeepers that are up after T without a quorum, inside a range
+recorded first (consensus/degraded.py). Ending a wait is done by terminating
 the backend, never by cancelling it: a cancelled SyncRep wait returns success to the client with a
 WARNING (syncrep.c), a terminated one closes the connection without acknowledging the commit, so
 the client learns that the outcome is unknown instead of believing a commit durable.
@@ -29,31 +31,35 @@ def parse_duration(text: str) -> float:
 
 @dataclass(frozen=True)
 class CommitWait:
-    """A parsed --commit-wait: `wait` (never end a wait) or `terminate-after=T`."""
+    """A parsed --commit-wait: `wait` (never end a wait), `terminate-after=T` or `degrade-after=T`."""
 
-    policy: Literal["wait", "terminate"] = "wait"
-    after: float = 0.0  # seconds, for terminate
+    policy: Literal["wait", "terminate", "degrade"] = "wait"
+    after: float = 0.0  # seconds, for terminate and degrade
 
     def __str__(self) -> str:
-        return "wait" if self.policy == "wait" else f"terminate-after={self.after:g}s"
+        return "wait" if self.policy == "wait" else f"{self.policy}-after={self.after:g}s"
+
+
+_POLICIES = {"terminate-after": "terminate", "degrade-after": "degrade"}
 
 
 def parse_commit_wait(text: str) -> CommitWait:
-    """`wait` or `terminate-after=DURATION`; ValueError saying what is accepted."""
+    """`wait`, `terminate-after=DURATION` or `degrade-after=DURATION`; ValueError saying what is accepted."""
     t = text.strip()
     if t == "wait":
         return CommitWait()
     name, eq, value = t.partition("=")
-    if name.strip() == "terminate-after" and eq:
+    policy = _POLICIES.get(name.strip())
+    if policy is not None and eq:
         try:
             after = parse_duration(value)
         except ValueError as e:
-            raise ValueError(f"terminate-after={value.strip()}: {e}") from None
+            raise ValueError(f"{name.strip()}={value.strip()}: {e}") from None
         if after <= 0:
-            raise ValueError("terminate-after needs a duration above 0 (e.g. terminate-after=30s)")
-        return CommitWait("terminate", after)
-    raise ValueError(f"{text!r} is not a commit-wait policy: write wait (the default) or terminate-after=DURATION "
-                     "(e.g. terminate-after=30s)")
+            raise ValueError(f"{name.strip()} needs a duration above 0 (e.g. {name.strip()}=30s)")
+        return CommitWait(policy, after)  # type: ignore[arg-type]
+    raise ValueError(f"{text!r} is not a commit-wait policy: write wait (the default), terminate-after=DURATION "
+                     "(e.g. terminate-after=30s) or degrade-after=DURATION (e.g. degrade-after=30s)")
 
 
 @dataclass(frozen=True)

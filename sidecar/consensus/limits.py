@@ -6,7 +6,7 @@ make a safekeeper or the proposer store a number it cannot encode, name or move 
 
 from __future__ import annotations
 
-from sidecar.consensus.messages import TermHistory, TimelineFence
+from sidecar.consensus.messages import DegradedRange, TermHistory, TimelineFence
 from sidecar.timelines import TimelineHistory
 
 # Terms fit a signed 64-bit integer, so a proposer can always campaign one above any term a
@@ -113,6 +113,23 @@ def check_fence(fence: TimelineFence, term: int) -> TimelineFence:
     if not fence.term and fence.timeline:
         raise LimitError("a fence that ends a timeline was set in a term")
     return fence
+
+
+def check_degraded(record: DegradedRange, term: int) -> DegradedRange:
+    """An open degraded range of a term at or below `term`, or none (every field 0)."""
+    check_term(record.term, "degraded range term")
+    if record.term > term:
+        raise LimitError(f"degraded range of term {record.term} is above the message's term {term}")
+    check_lsn(record.start_lsn, "degraded range start LSN")
+    check_term(record.version, "degraded range version")
+    if len(record.members) > MAX_MEMBERS:
+        raise LimitError(f"degraded range of {len(record.members)} members, the limit is {MAX_MEMBERS}")
+    for node in record.members:
+        if not 0 < node < 2**64:
+            raise LimitError(f"degraded range member {node} is not a safekeeper node id")
+    if not record.term and (record.start_lsn or record.version or record.members):
+        raise LimitError("no degraded range (term 0) carries no start, version or members")
+    return record
 
 
 def check_port(port: int, what: str = "reader port") -> int:

@@ -14,7 +14,8 @@ from sidecar.timelines import TimelineHistory
 # 3: VoteReply and Elected carry the timeline fence of a failover (TimelineFence).
 # 4: Greeting carries the proposer's number of safekeepers; InfoReply the member count the safekeeper knows and
 # whether it lost its disk (amnesic, or not yet holding a later term); VoteReply why a vote was withheld.
-PROTOCOL_VERSION = 4
+# 5: DegradedRecord and its reply (--commit-wait degrade-after); InfoReply carries the safekeeper's copy.
+PROTOCOL_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,28 @@ class TimelineFence:
 
 
 NO_FENCE = TimelineFence()
+
+
+@dataclass(frozen=True)
+class DegradedRange:
+    """An open degraded range of `--commit-wait degrade-after` (consensus/degraded.py).
+
+    From `start_lsn` on, term `term`'s proposer acknowledged commits flushed by the safekeepers
+    `members` (node ids) only, not by a quorum: each acknowledgement made under this `version` of
+    the record is on every member's disk in `term`. A failover may start a new timeline only from
+    voters of whom one is a member still holding its WAL of `term`. Term 0 is no range.
+    """
+
+    term: int = 0
+    start_lsn: int = 0
+    version: int = 0
+    members: frozenset[int] = frozenset()
+
+    def __bool__(self) -> bool:
+        return self.term != 0
+
+
+NO_DEGRADED = DegradedRange()
 
 
 @dataclass(frozen=True)
@@ -138,6 +161,22 @@ class AppendReply:
 
 
 @dataclass(frozen=True)
+class DegradedRecord:
+    """From the connection holding `term`: store `record` (NO_DEGRADED: clear the copy) durably, then reply."""
+
+    term: int
+    record: DegradedRange
+
+
+@dataclass(frozen=True)
+class DegradedRecordReply:
+    """`record` is persisted in the control file (`term` is the safekeeper's: above ours, we lost it)."""
+
+    term: int
+    version: int
+
+
+@dataclass(frozen=True)
 class Refusal:
     """The safekeeper closes the connection after this: bad greeting or a protocol violation."""
 
@@ -174,6 +213,8 @@ class InfoReply:
     amnesic: bool = False  # a lost disk that has not learned its term yet: its term (0) is no knowledge
     # A lost disk that learned this term and does not vote until its WAL holds the start of a later one (0: none).
     lost_disk_term: int = 0
+    degraded: DegradedRange = NO_DEGRADED  # its copy of an open degraded range (NO_DEGRADED: none)
+    degrade_term: int = 0  # the last term whose proposer ran --commit-wait degrade-after (0: none)
 
 
 @dataclass(frozen=True)
@@ -216,6 +257,6 @@ class AuthConfirm:
 
 Message = (
     Greeting | GreetingReply | VoteRequest | VoteReply | Elected | ElectedReply
-    | Append | AppendReply | Refusal | InfoRequest | InfoReply
+    | Append | AppendReply | Refusal | InfoRequest | InfoReply | DegradedRecord | DegradedRecordReply
     | AuthChallenge | AuthResponse | AuthConfirm
 )

@@ -15,11 +15,13 @@ from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
 from typing import Any, ClassVar
 
-from sidecar.consensus import codec, limits, lineage
+from sidecar.consensus import codec, degraded, limits, lineage
 from sidecar.consensus import history as hist
+from sidecar.consensus.degraded import DegradedCarry
 from sidecar.consensus.messages import (
-    NO_FENCE, PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply,
-    Message, Refusal, TermHistory, TimelineFence, VoteReply, VoteRequest,
+    NO_DEGRADED, NO_FENCE, PROTOCOL_VERSION, Append, AppendReply, DegradedRange, DegradedRecord,
+    DegradedRecordReply, Elected, ElectedReply, Greeting, GreetingReply, Message, Refusal, TermHistory,
+    TimelineFence, VoteReply, VoteRequest,
 )
 from sidecar.timelines import TimelineHistory
 from sidecar.consensus.quorum import quorum_position
@@ -52,6 +54,13 @@ class ProposerConfig:
     # Beyond this a lagging safekeeper is fed from the primary's pg_wal instead of memory.
     buffer_limit: int = 64 * 1024 * 1024
     failover: FailoverTerm = FailoverTerm.NONE
+    # --commit-wait degrade-after=T: seconds the quorum commit may stall before acknowledging with the
+    # safekeepers that are up (0: never; consensus/degraded.py). Time comes from the service (`tick`).
+    degrade_after: float = 0.0
+    # An open degraded range this core must close before it may degrade on its own.
+    carried: DegradedCarry | None = None
+    # A failover's term (FailoverTerm.END): the open range the broker holds, which its votes must cover.
+    gate: DegradedRange = NO_DEGRADED
 
 
 # Actions the service executes.
@@ -144,6 +153,31 @@ class TermsExhausted:
     peer: str | None  # the safekeeper that reported it, if one did
 
 
+@dataclass(frozen=True)
+class StoreDegraded:
+    """Record `record` durably in the broker, in place of `previous` (NO_DEGRADED: where no range is open), then
+    call `degraded_stored(record.version)`: no acknowledgement above the quorum is made before that call."""
+
+    record: DegradedRange
+    previous: DegradedRange = NO_DEGRADED
+
+
+@dataclass(frozen=True)
+class CloseDegraded:
+    """A quorum holds every acknowledgement of `record`: delete it from the broker if it is still that version."""
+
+    record: DegradedRange
+
+
+@dataclass(frozen=True)
+class GateRefused:
+    """A failover's votes do not cover an open degraded range: starting a new timeline could lose commits."""
+
+    term: int
+    record: DegradedRange
+    reason: str
+
+
 # Events: what happened, for the service's log and the observers. Each names itself in the log.
 @dataclass(frozen=True)
 class ProposerEvent:
@@ -219,8 +253,43 @@ class UnexpectedMessage(ProposerEvent):
     message: str  # its type's name
 
 
+@dataclass(frozen=True)
+class DegradeBegan(ProposerEvent):
+    """No quorum for `after` seconds: from `start_lsn` on, commits are acknowledged by `members` once recorded."""
+
+    name: ClassVar[str] = "degraded: acknowledging commits without a quorum of safekeepers once the range is recorded"
+    level: ClassVar[str] = "warning"
+    term: int
+    start_lsn: int
+    members: list[str]
+    after: float
+
+
+@dataclass(frozen=True)
+class DegradeMembers(ProposerEvent):
+    """The members of the open range changed: a new version, recorded before the next degraded acknowledgement."""
+
+    name: ClassVar[str] = "degraded range members changed"
+    level: ClassVar[str] = "warning"
+    term: int
+    version: int
+    members: list[str]
+
+
+@dataclass(frozen=True)
+class DegradeEnded(ProposerEvent):
+    """A quorum holds every degraded acknowledgement of the range of `range_term` (`commit_lsn`): it is closed."""
+
+    name: ClassVar[str] = "degraded range closed: a quorum holds every acknowledged commit again"
+    level: ClassVar[str] = "warning"
+    term: int
+    range_term: int
+    commit_lsn: int
+
+
 Action = (Send | VerifyPrimary | StartStreaming | ReportStatus | FetchWal | TermLost | LineageEnded
-          | GreetingsRefused | DropPeer | TermsExhausted | ProposerEvent)
+          | GreetingsRefused | DropPeer | TermsExhausted | StoreDegraded | CloseDegraded | GateRefused
+          | ProposerEvent)
 
 
 class Phase(enum.Enum):
@@ -249,6 +318,7 @@ class PeerState:
     sent_max: int = 0  # the end of all WAL sent to it in this term, on any connection
     fetching: bool = False
     refused: str | None = None  # why it refused our greeting; survives reconnects, cleared by a reply
+    degraded_version: int = -1  # the version of our degraded range it stored on this connection (-1: none)
 
 
 class Proposer:
@@ -267,6 +337,20 @@ class Proposer:
         self._checked: tuple[int, int, int] | None = None  # (start, tail_lsn, tail_crc) the primary passed
         self._precheck: tuple[int, int, int] | None = None
         self._highest: tuple[int, str | None] = (min_term, None)  # highest term seen, and who reported it
+        # --commit-wait degrade-after (consensus/degraded.py): the open range of this term (maybe not yet
+        # recorded), the version the broker confirmed, the members by node id, the highest degraded report,
+        # and since when (the service's clock) the quorum commit stalled where.
+        self.degraded = NO_DEGRADED
+        self._stored = 0
+        # Versions only grow in this core, over every range it opens (and above an inherited one): a member's reply
+        # names the version it stored, and must never be taken for another range's.
+        self._version = config.carried.record.version if config.carried else 0
+        self._members: dict[int, str] = {}
+        self._degraded_high = 0
+        self._stall: tuple[int, float] | None = None
+        self.carried = config.carried
+        self.gate_waiting: str | None = None  # why a failover's term waits for more votes
+        self._gate = config.gate  # a failover's: the range its votes must cover, until E is on a quorum
 
     # ---- events -------------------------------------------------------------------------
 
@@ -274,13 +358,13 @@ class Proposer:
         p = self._reset(name)
         p.connected = True
         c = self.config
-        return [Send(name, Greeting(PROTOCOL_VERSION, c.proposer_id, c.system_id, c.timeline,
-                                    c.wal_seg_size, c.pg_version, len(c.peers)))]
+        return self._member_left(name) + [Send(name, Greeting(PROTOCOL_VERSION, c.proposer_id, c.system_id,
+                                                              c.timeline, c.wal_seg_size, c.pg_version, len(c.peers)))]
 
     def peer_disconnected(self, name: str) -> list[Action]:
         # Flushes acknowledged in this term stay valid: only a later term can truncate them.
         self._reset(name)
-        return []
+        return self._member_left(name)
 
     def peer_message(self, name: str, msg: Message) -> list[Action]:
         p = self.peers[name]
@@ -299,6 +383,8 @@ class Proposer:
                 return self._on_elected_reply(p, msg)
             case AppendReply():
                 return self._on_append_reply(p, msg)
+            case DegradedRecordReply():
+                return self._on_degraded_reply(p, msg)
             case Refusal():
                 return self._on_refusal(p, msg)
         return [UnexpectedMessage(name, type(msg).__name__)]
@@ -372,6 +458,105 @@ class Proposer:
         self.phase = Phase.STOPPED
         return [TermEnded(self.term, self.commit_lsn)]
 
+    # ---- degrade-after (consensus/degraded.py) ------------------------------------------------
+
+    def tick(self, now: float) -> list[Action]:
+        """The service's clock: degrade once the quorum commit stalled below the WAL we hold for degrade_after."""
+        after = self.config.degrade_after
+        if not after or self.phase is not Phase.STREAMING or self.buffer is None or self.degraded or self.carried:
+            self._stall = None
+            return []
+        if self.commit_lsn >= self.buffer.end:
+            self._stall = None
+            return []
+        if self._stall is None or self._stall[0] != self.commit_lsn:
+            self._stall = (self.commit_lsn, now)
+            return []
+        if now - self._stall[1] < after:
+            return []
+        start = self.commit_lsn
+        members = {p.node_id: p.name for p in self.peers.values()
+                   if p.elected and p.node_id is not None and self._in_term(p) >= start}
+        if not members:
+            return []  # nobody to acknowledge with: keep waiting, and try again at the next tick
+        self._degraded_high = start
+        return [DegradeBegan(self.term, start, sorted(members.values()), after)] + self._record(members)
+
+    def degraded_stored(self, version: int) -> list[Action]:
+        """The broker holds `version` of our open range (StoreDegraded done)."""
+        if not self.degraded or version != self.degraded.version or self.phase is not Phase.STREAMING:
+            return []
+        self._stored = version
+        return self._progress()
+
+    def open_range(self) -> DegradedCarry | None:
+        """What the next term must close: this term's open range, or the one it inherited and did not close."""
+        if self.degraded:
+            return DegradedCarry(self.degraded, self._degraded_high)
+        return self.carried
+
+    @property
+    def degraded_confirmed(self) -> bool:
+        """The latest version of the open range is recorded in the broker and on every member."""
+        d = self.degraded
+        return bool(d) and self._stored == d.version and all(
+            self.peers[n].degraded_version == d.version for n in self._members.values())
+
+    def _record(self, members: dict[int, str]) -> list[Action]:
+        """A new version of the open range with `members`: to the broker and to every member."""
+        d = self.degraded
+        start = d.start_lsn if d else self.commit_lsn
+        self._members = dict(members)
+        self._version += 1
+        self.degraded = DegradedRange(self.term, start, self._version, frozenset(members))
+        return [StoreDegraded(self.degraded, d)] + [Send(n, DegradedRecord(self.term, self.degraded))
+                                                     for n in sorted(members.values())]
+
+    def _member_left(self, name: str) -> list[Action]:
+        if not self.degraded or name not in self._members.values():
+            return []
+        members = {node: n for node, n in self._members.items() if n != name}
+        return self._record(members) + [DegradeMembers(self.term, self.degraded.version, sorted(members.values()))]
+
+    def _on_degraded_reply(self, p: PeerState, msg: DegradedRecordReply) -> list[Action]:
+        if self.term == 0:
+            return []
+        self._saw_term(msg.term, p.name)
+        if msg.term > self.term:
+            return self._higher_term(msg.term, p.name)
+        if msg.term < self.term or not p.elected:
+            return []
+        p.degraded_version = msg.version
+        return self._progress()
+
+    def _degraded_progress(self) -> list[Action]:
+        """Close what a quorum now holds; take in a safekeeper that holds every degraded acknowledgement."""
+        actions: list[Action] = []
+        carried = self.carried
+        if carried is not None and self.phase is Phase.STREAMING and self.commit_lsn >= carried.close_at:
+            self.carried = None
+            actions += [CloseDegraded(carried.record), DegradeEnded(self.term, carried.record.term, self.commit_lsn)]
+            actions += self._clear_copies()
+        d = self.degraded
+        if not d:
+            return actions
+        if self.commit_lsn >= self._degraded_high and self.commit_lsn > d.start_lsn:
+            self.degraded, self._members, self._stored, self._stall = NO_DEGRADED, {}, 0, None
+            return actions + [CloseDegraded(d), DegradeEnded(self.term, d.term, self.commit_lsn)] + \
+                self._clear_copies()
+        position = max(self._reported[1], d.start_lsn)
+        joining = {p.node_id: p.name for p in self.peers.values()
+                   if p.elected and p.node_id is not None and p.name not in self._members.values()
+                   and self._in_term(p) >= position}
+        if joining:
+            members = {**self._members, **joining}
+            actions += self._record(members) + [DegradeMembers(self.term, self.degraded.version,
+                                                               sorted(members.values()))]
+        return actions
+
+    def _clear_copies(self) -> list[Action]:
+        return [Send(p.name, DegradedRecord(self.term, NO_DEGRADED)) for p in self.peers.values() if p.elected]
+
     # ---- election -------------------------------------------------------------------------
 
     def _on_refusal(self, p: PeerState, msg: Refusal) -> list[Action]:
@@ -441,6 +626,8 @@ class Proposer:
                 return withheld
             p.vote = msg
             if sum(q.vote is not None for q in self.peers.values()) >= self.config.quorum:
+                if self._gate and self._gate_votes_lack_member():
+                    return []  # wait for a member's vote: the failover's timeout says which are missing
                 return self._elect()
             return []
         # Already elected for this term: a reconnecting voter answers "not granted, same term" (or withholds
@@ -481,12 +668,29 @@ class Proposer:
         self.phase = Phase.STOPPED
         return [LineageEnded(self.term, fence, problem)]
 
+    def _gate_votes(self) -> dict[str, tuple[int | None, VoteReply]]:
+        return {q.name: (q.node_id, q.vote) for q in self.peers.values() if q.vote is not None}
+
+    def _gate_votes_lack_member(self) -> bool:
+        votes = self._gate_votes()
+        if degraded.holding_members(self._gate, votes):
+            self.gate_waiting = None
+            return False
+        self.gate_waiting = degraded.gate_problem(self._gate, votes, 0)
+        return True
+
     def _elect(self) -> list[Action]:
         votes = {q.name: q.vote for q in self.peers.values() if q.vote is not None}
         ended = self._lineage_ended(votes)
         if ended:
             return ended
         donor, dv, start = self._donor(votes)
+        if self._gate:
+            problem = degraded.gate_problem(self._gate, self._gate_votes(), start)
+            if problem is not None:
+                # Before any Elected: no fence is set, nothing is cut; the old primary's sidecar campaigns again.
+                self.phase = Phase.STOPPED
+                return [GateRefused(self.term, self._gate, problem)]
         self.fence = self._fence_of_term(votes, start)
         self.term_start = start
         self.history = hist.extend(dv.term_history if dv.flush_lsn else (), self.term, start)
@@ -531,7 +735,10 @@ class Proposer:
                               sent_lsn=p.sent_max, term_start_lsn=self.term_start)
         p.elected = True
         p.flush_lsn = p.sent_lsn = msg.flush_lsn
-        return [PeerJoined(p.name, self.term, msg.flush_lsn)] + self._progress() + self._pump(p)
+        # A copy of a range closed while it was away would read as open in `check`: clear it.
+        clear: list[Action] = [Send(p.name, DegradedRecord(self.term, NO_DEGRADED))] \
+            if self.config.degrade_after and not self.degraded and not self.carried else []
+        return [PeerJoined(p.name, self.term, msg.flush_lsn)] + clear + self._progress() + self._pump(p)
 
     def _on_append_reply(self, p: PeerState, msg: AppendReply) -> list[Action]:
         if self.term == 0:
@@ -580,19 +787,30 @@ class Proposer:
         if self.buffer is not None:
             self.buffer.trim(self._trim_point())
             self.buffer.bound(self.config.buffer_limit)
+        actions = self._degraded_progress() if self.degraded or self.carried else []
+        if self._gate and self.phase is Phase.STREAMING and self.commit_lsn >= self.term_start > 0:
+            # E, which holds every degraded acknowledgement (the gate checked the votes), is on a quorum.
+            gate, self._gate = self._gate, NO_DEGRADED
+            actions += [CloseDegraded(gate), DegradeEnded(self.term, gate.term, self.commit_lsn)] + \
+                self._clear_copies()
         status = self.status(flushes)
         if status == self._reported:
-            return []
+            return actions
         self._reported = status
-        return [ReportStatus(*status)]
+        if status[1] > self.commit_lsn:
+            self._degraded_high = max(self._degraded_high, status[1])
+        return actions + [ReportStatus(*status)]
 
     def status(self, flushes: list[int] | None = None) -> tuple[int, int, int]:
-        """(write, flush, apply) for the primary: any, quorum and all safekeepers."""
+        """(write, flush, apply) for the primary: any, quorum (or, degraded, every member) and all safekeepers."""
         if flushes is None:
             flushes = [self._in_term(p) for p in self.peers.values()]
         write = max(self._reported[0], max(flushes), self.commit_lsn)
         apply = max(self._reported[2], min(min(flushes), self.commit_lsn))
-        return write, self.commit_lsn, apply
+        flush = max(self.commit_lsn, self._reported[1])
+        if self._members and self.degraded_confirmed:
+            flush = max(flush, min(self._in_term(self.peers[n]) for n in self._members.values()))
+        return max(write, flush), flush, apply
 
     def _trim_point(self) -> int:
         """Below this every safekeeper of the term has flushed (or will be fed from the primary)."""
@@ -620,13 +838,14 @@ class Proposer:
     def _drop(self, p: PeerState, reason: str, **lsns: int) -> list[Action]:
         """A protocol error on `p`'s link: ignore it until it reconnects, and have it closed."""
         self._reset(p.name)
-        return [DropPeer(p.name, reason, {"term": self.term, **lsns})]
+        return [DropPeer(p.name, reason, {"term": self.term, **lsns})] + self._member_left(p.name)
 
     def _reset(self, name: str) -> PeerState:
         p = self.peers[name]
         p.connected, p.greeted_term, p.node_id, p.vote, p.probe = False, None, None, None, None
         p.withheld = None
         p.elected, p.fetching = False, False
+        p.degraded_version = -1
         p.sent_lsn = p.flush_lsn
         return p
 

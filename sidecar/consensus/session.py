@@ -16,7 +16,7 @@ import enum
 
 from sidecar.consensus import codec, limits
 from sidecar.consensus.acceptor import Acceptor, AcceptorAction, AcceptorError, RecordEnd, Reply
-from sidecar.consensus.messages import Append, Elected, Greeting, InfoRequest, Message, VoteRequest
+from sidecar.consensus.messages import Append, DegradedRecord, Elected, Greeting, InfoRequest, Message, VoteRequest
 
 
 class Role(enum.Enum):
@@ -93,6 +93,8 @@ class AcceptorSession:
                     raise AcceptorError(f"Elected for term {msg.term} on a connection that did not ask "
                                         "for a vote in it: the term belongs to the connection elected in it")
                 return acc.on_elected(msg, self._record_end(end), self)
+            case DegradedRecord():  # only the term's owner: on_degraded checks it holds the term
+                return acc.on_degraded(msg, self)
         raise AcceptorError(f"unexpected {type(msg).__name__} from a proposer")
 
     def closed(self) -> None:

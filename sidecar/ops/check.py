@@ -16,7 +16,8 @@ import psycopg
 from sidecar.broker import STALE_AFTER, Broker, BrokerError, UploaderHolder, read_clusters, uploader_holder, uploader_key
 from sidecar.config import CheckSettings
 from sidecar.consensus import lineage
-from sidecar.consensus.messages import InfoReply
+from sidecar.consensus.degraded import describe
+from sidecar.consensus.messages import DegradedRange, InfoReply
 from sidecar.consensus.quorum import peers_needed_after_a_lost_disk
 from sidecar.lsn import format_lsn, parse_lsn
 from sidecar.ops.probe import connect, fetch_status, redact_dsn
@@ -86,6 +87,9 @@ class SetupChecker:
         self.standby_names: syncrep.SyncStandbyConfig | None = None
         self.ids: dict[str, int] = {}  # safekeeper address -> the id it answered with
         self.lineage: tuple[int, int] | None = None  # the primary's (timeline, flush LSN)
+        self._proposer_doc: dict | None = None  # the proposer's /status, with --proposer-metrics
+        self._degraded_copies: dict[str, DegradedRange] = {}  # safekeeper address -> its copy of a degraded range
+        self._degrade_seen = False  # a safekeeper was written by a sidecar with --commit-wait degrade-after
 
     def command(self, name: str, *options: str, certs: str = "CERTS_DIR") -> str:
         """`walsidecar NAME OPTIONS` with this check's TLS choice, ready to paste; CAPITALS are for the user to fill."""
@@ -126,7 +130,49 @@ class SetupChecker:
             await self._proposer()
         if self.s.broker:
             await self._broker()
+        await self._degraded()
         return self.checks
+
+    async def _degraded(self) -> None:
+        """FAILED while a degraded range is open (--commit-wait degrade-after): in etcd (with --broker, the record),
+        else as the proposer or a safekeeper's copy says. Nothing for a cluster that never ran degrade-after."""
+        s = self.s
+        prop = (self._proposer_doc or {}).get("degraded")
+        in_use = self._degrade_seen or prop is not None or \
+            str((self._proposer_doc or {}).get("commit_wait", "")).startswith("degrade")
+        if not in_use:
+            return
+        record = None
+        cluster = s.cluster or (str(self.system_id) if self.system_id else None)
+        if s.broker and cluster:
+            try:
+                broker = Broker(s.broker, s.certs_dir, timeout=s.timeout)
+                try:
+                    record = await broker.read_degraded(cluster)
+                finally:
+                    broker.close()
+            except (BrokerError, TlsError) as e:
+                self.add(_fail("degraded range", f"cannot read it from etcd: {e}", "start etcd, or fix --broker"))
+                return
+        copies = {addr: r for addr, r in self._degraded_copies.items() if r}
+        if record:
+            where = f"etcd (walsidecar/{cluster}/degraded)"
+            detail = describe(record)
+        elif record is None and prop:
+            where = f"the proposer at {s.proposer_metrics}"
+            detail = (f"degraded range of term {prop['term']} from {prop['start_lsn']} (version {prop['version']}, "
+                      f"members: safekeepers {', '.join(map(str, prop['members'])) or 'none'})")
+        elif record is None and copies:
+            addr, r = sorted(copies.items())[0]
+            where = f"safekeeper {addr}" + (f" and {len(copies) - 1} other(s)" if len(copies) > 1 else "")
+            detail = describe(r)
+        else:
+            self.add(_ok("degraded range", "none open: every acknowledged commit is on a quorum"))
+            return
+        self.add(_fail("degraded range", f"{where} holds an open {detail}: commits were acknowledged by fewer than a "
+                                         "quorum of safekeepers; failover and failover-gate refuse every standby "
+                                         "unless one of its members votes",
+                       "bring the safekeepers back: the range closes once a quorum holds every commit"))
 
     async def _connect(self) -> psycopg.AsyncConnection | None:
         try:
@@ -339,6 +385,8 @@ class SetupChecker:
                 return e
 
         replies = await asyncio.gather(*(one(a) for a in self.s.safekeepers))
+        self._degraded_copies = {a: r.degraded for a, r in zip(self.s.safekeepers, replies) if isinstance(r, InfoReply)}
+        self._degrade_seen = any(isinstance(r, InfoReply) and r.degrade_term for r in replies)
         n_listed = len(self.s.safekeepers)
         good = 0
         ids: dict[int, str] = {}
@@ -561,6 +609,7 @@ class SetupChecker:
             self.add(_fail(name, str(e), f"is the proposer running with --metrics {self.s.proposer_metrics}? "
                                          f"({self._start_command()} --metrics {self.s.proposer_metrics})"))
             return
+        self._proposer_doc = doc
         detail = f"term {doc.get('term')}, {doc.get('phase')}, commit_lsn {doc.get('commit_lsn')}"
         if doc.get("insecure"):
             self.add(_warn(f"{name} TLS", "the proposer runs with --insecure: its safekeeper links are not "

@@ -14,7 +14,7 @@ import asyncio
 import shlex
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psycopg
@@ -23,6 +23,8 @@ from psycopg.conninfo import conninfo_to_dict
 from sidecar.address import Address
 from sidecar.config import FailoverBase, FailoverSettings
 from sidecar.consensus import lineage, primary_check
+from sidecar.consensus.degraded import describe
+from sidecar.consensus.messages import NO_DEGRADED, DegradedRange
 from sidecar.timelines import TimelineHistory
 from sidecar.consensus.proposer import FailoverTerm, ProposerConfig, VerifyPrimary
 from sidecar.linkauth import client_security
@@ -134,6 +136,7 @@ class Failover:
         self.say = say
         self.security = client_security(s.certs_dir, s.link_security)
         self.donor = DonorReader(s)
+        self._cluster = s.cluster or ""  # the broker's name of the cluster (the standby's system id by default)
 
     async def run(self) -> None:
         """All five steps: the gate's three, then promote and resume."""
@@ -224,8 +227,9 @@ class Failover:
         s, say = self.s, self.say
         say(f"  standby: system {standby.system_id}, timeline {standby.timeline}, replayed up to "
             f"{format_lsn(standby.replay_lsn)}")
+        gate = await self._open_range(standby)
         say("1/5 fence: winning a new term from a quorum of safekeepers (no WAL is streamed)")
-        fence = Fence(self._config(standby), self.security, precheck=self._precheck(standby),
+        fence = Fence(replace(self._config(standby), gate=gate), self.security, precheck=self._precheck(standby),
                       copy=self.donor.copy, say=say)
         try:
             try:
@@ -252,10 +256,97 @@ class Failover:
                 fence.check()
             except FenceError as e:
                 raise FailoverError(f"not promoting: the fence term was lost: {e}") from None
+            await self._final(gate, fenced.term)
         except BaseException:
             await fence.close()
             raise
         return fence, fenced
+
+    async def _open_range(self, standby: StandbyState) -> DegradedRange:
+        """The open degraded range of --commit-wait degrade-after, which the fence's votes must cover: etcd's with
+        --broker. Refuse when a safekeeper was written by a sidecar running degrade-after and etcd cannot say (no
+        --broker, or no mark of such a sidecar under the cluster name given): a range may be open on members this
+        failover does not hear."""
+        from sidecar.broker import Broker, BrokerError
+        s, say = self.s, self.say
+        marked = [f"{address} was written in term {info.degrade_term} by a sidecar with --commit-wait degrade-after"
+                  for address, info in (await self._quorum_answers()).items() if info.degrade_term]
+        if not s.broker:
+            if marked:
+                raise FailoverError("not promoting: " + "; ".join(marked) + ". Commits may have been acknowledged "
+                                    "that only some safekeepers hold, and its open degraded range (if any) is in etcd: "
+                                    "run failover with --broker and --cluster (the sidecar's)")
+            return NO_DEGRADED
+        # The sidecar's default cluster name is the primary's system id, which the standby shares.
+        cluster = self._cluster = s.cluster or str(standby.system_id)
+        broker = Broker(s.broker, s.certs_dir)
+        try:
+            gate = await broker.read_degraded(cluster)
+            known = await broker.degrade_after_marked(cluster)
+        except BrokerError as e:
+            raise FailoverError(f"not promoting: cannot read the degraded range of cluster {cluster} from etcd "
+                                f"({e}); a sidecar with --commit-wait degrade-after may have acknowledged commits "
+                                "that only some safekeepers hold: run failover again once etcd answers") from None
+        finally:
+            broker.close()
+        if marked and not known:
+            raise FailoverError("not promoting: " + "; ".join(marked) + f", but etcd holds no mark of such a sidecar "
+                                f"under cluster {cluster} (walsidecar/{cluster}/degrade-after): give --cluster the "
+                                "name the sidecar was started with")
+        if gate:
+            say(f"  etcd holds an open {describe(gate)}: the fence's votes must include one of its members that "
+                f"still holds its WAL of term {gate.term}")
+        elif known:
+            say(f"  etcd holds no open degraded range for cluster {cluster}")
+        return gate
+
+    async def _quorum_answers(self) -> dict[str, InfoReply]:
+        """InfoReplies of a quorum of safekeepers (waiting up to --timeout for them); FailoverError without."""
+        s = self.s
+        # Every safekeeper that joined a degrade-after sidecar's term is marked (degrade_term), and a term needs a
+        # quorum: any quorum of answers includes a marked one. Those that answer later are not waited for.
+        answers: dict[str, InfoReply] = {}
+        problems: dict[str, str] = {}
+        deadline = time.monotonic() + s.timeout
+        while len(answers) < s.quorum:
+            for address in s.safekeepers:
+                if address in answers:
+                    continue
+                try:
+                    answers[address] = await probe_safekeeper(address, min(s.timeout, 10.0), self.security)
+                except ProbeError as e:
+                    problems[address] = str(e)
+            if len(answers) >= s.quorum:
+                break
+            if time.monotonic() > deadline:
+                raise FailoverError(f"only {len(answers)} of {len(s.safekeepers)} safekeepers answered within "
+                                    f"{s.timeout:g}s, a quorum of {s.quorum} is needed ("
+                                    + "; ".join(f"{a}: {p}" for a, p in sorted(problems.items())
+                                                if a not in answers) + "): start them, then run failover again")
+            await asyncio.sleep(POLL_INTERVAL)
+        return answers
+
+    async def _final(self, gate: DegradedRange, fence_term: int) -> None:
+        """Just before promoting: etcd still holds the range the votes covered (or none), which is closed, and no
+        sidecar of an older term may open one from now on (the failover term rises to ours)."""
+        from sidecar.broker import Broker, BrokerError
+        s = self.s
+        if not s.broker:
+            return
+        broker = Broker(s.broker, s.certs_dir)
+        try:
+            done = await broker.failover_final(self._cluster, gate, fence_term)
+        except BrokerError as e:
+            raise FailoverError(f"not promoting: cannot write the failover's term to etcd ({e}): run failover again "
+                                "once etcd answers") from None
+        finally:
+            broker.close()
+        if not done:
+            raise FailoverError(f"not promoting: the degraded range in etcd changed while failing over (the old "
+                                f"primary's sidecar recorded {'a new version of it' if gate else 'one'}): run "
+                                "failover again, which reads it afresh")
+        if gate:
+            self.say(f"  the {describe(gate)} is closed: E holds every commit acknowledged in it, on a quorum")
 
     def _config(self, st: StandbyState) -> ProposerConfig:
         s = self.s

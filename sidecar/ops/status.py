@@ -19,7 +19,7 @@ import psycopg
 
 from sidecar.broker import Broker, read_clusters
 from sidecar.config import StatusSettings
-from sidecar.consensus.messages import InfoReply
+from sidecar.consensus.messages import DegradedRange, InfoReply
 from sidecar.lsn import format_lsn, parse_lsn
 from sidecar.ops.probe import connect, fetch_status, redact_dsn
 from sidecar.skclient import ProbeError, probe_safekeeper
@@ -77,7 +77,8 @@ async def gather(s: StatusSettings) -> dict[str, Any]:
                           "commit_lsn": format_lsn(r.commit_lsn), "proposer_connected": r.proposer_connected,
                           "reader_port": r.reader_port or None, "backup_lsn": format_lsn(r.backup_lsn),
                           "members": r.members or None, "amnesic": r.amnesic,
-                          "lost_disk_term": r.lost_disk_term or None}
+                          "lost_disk_term": r.lost_disk_term or None,
+                          "degraded": _range(r.degraded) if r.degraded else None}
             row["id"] = row["id"] or r.node_id
             if row["term"] is None:
                 row["term"] = r.term
@@ -145,15 +146,20 @@ async def _standby(dsn: str, timeout: float) -> dict[str, Any]:
             "replay_lsn": replayed}
 
 
+def _range(r: DegradedRange) -> dict[str, Any]:
+    return {"term": r.term, "start_lsn": format_lsn(r.start_lsn), "version": r.version, "members": sorted(r.members)}
+
+
 async def _broker(s: StatusSettings) -> dict[str, Any]:
-    """Every safekeeper's state as published in the broker, by cluster and timeline."""
+    """Every safekeeper's state as published in the broker, by cluster and timeline; the open degraded range."""
     broker = Broker(s.broker, s.certs_dir, timeout=s.timeout)
     try:
         clusters = await read_clusters(broker, s.cluster)
+        degraded = await broker.read_degraded(s.cluster) if s.cluster else None
     finally:
         broker.close()
     now = time.time()
-    return {"endpoints": list(s.broker), "clusters": {
+    return {"endpoints": list(s.broker), "degraded": _range(degraded) if degraded else None, "clusters": {
         name: {str(tl): {"uploader": e.uploader, "safekeepers": [
             {"id": st.id, "term": st.term, "last_log_term": st.last_log_term, "flush_lsn": format_lsn(st.flush_lsn),
              "commit_lsn": format_lsn(st.commit_lsn), "backup_lsn": format_lsn(st.backup_lsn),
@@ -255,12 +261,33 @@ def _summary(doc: dict[str, Any]) -> list[str]:
             wait_txt = f"commits waiting {waiting}" + (f" (the oldest for {oldest:.1f}s)" if waiting and oldest else "")
             sync = prim.get("sync_state") or "not connected"
             lines.append(f" Primary:  flush_lsn {prim.get('flush_lsn')}, {wait_txt}, sidecar sync_state {sync}")
+    lines += _degraded_lines(doc)
     lines += _standby_lines(doc.get("standby"))
     lines += _reader_lines(doc["safekeepers"])
     lines += _broker_lines(doc.get("broker"))
     if "patroni" in doc:
         from sidecar.patroni import patroni_lines
         lines += patroni_lines(doc["patroni"])
+    return lines
+
+
+def _degraded_lines(doc: dict[str, Any]) -> list[str]:
+    """An open degraded range (--commit-wait degrade-after), as etcd, the proposer and each safekeeper hold it."""
+    def text(r: dict[str, Any]) -> str:
+        return (f"term {r['term']} from {r['start_lsn']}, version {r['version']}, members "
+                f"{', '.join(map(str, r['members'])) or 'none'}")
+    lines = []
+    b, prop = doc.get("broker") or {}, doc.get("proposer") or {}
+    if b.get("degraded"):
+        lines.append(f" DEGRADED: etcd holds an open range, {text(b['degraded'])}: commits were acknowledged "
+                     "without a quorum; failovers refuse unless a member votes")
+    if prop.get("degraded"):
+        acking = " (acknowledging without a quorum now)" if prop["degraded"].get("acknowledging") else ""
+        lines.append(f" DEGRADED: the proposer's open range, {text(prop['degraded'])}{acking}")
+    copies = [f"{r['id']}: {text(own['degraded'])}" for r in doc["safekeepers"]
+              if (own := r.get("own") or {}).get("degraded")]
+    if copies:
+        lines.append(f" Degraded: copies on safekeepers {'; '.join(copies)}")
     return lines
 
 

@@ -17,8 +17,8 @@ from sidecar.consensus import codec, limits, lineage
 from sidecar.consensus.messages import AppendReply, Message, TimelineFence
 from sidecar.timelines import TimelineHistory
 from sidecar.consensus.proposer import (
-    DropPeer, ElectionWon, FetchWal, GreetingsRefused, Phase, Proposer, ProposerConfig, ProposerEvent, ReportStatus,
-    Send, StartStreaming, TermLost, TermsExhausted, VerifyPrimary,
+    DropPeer, ElectionWon, FetchWal, GateRefused, GreetingsRefused, Phase, Proposer, ProposerConfig, ProposerEvent,
+    ReportStatus, Send, StartStreaming, TermLost, TermsExhausted, VerifyPrimary,
 )
 from sidecar.linkauth import Security
 from sidecar.logs import get_logger
@@ -135,6 +135,14 @@ class Fence:
             return (f"only {len(greeted)} of {len(core.peers)} safekeepers answered within {timeout:g}s "
                     f"({', '.join(greeted) or 'none'}), a quorum of {self.config.quorum} is needed: start the "
                     "others (or check --safekeepers and the certificates), then run failover again")
+        if core.phase is Phase.VOTING and core.gate_waiting:
+            gate = self.config.gate
+            heard = {p.node_id for p in core.peers.values() if p.greeted_term is not None}
+            missing = sorted(n for n in gate.members if n not in heard)
+            return (f"not promoting: {core.gate_waiting}; the votes must include a safekeeper that holds those "
+                    f"acknowledged commits, and within {timeout:g}s none did (members not heard: safekeepers "
+                    f"{', '.join(map(str, missing)) or 'none'}; heard: {', '.join(sorted(greeted)) or 'none'}): "
+                    "start them, then run failover again")
         if core.phase is Phase.VOTING:
             return (f"no quorum of votes for term {core.term} within {timeout:g}s: is another proposer campaigning? "
                     "Run failover again")
@@ -202,6 +210,8 @@ class Fence:
                     self.links[a.peer].drop(faulted=True)
                 case TermsExhausted():
                     self._fail(actions.exhausted_text(a, limits.MAX_TERM))
+                case GateRefused():
+                    self._fail(f"not promoting: {a.reason}; the fence sent no Elected (nothing was fenced or cut)")
                 case ElectionWon():
                     self.donor, self.voters = a.donor, tuple(a.voters)
                     actions.log_event(self.log, a)

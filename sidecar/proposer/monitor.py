@@ -304,6 +304,9 @@ class ProposerMonitor:
             "safekeepers_configured": len(view.peers()),
             "quorum_available": self._quorum_available(),
             "commit_wait": str(opts.commit_wait),
+            "degraded": {"term": view.degraded.term, "start_lsn": format_lsn(view.degraded.start_lsn),
+                         "version": view.degraded.version, "members": sorted(view.degraded.members),
+                         "acknowledging": view.degraded_acknowledging} if view.degraded else None,
             "limbo": {
                 "pending_bytes": self.limbo.pending_bytes,
                 "oldest_lsn": format_lsn(oldest[0]) if oldest else None,
@@ -348,6 +351,15 @@ class ProposerMonitor:
                     1 if self._quorum_available() else 0)
         yield gauge("walsidecar_proposer_quorum_size", "Safekeepers needed to acknowledge a commit.", self._quorum())
         yield gauge("walsidecar_proposer_safekeepers", "Safekeepers configured.", len(view.peers()))
+        degraded = view.degraded
+        yield gauge("walsidecar_proposer_degraded",
+                    "1 while a degraded range is open (--commit-wait degrade-after): commits were or are acknowledged "
+                    "without a quorum, and failovers refuse until a quorum holds them.", 1 if degraded else 0)
+        yield gauge("walsidecar_proposer_degraded_start_lsn_bytes",
+                    "Where the open degraded range starts (0 when none is open).", degraded.start_lsn)
+        yield gauge("walsidecar_proposer_degraded_acknowledging",
+                    "1 while commits are acknowledged above the quorum, by the range's members.",
+                    1 if view.degraded_acknowledging else 0)
         oldest = self.limbo.oldest(now)
         yield gauge("walsidecar_proposer_limbo_bytes", "WAL received but not yet acknowledged by a quorum.",
                     self.limbo.pending_bytes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sidecar.linkauth import Security
@@ -32,6 +33,8 @@ class StartOptions:
     archive: tuple[str, str | None, str | None] | None = None
     # What happens to commits that wait in SyncRep while there is no quorum (--commit-wait).
     commit_wait: CommitWait = CommitWait()
+    # degrade-after's broker: etcd endpoints, the cluster's name there, the client certificates (None: http).
+    broker: tuple[tuple[str, ...], str, Path | None] | None = None
 
     @property
     def catchup_slot(self) -> str:

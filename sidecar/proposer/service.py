@@ -16,9 +16,12 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wai
 from sidecar.consensus import codec, limits, primary_check
 from sidecar.consensus.messages import GreetingReply, Message, Refusal
 from sidecar.timelines import TimelineHistory
+from sidecar.consensus.degraded import DegradedCarry, describe
+from sidecar.consensus.messages import NO_DEGRADED, DegradedRange
 from sidecar.consensus.proposer import (
-    Action, DropPeer, ElectionWon, FetchWal, GreetingsRefused, LineageEnded, Phase, Proposer, ProposerConfig,
-    ProposerEvent, ReportStatus, Send, StartStreaming, TermLost, TermsExhausted, VerifyPrimary,
+    Action, CloseDegraded, DropPeer, ElectionWon, FetchWal, GateRefused, GreetingsRefused, LineageEnded, Phase,
+    Proposer, ProposerConfig, ProposerEvent, ReportStatus, Send, StartStreaming, StoreDegraded, TermLost,
+    TermsExhausted, VerifyPrimary,
 )
 from sidecar.linkauth import Security
 from sidecar.lsn import format_lsn, segment_start
@@ -41,6 +44,7 @@ HEARTBEAT_INTERVAL = 1.0
 CATCHUP_SLOT_INTERVAL = 5.0
 COMMIT_WAIT_POLL = 1.0  # how often terminate-after looks at the SyncRep waiters: its precision
 RECONNECT_MIN, RECONNECT_MAX = 0.5, 5.0
+BROKER_RETRY = 1.0  # seconds between tries of a degraded range's broker write that etcd did not answer
 # The walsender's "requested WAL segment ... has already been removed": the primary's pg_wal lacks it.
 WAL_REMOVED = "58P01"
 PERMANENT_TRIES = 3  # a wrong password or a missing database: tries before giving up (in case it was being set up)
@@ -133,6 +137,20 @@ class ProposerService:
         self._waits = SyncRepWaiters()
         cw = options.commit_wait
         self._terminate = TerminateAfter(cw.after) if cw.policy == "terminate" else None
+        # degrade-after (consensus/degraded.py): the broker holding the ranges, the range the next term must close,
+        # whether the broker was read since start (no degrading before: a dead sidecar's range may be open), and
+        # the broker writes in the order the cores asked for them.
+        self._degrade_after = cw.after if cw.policy == "degrade" else 0.0
+        self._broker = None
+        self._cluster = ""
+        if self._degrade_after and options.broker is not None:
+            from sidecar.broker import Broker
+            endpoints, self._cluster, certs = options.broker
+            self._broker = Broker(endpoints, certs)
+        self._carry: DegradedCarry | None = None
+        self._broker_read = False
+        self._closing: set[DegradedRange] = set()  # ranges our cores closed: one still in etcd is being deleted
+        self._broker_ops: asyncio.Queue[tuple[StoreDegraded | CloseDegraded, Proposer]] = asyncio.Queue()
 
     def subscribe(self, observer: ProposerObserver) -> None:
         """Call `observer`'s hooks from now on, and run it alongside the service."""
@@ -160,6 +178,20 @@ class ProposerService:
     @property
     def primary_poll(self) -> primary.PrimarySnapshot:
         return self._primary
+
+    @property
+    def degraded(self) -> DegradedRange:
+        """The open degraded range: this term's, or one it must close (NO_DEGRADED: none)."""
+        core = self.core
+        if core is not None and core.degraded:
+            return core.degraded
+        carry = core.carried if core is not None else self._carry
+        return carry.record if carry is not None else NO_DEGRADED
+
+    @property
+    def degraded_acknowledging(self) -> bool:
+        """Whether commits are acknowledged above the quorum now (the range is recorded everywhere)."""
+        return self.core is not None and self.core.degraded_confirmed
 
     @property
     def has_quorum(self) -> bool:
@@ -194,6 +226,12 @@ class ProposerService:
                     self._primary).run())
                 if self._terminate is not None:
                     background.append(self._spawn(self._enforce_commit_wait(pool, self._terminate)))
+                if self._broker is not None:
+                    self.log.warning("commit-wait degrade-after is on: after the wait without a quorum, commits are "
+                                     "acknowledged by the safekeepers that are up, in a range recorded in etcd first; "
+                                     "failovers refuse while one is open", after_seconds=self._degrade_after,
+                                     cluster=self._cluster, broker=",".join(self._broker.endpoints))
+                    background.append(self._spawn(self._broker_writes()))
                 try:
                     while True:  # each attachment ends when the advisory lock is lost
                         async for attempt in AsyncRetrying(
@@ -287,7 +325,9 @@ class ProposerService:
         opts = self.options
         conn = await self.replication.connect(opts.application_name)
         self._replication_conn = conn
-        system_id, timeline, _ = await self.replication.identify_system(conn)
+        system_id, timeline, primary_flush = await self.replication.identify_system(conn)
+        if self._broker is not None and self._carry is None:
+            await self._read_open_range(primary_flush)
         slot = await self.replication.read_slot(conn, opts.slot)
         if slot is None:
             raise repl.ReplicationError(f"replication slot {opts.slot} disappeared")
@@ -298,7 +338,8 @@ class ProposerService:
             proposer_id=opts.application_name, peers=opts.safekeepers, quorum=opts.quorum,
             system_id=system_id, timeline=timeline, timeline_history=self._history, wal_seg_size=self._seg_size,
             pg_version=self._pg_version, bootstrap_lsn=segment_start(slot[0], self._seg_size),
-            buffer_limit=opts.wal_buffer_bytes, max_inflight=max(opts.wal_buffer_bytes // 2, 1 << 20))
+            buffer_limit=opts.wal_buffer_bytes, max_inflight=max(opts.wal_buffer_bytes // 2, 1 << 20),
+            degrade_after=self._degrade_after if self._broker_read else 0.0, carried=self._carry)
         self._term_over = asyncio.Event()
         self.core = Proposer(cfg, min_term=self.last_term)
         self._reached = -1
@@ -315,6 +356,7 @@ class ProposerService:
         if self.core is not None:
             self.last_term = max(self.last_term, self.core.term)
             self._run(self.core.stream_ended())
+            self._carry = self.core.open_range()
             self.core = None  # links reconnecting now must wait for the next term's core
         for task in self._fetches.values():
             task.cancel()
@@ -337,8 +379,62 @@ class ProposerService:
             await asyncio.sleep(HEARTBEAT_INTERVAL)
             ticks += 1
             self._run(core.heartbeat())
+            if self._degrade_after:
+                self._run(core.tick(time.monotonic()))
             if ticks % int(ELECTION_TIMEOUT / HEARTBEAT_INTERVAL) == 0:
                 self._run(core.election_timeout())
+
+    # ---- degrade-after: the broker's record of the open range ------------------------------------
+
+    async def _read_open_range(self, primary_flush: int) -> None:
+        """At each term's start with no range to close: a range a dead sidecar left open (a write of it may land
+        after it died) is closed once our quorum holds the primary's WAL up to its flush now, at or above anything
+        that sidecar acknowledged. Until the broker first answers, no degrading."""
+        from sidecar.broker import BrokerError
+        assert self._broker is not None
+        try:
+            await self._broker.mark_degrade_after(self._cluster)
+            record = await self._broker.read_degraded(self._cluster)
+        except BrokerError as e:
+            self.log.error("cannot read the degraded range from etcd: " + ("" if self._broker_read else
+                           "not degrading until it answers ") + "(tried again at the next term)", error=str(e),
+                           cluster=self._cluster)
+            return
+        self._broker_read = True
+        if record and self._carry is None and record not in self._closing:
+            self._carry = DegradedCarry(record, primary_flush)
+            self.log.warning("an earlier sidecar left a degraded range open; it closes once a quorum holds the "
+                             "primary's WAL up to its flush now", range=describe(record),
+                             close_at_lsn=format_lsn(primary_flush), cluster=self._cluster)
+
+    async def _broker_writes(self) -> None:
+        """Carry out the cores' range writes in order; an unanswered one is tried again until etcd answers."""
+        from sidecar.broker import BrokerError
+        assert self._broker is not None
+        while True:
+            a, core = await self._broker_ops.get()
+            while True:
+                try:
+                    if isinstance(a, StoreDegraded):
+                        done = await self._broker.store_degraded(self._cluster, a.record, a.previous)
+                    else:
+                        done = await self._broker.close_degraded(self._cluster, a.record)
+                    break
+                except BrokerError as e:
+                    self.log.error("etcd did not take the degraded range; trying again (no acknowledgement above "
+                                   "the quorum meanwhile)", error=str(e), range=describe(a.record))
+                    await asyncio.sleep(BROKER_RETRY)
+            what = "recorded" if isinstance(a, StoreDegraded) else "closed"
+            if not done:
+                self.log.error(f"degraded range not {what}: etcd holds another (a failover, or another sidecar, "
+                               "changed it); acknowledging only with the quorum", range=describe(a.record),
+                               cluster=self._cluster)
+                continue
+            self.log.warning(f"degraded range {what} in etcd", range=describe(a.record), term=a.record.term,
+                             start_lsn=format_lsn(a.record.start_lsn), version=a.record.version,
+                             members=sorted(a.record.members), cluster=self._cluster)
+            if isinstance(a, StoreDegraded) and core is self.core:
+                self._run(core.degraded_stored(a.record.version))
 
     async def _advance_catchup_slot(self, pool: AsyncConnectionPool) -> None:
         """Keep the catch-up slot at the WAL every safekeeper has, but no more than --primary-retention
@@ -513,6 +609,13 @@ class ProposerService:
                     self.log.error("safekeeper broke the protocol; dropping the link", peer=a.peer,
                                    reason=a.reason, **log_fields(a.fields))
                     self.links[a.peer].drop(faulted=True)
+                case StoreDegraded() | CloseDegraded():
+                    if self._broker is not None and self.core is not None:
+                        if isinstance(a, CloseDegraded):
+                            self._closing.add(a.record)
+                        self._broker_ops.put_nowait((a, self.core))
+                case GateRefused():
+                    pass  # only a failover's term has a gate
                 case TermsExhausted():
                     self._fatal(ProposerStopped(exhausted_text(a, limits.MAX_TERM)))
                     self.log.critical("no term left to campaign in", term=a.term, peer=a.peer,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from sidecar.consensus.messages import DegradedRange
 from sidecar.consensus.proposer import Phase, ProposerEvent
 from sidecar.proposer.options import StartOptions
 from sidecar.proposer.primary import PrimarySnapshot
@@ -49,6 +50,16 @@ class ProposerView(Protocol):
 
     @property
     def commit_lsn(self) -> int: ...
+
+    @property
+    def degraded(self) -> DegradedRange:
+        """The open degraded range (--commit-wait degrade-after), NO_DEGRADED when none."""
+        ...
+
+    @property
+    def degraded_acknowledging(self) -> bool:
+        """Whether commits are acknowledged above the quorum right now."""
+        ...
 
     @property
     def primary_poll(self) -> PrimarySnapshot:

@@ -16,18 +16,22 @@ from typing import Any
 
 import google_crc32c
 
-from sidecar.consensus.messages import TermEntry, TimelineFence
+from sidecar.consensus.messages import DegradedRange, TermEntry, TimelineFence
 from sidecar.timelines import TimelineEntry
 from sidecar.consensus.state import AcceptorState
 from sidecar.durable import write_durably
 
 CONTROL_FILE = "safekeeper.control"
 CONTROL_MAGIC = b"WSKC"
-CONTROL_VERSION = 3  # 2: the failover fence (AcceptorState.fence); 3: members and lost_disk_term
+# 2: the failover fence (AcceptorState.fence); 3: members and lost_disk_term; 4: degraded and degrade_term
+CONTROL_VERSION = 4
 # Versions this build reads: a version 1 file has no fence, as if none was set; versions 1 and 2 have no member
 # count (unknown until the next Greeting) and no lost disk being recovered.
-_READS = {1: frozenset({"fence", "members", "lost_disk_term"}), 2: frozenset({"members", "lost_disk_term"}),
-          3: frozenset()}  # version -> the fields it lacks
+# Versions before 4 hold no degraded range (none was ever recorded by them).
+_READS = {1: frozenset({"fence", "members", "lost_disk_term", "degraded", "degrade_term"}),
+          2: frozenset({"members", "lost_disk_term", "degraded", "degrade_term"}),
+          3: frozenset({"degraded", "degrade_term"}),
+          4: frozenset()}  # version -> the fields it lacks
 _HEADER = struct.Struct("<4sIII")
 _CORRUPT_HINT = "the control file is corrupt; restore it or re-create this safekeeper from its peers"
 _HISTORY_FIELDS = {"term_history": TermEntry, "timeline_history": TimelineEntry}
@@ -109,6 +113,8 @@ def _encode(data: ControlData) -> dict[str, Any]:
             value = [list(dataclasses.astuple(entry)) for entry in value]
         elif f.name == "fence":
             value = list(dataclasses.astuple(value))
+        elif f.name == "degraded":
+            value = [value.term, value.start_lsn, value.version, sorted(value.members)]
         out[f.name] = value
     return out
 
@@ -127,6 +133,8 @@ def _decode(obj: Any, lacks: frozenset[str] = frozenset()) -> ControlData:
         entry_type = _HISTORY_FIELDS.get(name)
         if name == "fence":
             values[name] = _fence(obj[name])
+        elif name == "degraded":
+            values[name] = _degraded(obj[name])
         else:
             values[name] = _history(name, obj[name], entry_type) if entry_type else _uint(name, obj[name])
     return ControlData(node_id=_uint("node_id", obj["node_id"]), state=AcceptorState(**values))
@@ -147,6 +155,13 @@ def _fence(value: Any) -> TimelineFence:
     if not isinstance(value, list) or len(value) != 3:
         raise ValueError(f"fence {value!r} is not [term, timeline, lsn]")
     return TimelineFence(*(_uint("fence", v) for v in value))
+
+
+def _degraded(value: Any) -> DegradedRange:
+    if not isinstance(value, list) or len(value) != 4 or not isinstance(value[3], list):
+        raise ValueError(f"degraded {value!r} is not [term, start_lsn, version, [members]]")
+    term, start, version = (_uint("degraded", v) for v in value[:3])
+    return DegradedRange(term, start, version, frozenset(_uint("degraded member", v) for v in value[3]))
 
 
 def _uint(name: str, value: Any) -> int:

@@ -68,6 +68,13 @@ schedules them, `checker` reads their state, `nodes`, after every step):
   reply claiming a flush it cannot hold. Each safekeeper connection runs through the same
   `AcceptorSession` as the server's, so these meet the real rules.
 
+* Degraded acknowledgements (`broker`, `services`, `failovers`). In a share of seeds (`SimConfig.degrade`, drawn
+  apart from the rest) the services run `--commit-wait degrade-after`, the time being the step number: the real
+  core opens, versions and closes ranges against a durable etcd model that answers later than asked and compares
+  as the real transactions do, and each failover gates on the range it reads there. In those seeds a primary
+  changes only through a failover and no rival sidecar runs (the gate and the advisory lock are what the
+  design relies on); `SimConfig.degraded_gate=False` shows the acknowledgement a promotion loses without the gate.
+
 * Readers (`readers`): standbys and `pg_receivewal` reading from any safekeeper that is up, through
   the real `ReadCursor`, resuming at their last complete record after an error, a crash of the
   safekeeper or the end of their timeline (a promoted primary's switch point, which they then follow).

@@ -49,7 +49,14 @@ was configured with):
 4. Reports to the primary, per replication stream: the flush position never decreases,
    never exceeds the WAL the stream received, and never exceeds the Q-th highest position
    that safekeepers really had fsynced while in the proposer's term (positions below the
-   term start count as zero). `apply` never exceeds the lowest such position over all N.
+   term start count as zero), except inside an open degraded range (--commit-wait degrade-after):
+   then the broker holds a range of the proposer's term, and every member of one of its recorded
+   versions had fsynced the position in the term; and when the core decides a report above its
+   quorum commit, the broker and every member (but a lost disk) hold that very version of the range.
+   `apply` never exceeds the lowest such position over all N.
+   While a range is open, invariant 1 holds for the acknowledged records a quorum held when they
+   were acknowledged; every acknowledged record, degraded ones included, must be held by a standby
+   a failover promotes (1b, at the promotion) and by every primary a sidecar streams from.
 """
 
 from __future__ import annotations
@@ -60,7 +67,9 @@ import itertools
 from sidecar.consensus.acceptor import holds_term_after
 from sidecar.consensus import history as hist
 from sidecar.consensus import lineage
-from sidecar.consensus.messages import AppendReply, ElectedReply, GreetingReply, Message, TimelineFence, VoteReply
+from sidecar.consensus.messages import (
+    NO_DEGRADED, AppendReply, DegradedRange, ElectedReply, GreetingReply, Message, TimelineFence, VoteReply,
+)
 from sidecar.consensus.proposer import Proposer, ReportStatus
 from sidecar.consensus.quorum import majority
 from sidecar.sim.nodes import Service, SimSafekeeper
@@ -88,6 +97,7 @@ class Checker:
         self.disabled = disabled
         self.q = majority(len(safekeepers))
         self.quorums = list(itertools.combinations(range(len(safekeepers)), self.q))
+        self._by_quorum = True  # whether the report being acknowledged was flushed by a quorum
         self.pairs = list(itertools.combinations(range(len(safekeepers)), 2))
         self.committed = bytearray()  # acknowledged WAL from BOOT, whole records only
         self.in_term: dict[int, dict[str, int]] = {}  # term -> safekeeper -> fsynced end in that term
@@ -101,6 +111,14 @@ class Checker:
         self._seen: tuple[object, ...] = ()
         self.fences: list[tuple[TimelineFence, str]] = []  # failovers that promoted: (the fence, the new primary)
         self._pair_versions: dict[tuple[int, int], tuple[int, int]] = {}
+        # degrade-after: the broker's open range and every version of it recorded, the end of the records
+        # acknowledged by a quorum (invariant 1's while a range is open), the safekeepers that lost a disk.
+        self.degraded_record = NO_DEGRADED
+        self.degraded_versions: list[DegradedRange] = []
+        self.quorum_end = BOOT
+        self.disks_lost: set[str] = set()
+        self.by_node = {sk.node_id: sk for sk in safekeepers}
+        self._degraded_acked: dict[tuple[str, int], int] = {}
 
     @property
     def committed_end(self) -> int:
@@ -131,6 +149,35 @@ class Checker:
         """
         self.promised.pop(sk.name, None)
         self.acked.pop(sk.name, None)
+        self.disks_lost.add(sk.name)
+
+    def degraded_recorded(self, record: DegradedRange) -> None:
+        if record.term != self.degraded_record.term:
+            self.degraded_versions = []
+        self.degraded_record = record
+        self.degraded_versions.append(record)
+
+    def degraded_closed(self) -> None:
+        self.degraded_record, self.degraded_versions = NO_DEGRADED, []
+
+    def degraded_acknowledged(self, svc: Service, core: Proposer, st: ReportStatus) -> None:
+        """The core reports above its quorum commit: its range must be recorded, in the broker and on its members."""
+        key = (svc.label, core.term)
+        if st.flush_lsn <= self._degraded_acked.get(key, 0):
+            return  # the same acknowledgement again (its write or apply moved)
+        self._degraded_acked[key] = st.flush_lsn
+        d = core.degraded
+        if not d or self.degraded_record != d:
+            self._fail("4 a degraded acknowledgement is recorded first",
+                       f"{svc.label} (term {core.term}) reports flush {pos(st.flush_lsn)} above its quorum commit "
+                       f"{pos(core.commit_lsn)} with range {d} while the broker holds {self.degraded_record}")
+            return
+        for node in d.members:
+            sk = self.by_node[node]
+            if sk.persisted.degraded != d and sk.name not in self.disks_lost:
+                self._fail("4 a degraded acknowledgement is recorded first",
+                           f"{svc.label} (term {core.term}) reports flush {pos(st.flush_lsn)} with range {d}, which "
+                           f"its member {sk.name} does not hold ({sk.persisted.degraded})")
 
     def truncated(self, sk: SimSafekeeper, lsn: int) -> None:
         """An Elected cut sk's WAL at `lsn`: what it acknowledged above was never committed (or
@@ -210,7 +257,8 @@ class Checker:
         per = self.in_term.get(core.term, {})
         truth = sorted((v if v >= core.term_start else 0 for v in per.values()), reverse=True)
         truth += [0] * (len(self.safekeepers) - len(truth))
-        if st.flush_lsn > truth[self.q - 1]:
+        self._by_quorum = st.flush_lsn <= truth[self.q - 1]
+        if not self._by_quorum and not self._held_by_members(core, st.flush_lsn, per):
             self._fail("4 acknowledged position was flushed by a quorum in the term",
                        f"{svc.label} (term {core.term}, start {pos(core.term_start)}) reported flush "
                        f"{pos(st.flush_lsn)} but only {pos(truth[self.q - 1])} was fsynced by {self.q} "
@@ -218,6 +266,16 @@ class Checker:
         if st.apply_lsn > truth[-1]:
             self._fail("4 apply position was flushed by every safekeeper in the term",
                        f"{svc.label} reported apply {pos(st.apply_lsn)}; the lowest in-term flush is {pos(truth[-1])}")
+
+    def _held_by_members(self, core: Proposer, flush: int, per: dict[str, int]) -> bool:
+        """Inside an open range of `core`'s term: every member of one of its recorded versions fsynced `flush` in it."""
+        if self.degraded_record.term != core.term:
+            return False
+        for v in self.degraded_versions:
+            names = [self.by_node[n].name for n in v.members if n in self.by_node]
+            if names and all(per.get(n, 0) >= max(flush, core.term_start) for n in names):
+                return True
+        return False
 
     def failover_committed(self, svc: Service, core: Proposer, st: ReportStatus, holder: Disk | None) -> None:
         """A failover's term committed up to `st.flush_lsn` (at most E): that WAL is acknowledged, read from
@@ -230,10 +288,14 @@ class Checker:
         if k and ends[k - 1] > self.committed_end:
             self.committed += holder.read(self.committed_end, ends[k - 1])
             self._check_read_ahead()
+        if k:
+            self.quorum_end = max(self.quorum_end, min(ends[k - 1], self.committed_end))
 
-    def failed_over(self, fence: TimelineFence, promoted: str) -> None:
-        """A failover promoted `promoted` after `fence`: its old lineage must never be acknowledged again."""
-        self.fences.append((fence, promoted))
+    def failed_over(self, fence: TimelineFence, standby: Primary) -> None:
+        """A failover promoted `standby` after `fence`: it holds every acknowledged record, and its old lineage must
+        never be acknowledged again."""
+        self._primary_holds_committed(standby, self.committed_end, "a failover promoted it")
+        self.fences.append((fence, standby.name))
 
     def _acknowledge(self, primary: Primary, flush: int, who: str) -> None:
         end = primary.record_end_at_or_below(flush)
@@ -242,6 +304,9 @@ class Checker:
             self.committed += primary.data[len(self.committed):end - BOOT]
             primary.agree = end
             self._check_read_ahead()
+        if self._by_quorum:
+            self.quorum_end = max(self.quorum_end, min(end, self.committed_end))
+        self._by_quorum = True
 
     def _primary_holds_committed(self, primary: Primary, upto: int, why: str) -> None:
         if primary.agree >= upto:
@@ -292,7 +357,7 @@ class Checker:
 
     def after_step(self) -> None:
         sks = self.safekeepers
-        seen = (self.committed_end,) + tuple(sk.version for sk in sks)
+        seen = (self.committed_end, self.quorum_end, self.degraded_record) + tuple(sk.version for sk in sks)
         if seen == self._seen:
             return
         self._seen = seen
@@ -318,7 +383,9 @@ class Checker:
         return views
 
     def _check_recovery(self, sks: list[SimSafekeeper], views: list[list[tuple[tuple[int, int], int]]]) -> None:
-        end = self.committed_end
+        # Inside an open degraded range what was acknowledged beyond the quorum is on its members, not on any
+        # quorum: the failover's gate (1b at each promotion) is what keeps it.
+        end = min(self.quorum_end, self.committed_end) if self.degraded_record else self.committed_end
         if end == BOOT:
             return
         voting = [self._voting_views(sk, v) for sk, v in zip(sks, views)]

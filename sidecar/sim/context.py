@@ -18,6 +18,11 @@ class Context:
         self.scripted = scripted
         self.rng = random.Random(seed)
         self.profile = Profile.draw(self.rng, cfg)
+        # --commit-wait degrade-after=T (T in steps; 0: off), from a random source of its own: the seed's other
+        # draws stay what they were.
+        side = random.Random(f"degrade-{seed}")
+        on = cfg.degrade >= 1.0 if scripted else side.random() < cfg.degrade
+        self.degrade_after = side.choice((4, 15, 40)) if on else 0
         self.trace = Trace(cfg.trace)
         self.step = 0
         self.stats: dict[str, int] = {}

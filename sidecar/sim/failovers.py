@@ -5,6 +5,11 @@ term from a quorum, recovers the voters below E from the donor, and once a quoru
 (so a quorum persisted the fence its Elected set), promotes a standby holding the safekeepers' WAL up
 to E on a new timeline. The old primary often stays alive, with its sidecar still running: the
 failover-live case, where only the fence keeps it from having another commit acknowledged.
+
+With degrade-after, the failover reads the broker's open range first and its term's votes must cover it
+(the core's gate, `ProposerConfig.gate`, as `ops/failover.py` runs it); its last broker transaction before
+promoting checks that range (or its absence) still stands, closes it and raises the failover floor, so that
+the old sidecar can neither open a new range nor record a new version of its old one.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import replace
 
+from sidecar.consensus.messages import NO_DEGRADED
 from sidecar.timelines import TimelineEntry
 from sidecar.consensus.proposer import FailoverTerm, Phase, Proposer
 from sidecar.sim.checker import Checker
@@ -46,7 +52,8 @@ class Failovers:
         svc.label = svc.name
         svc.links = {sk.name: None for sk in self.safekeepers}
         self.svcs.all.append(svc)
-        svc.core = Proposer(replace(self.svcs.config(pg, svc), failover=FailoverTerm.END))
+        gate = self.svcs.broker.record if self.ctx.cfg.degraded_gate else NO_DEGRADED
+        svc.core = Proposer(replace(self.svcs.config(pg, svc), failover=FailoverTerm.END, gate=gate))
         self.ctx.count("failovers begun")
         self.ctx.event(svc.label, "failover begins", f"standby of {pg.name}", f"timeline={pg.timeline}",
                        "old primary alive" if pg.alive else "old primary dead")
@@ -65,6 +72,13 @@ class Failovers:
         source = self.svcs.holder(core.term, end)
         if source is None:
             return False  # nobody serves E in the term right now: the standby is still catching up
+        if self.ctx.cfg.degraded_gate and self.ctx.degrade_after:
+            final = svc.gate_final if svc.gate_final is not None else \
+                self.svcs.broker.failover_final(NO_DEGRADED, core.term)
+            if not final:
+                self.ctx.count("failovers refused: the degraded range changed")
+                self.svcs.stop(svc, "failover refused: a degraded range opened or changed while it ran")
+                return True
         starts, ends = source.disk.chain()
         k = bisect.bisect_right(ends, end)
         old = svc.primary
@@ -73,7 +87,7 @@ class Failovers:
         standby = Primary(f"pg{len(self.primaries.all) + 1}", timeline, history, source.disk.read(BOOT, end),
                           list(starts[:k]), list(ends[:k]))
         self.primaries.take_over(standby)
-        self.checker.failed_over(core.fence, standby.name)
+        self.checker.failed_over(core.fence, standby)
         self.ctx.count("failovers promoted")
         self.ctx.event(svc.label, "promotes", standby.name, f"timeline={timeline}", f"at={pos(end)}",
                        f"fence term={core.fence.term} ends timeline {core.fence.timeline}",

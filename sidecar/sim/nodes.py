@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from sidecar.consensus.acceptor import Acceptor, RecordEnd
+from sidecar.consensus.degraded import DegradedCarry
 from sidecar.consensus.groupcommit import GroupCommit
 from sidecar.consensus.messages import Message
 from sidecar.consensus.proposer import FetchWal, Proposer, ReportStatus, VerifyPrimary
@@ -133,3 +134,8 @@ class Service:
     # streams nothing, recovers voters from `donor`, and is not restarted when its term ends.
     fence: bool = False
     donor: str = ""
+    # degrade-after: the open range the next core must close; a failover's gate and whether its last broker
+    # transaction went through.
+    carry: DegradedCarry | None = None
+    gate_final: bool | None = None
+    closing: set = field(default_factory=set)  # ranges its cores closed (a delete may still be queued)

@@ -29,6 +29,12 @@ class SimConfig:
     reader_cut_check: bool = True
     disk_losses: float | None = None  # weight of losing a safekeeper's disk; None: drawn from the seed
     failovers: float | None = None  # weight of starting `walsidecar failover`; None: drawn from the seed
+    # Share of seeds whose sidecars run --commit-wait degrade-after (drawn apart from the rest of the seed, so that
+    # the other seeds run as they always did); 1.0: every seed.
+    degrade: float = 0.3
+    # A failover's gate refuses votes that do not cover an open degraded range, and its last broker transaction
+    # checks the range did not change (consensus/degraded.py); False shows the acknowledgement lost without it.
+    degraded_gate: bool = True
 
 
 @dataclass(frozen=True)

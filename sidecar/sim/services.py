@@ -7,13 +7,19 @@ import zlib
 from collections.abc import Callable
 
 from sidecar.consensus import primary_check
+from sidecar.consensus.degraded import DegradedCarry
 from sidecar.consensus.statusschedule import SendStatus
 from sidecar.consensus.proposer import (
     Action,
     Campaign,
+    CloseDegraded,
+    DegradeBegan,
+    DegradeEnded,
+    DegradeMembers,
     DropPeer,
     ElectionWon,
     FetchWal,
+    GateRefused,
     GreetingsRefused,
     LineageEnded,
     Proposer,
@@ -22,11 +28,13 @@ from sidecar.consensus.proposer import (
     ReportStatus,
     Send,
     StartStreaming,
+    StoreDegraded,
     Streaming,
     TermLost,
     TermsExhausted,
     VerifyPrimary,
 )
+from sidecar.sim.broker import SimBroker
 from sidecar.sim.checker import Checker
 from sidecar.sim.context import Context
 from sidecar.sim.network import Network
@@ -40,8 +48,9 @@ class Services:
     """Every `walsidecar start` process of the run, and what can happen to them."""
 
     def __init__(self, ctx: Context, checker: Checker, net: Network, safekeepers: list[SimSafekeeper],
-                 primaries: Primaries, services: list[Service]) -> None:
+                 primaries: Primaries, services: list[Service], broker: SimBroker) -> None:
         self.ctx = ctx
+        self.broker = broker
         self.checker = checker
         self.net = net
         self.safekeepers = safekeepers
@@ -55,7 +64,8 @@ class Services:
             proposer_id=svc.name, peers=tuple(sk.name for sk in self.safekeepers),
             quorum=self.ctx.cfg.proposer_quorum or len(self.safekeepers) // 2 + 1, system_id=SYSTEM_ID,
             timeline=primary.timeline, timeline_history=primary.history, wal_seg_size=p.seg_size, pg_version=PG_VERSION,
-            bootstrap_lsn=BOOT, max_inflight=p.max_inflight, buffer_limit=p.buffer_limit)
+            bootstrap_lsn=BOOT, max_inflight=p.max_inflight, buffer_limit=p.buffer_limit,
+            degrade_after=0.0 if svc.fence else float(self.ctx.degrade_after), carried=None if svc.fence else svc.carry)
 
     def run(self, svc: Service, actions: list[Action]) -> None:
         """The service's `_run`: carry out one batch of proposer actions."""
@@ -73,6 +83,9 @@ class Services:
                         self.checker.failover_committed(svc, core, a, holder.disk if holder else None)
                     elif svc.stream is not None and core is not None:
                         self.ctx.count("reports")
+                        if a.flush_lsn > core.commit_lsn:
+                            self.ctx.count("degraded acknowledgements")
+                            self.checker.degraded_acknowledged(svc, core, a)
                         svc.reports.append(a)
                         try:
                             svc.stream.schedule.report(a.write_lsn, a.flush_lsn, a.apply_lsn, self.ctx.step)
@@ -117,6 +130,20 @@ class Services:
                         self.net.close_prop_end(c, notify=False)
                 case TermsExhausted():
                     self.stop(svc, "exits: no term left to campaign in")
+                case StoreDegraded():
+                    self.broker.submit("store", a.record, self._stored(svc, core, a.record.version), a.previous)
+                case CloseDegraded() if svc.fence:
+                    # The failover's last transaction, just before it promotes (ops/failover.py).
+                    svc.gate_final = self.broker.failover_final(a.record, core.term if core else 0)
+                case CloseDegraded():
+                    svc.closing.add(a.record)
+                    self.broker.submit("close", a.record, lambda ok: None)
+                case GateRefused():
+                    self.ctx.count("failovers refused by the degraded gate")
+                    self.stop(svc, f"failover refused: {a.reason}")
+                case DegradeBegan() | DegradeMembers() | DegradeEnded():
+                    self.ctx.count(a.name.split(":")[0])
+                    self.ctx.event(svc.label, a.name.split(":")[0], *(f"{k}={v}" for k, v in a.fields().items()))
                 case Campaign() | ElectionWon() | Streaming():  # the events worth a trace line
                     self.ctx.event(svc.label, a.name, *(f"{k}={pos(v) if k.endswith('_lsn') else v}"
                                                         for k, v in a.fields().items()))
@@ -170,6 +197,10 @@ class Services:
             svc.primary = rng.choice(live)
         svc.attempts += 1
         svc.label = f"{svc.name}.{svc.attempts}"
+        record = self.broker.record
+        if self.ctx.degrade_after and svc.carry is None and record and record not in svc.closing:
+            # The service's read at each term's start: a range a dead sidecar's late write left open.
+            svc.carry = DegradedCarry(record, svc.primary.flush)
         svc.core = Proposer(self.config(svc.primary, svc), min_term=svc.last_term)
         self.ctx.event(svc.label, "new term attempt", f"primary={svc.primary.name}", f"min_term={svc.last_term}")
         for name, c in svc.links.items():
@@ -185,6 +216,7 @@ class Services:
         if core is not None:
             svc.last_term = max(svc.last_term, core.term)
             core.stream_ended()
+            svc.carry = core.open_range()
         self.ctx.event(svc.label, "term over")
         svc.core, svc.stream = None, None
         svc.fetches.clear()
@@ -309,6 +341,17 @@ class Services:
 
     def heartbeat(self) -> bool:
         return self._tick(Proposer.heartbeat)
+
+    def clock(self) -> bool:
+        """The service's commit-wait timer: the core hears the time (the step number)."""
+        step = float(self.ctx.step)
+        return self._tick(lambda core: core.tick(step))
+
+    def _stored(self, svc: Service, core: Proposer | None, version: int) -> Callable[[bool], None]:
+        def done(ok: bool) -> None:
+            if ok and core is not None and svc.core is core:
+                self.run(svc, core.degraded_stored(version))
+        return done
 
     def election_timeout(self) -> bool:
         return self._tick(Proposer.election_timeout)

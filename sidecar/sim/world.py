@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 
+from sidecar.sim.broker import SimBroker
 from sidecar.sim.checker import Checker
 from sidecar.sim.context import Context
 from sidecar.sim.failovers import Failovers
@@ -50,7 +51,8 @@ class World:
         self.pgs = Primaries(ctx, flushed=lambda pg: self.svcs.primary_flushed(pg),
                              gone=lambda pg: self.svcs.primary_gone(pg))
         self.primaries = self.pgs.all
-        self.svcs = Services(ctx, self.checker, self.net, self.safekeepers, self.pgs, self.services)
+        self.broker = SimBroker(ctx, self.checker)
+        self.svcs = Services(ctx, self.checker, self.net, self.safekeepers, self.pgs, self.services, self.broker)
         self.hostile = Hostile(ctx, self.net, self.sks, self.services)
         self.readers = Readers(ctx, self.checker, self.safekeepers)
         self.failovers = Failovers(ctx, self.checker, self.safekeepers, self.pgs, self.svcs)
@@ -88,6 +90,15 @@ class World:
             (p.disk_losses * c, sks.lose_disk), (3, sks.learn_terms),
             (p.failovers * c, fails.start), (3, fails.promote),
         ]
+        # degrade-after, last and weighing nothing in the other seeds, so that their runs stay as they were. With it,
+        # a primary changes only through a failover's gate (and one sidecar runs per primary, as the advisory lock
+        # has it): a standby promoted behind the gate's back, a restored copy or a stale primary coming back would
+        # lose degraded acknowledgements by design, as would a rival sidecar on another primary.
+        d = self.ctx.degrade_after
+        unsafe = {pgs.promote_standby, pgs.restore_from_copy, pgs.resume_stale, svcs.start_rival}
+        if d:
+            table = [(0, h) if h in unsafe else (w, h) for w, h in table]
+        table += [(3 if d else 0, svcs.clock), (4 if d else 0, self.broker.answer)]
         weights, total = [], 0.0
         for w, _ in table:
             total += w
@@ -165,6 +176,8 @@ class World:
         calm = [self.sks.deliver, self.svcs.deliver, self.sks.sync, self.sks.acknowledge, self.sks.apply_scan,
                 self.svcs.stream_piece,
                 self.svcs.catchup_piece, self.svcs.verify, self.net.eof]
+        if self.ctx.degrade_after:
+            calm.append(self.broker.answer)
         self.ctx.rng.shuffle(calm)
         done = any(h() for h in calm)
         self.checker.after_step()

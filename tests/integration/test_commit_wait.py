@@ -1,19 +1,29 @@
 """--commit-wait against real PostgreSQL 15 and three real safekeepers, two of them killed: `wait` keeps a
-commit waiting, `terminate-after` ends it with an error and says so, and neither acknowledges it."""
+commit waiting, `terminate-after` ends it with an error and says so, and neither acknowledges it;
+`degrade-after` acknowledges it with the safekeeper that is up, inside a range recorded first in a real etcd and
+on that safekeeper, which the failover's gate then protects after the primary is lost."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
 import re
+import signal
 import threading
 from pathlib import Path
 
 import psycopg
 import pytest
 
-from support.deployment import APP, Deployment, syncrep_waiters
-from support.helpers import wait_for
+from support.deployment import APP, Deployment, add_standby, syncrep_waiters
+from support.etcd import EtcdServer
+from support.helpers import wait_for, walsidecar
 from support.procs import ProcessTracker
+from sidecar.broker import Broker
+from sidecar.consensus.messages import NO_DEGRADED, DegradedRange
 from sidecar.lsn import parse_lsn
+from sidecar.safekeeper.control import load_control
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -119,3 +129,137 @@ def test_terminate_after_ends_the_wait_with_an_error_and_acknowledges_nothing(pg
     with d.sql() as c:
         c.execute("INSERT INTO load VALUES (3, 'with a quorum')")
     assert syncrep_waiters(d) == 0
+
+
+CLUSTER = "degrade-test"
+
+
+def degraded_in_etcd(etcd: EtcdServer) -> DegradedRange:
+    async def read() -> DegradedRange:
+        broker = Broker([etcd.url])
+        try:
+            return await broker.read_degraded(CLUSTER)
+        finally:
+            broker.close()
+    return asyncio.run(read())
+
+
+def degraded_on(d: Deployment, i: int) -> DegradedRange:
+    control = load_control(d.sk_dir(i))
+    return control.state.degraded if control else NO_DEGRADED
+
+
+def degraded_check(d: Deployment, etcd: EtcdServer) -> dict:
+    """`walsidecar check`'s line about the degraded range."""
+    out = walsidecar("check", "--pg-dsn", d.pg.dsn(), "--safekeepers", ",".join(d.addresses), "--broker", etcd.url,
+                     "--cluster", CLUSTER, "--format", "json", *d.tls("client"))
+    return next(c for c in json.loads(out.stdout)["checks"] if c["name"] == "degraded range")
+
+
+def degrade(pg_factory, procs: ProcessTracker, test_dir: Path, etcd: EtcdServer) -> Deployment:
+    return deploy(pg_factory, procs, test_dir, "--commit-wait", "degrade-after=2s", "--broker", etcd.url,
+                  "--cluster", CLUSTER)
+
+
+def test_degrade_after_acknowledges_with_the_safekeeper_that_is_up_once_the_range_is_recorded(
+        pg_factory, procs: ProcessTracker, test_dir: Path, etcd: EtcdServer) -> None:
+    d = degrade(pg_factory, procs, test_dir, etcd)
+    log = d.members["proposer"].log_path
+    assert "commit-wait degrade-after is on" in log.read_text()
+    assert not degraded_in_etcd(etcd)
+    lose_the_quorum(d)
+    commit = Commit(d.pg.dsn(), 1)
+    commit.start()
+    commit.join(timeout=60)
+    assert commit.done, commit.error or "the commit still waits"
+    # When it returned, the range was in etcd and on safekeeper 1, its one member: nothing closes it without a quorum.
+    record = degraded_in_etcd(etcd)
+    assert record and record.members == {1}, record
+    assert degraded_on(d, 1) == record
+    assert "degraded: acknowledging commits without a quorum" in log.read_text()
+    # The commit's WAL is on safekeeper 1 and acknowledged: the flush reported to the primary is past it.
+    with d.sql() as c:
+        primary_flush = parse_lsn(c.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()[0])
+    assert row_count(d, 1) == 1
+    line = degraded_check(d, etcd)
+    assert line["status"] == "FAILED" and f"term {record.term}" in line["detail"], line
+
+    # The quorum is back: once it holds every degraded acknowledgement the range closes, everywhere.
+    d.start_safekeeper(2)
+    d.start_safekeeper(3)
+    wait_for(lambda: not degraded_in_etcd(etcd), timeout=60, what="the range to close in etcd")
+    assert d.flush_lsn() >= primary_flush
+    wait_for(lambda: not degraded_on(d, 1), timeout=30, what="safekeeper 1's copy to be cleared")
+    assert degraded_check(d, etcd)["status"] == "OK"
+    assert "degraded range closed" in log.read_text()
+    with d.sql() as c:
+        c.execute("INSERT INTO load VALUES (2, 'with a quorum')")
+    assert syncrep_waiters(d) == 0
+
+
+def test_after_a_degraded_window_and_a_leader_kill_failover_refuses_until_a_member_votes(
+        pg_factory, procs: ProcessTracker, test_dir: Path, etcd: EtcdServer) -> None:
+    d = degrade(pg_factory, procs, test_dir, etcd)
+    standby = add_standby(d, test_dir)
+    with d.sql() as c:
+        c.execute("INSERT INTO load VALUES (0, 'before')")
+    wait_for(lambda: row_count_at(standby.server.dsn(), 0) == 1, timeout=60, ignore=(psycopg.OperationalError,),
+             what="the standby to replay from the safekeepers")
+    lose_the_quorum(d)
+    acked = []
+    for row_id in range(1, 4):  # degraded acknowledgements: safekeeper 1 alone holds them
+        commit = Commit(d.pg.dsn(), row_id)
+        commit.start()
+        commit.join(timeout=60)
+        assert commit.done, commit.error or "the commit still waits"
+        acked.append(row_id)
+    record = degraded_in_etcd(etcd)
+    assert record.members == {1}
+    # The leader is lost (its host: PostgreSQL and its sidecar), then safekeeper 1; the other two come back.
+    os.kill(d.pg.postmaster_pid(), signal.SIGKILL)
+    d.kill("proposer")
+    d.kill("safekeeper1")
+    d.start_safekeeper(2)
+    d.start_safekeeper(3)
+
+    # Without etcd, the safekeepers it hears say a degrade-after sidecar wrote them: it refuses at once.
+    proc = walsidecar("failover", "--standby-dsn", standby.server.dsn(), "--safekeepers", ",".join(d.addresses),
+                      "--reader-passfile", str(d.reader_passfile), "--timeout", "10", *d.tls("proposer"), timeout=120)
+    assert proc.returncode == 1, proc.stdout
+    assert "by a sidecar with --commit-wait degrade-after" in proc.stdout and "--broker" in proc.stdout, proc.stdout
+    assert "1/5 fence" not in proc.stdout, proc.stdout
+    # Nor under another cluster name than the sidecar's: etcd has no mark of a degrade-after sidecar there.
+    proc = walsidecar("failover", "--standby-dsn", standby.server.dsn(), "--safekeepers", ",".join(d.addresses),
+                      "--reader-passfile", str(d.reader_passfile), "--broker", etcd.url, "--cluster", "another",
+                      "--timeout", "10", *d.tls("proposer"), timeout=120)
+    assert proc.returncode == 1 and "give --cluster the name the sidecar was started with" in proc.stdout, proc.stdout
+
+    code, out = failover(d, standby, etcd, "--timeout", "10")
+    assert code == 1, out
+    assert "not promoting" in out and f"degraded range of term {record.term}" in out, out
+    assert "members not heard: safekeepers 1" in out, out
+    with psycopg.connect(standby.server.dsn(), autocommit=True) as c:
+        assert c.execute("SELECT pg_is_in_recovery()").fetchone()[0] is True
+    assert degraded_in_etcd(etcd) == record
+
+    # With its member back, the fence's votes cover the range: the standby is promoted with every commit.
+    d.start_safekeeper(1)
+    code, out = failover(d, standby, etcd)
+    assert code == 0, out
+    assert "is closed: E holds every commit acknowledged in it" in out, out
+    assert row_count_at(standby.server.dsn(), acked) == len(acked), "a degraded acknowledgement is lost"
+    assert not degraded_in_etcd(etcd)
+
+
+def row_count_at(dsn: str, ids: int | list[int]) -> int:
+    with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as c:
+        return c.execute("SELECT count(DISTINCT id) FROM load WHERE id = ANY(%s)",
+                         ([ids] if isinstance(ids, int) else ids,)).fetchone()[0]
+
+
+def failover(d: Deployment, standby, etcd: EtcdServer, *extra: str) -> tuple[int, str]:
+    proc = walsidecar("failover", "--standby-dsn", standby.server.dsn(), "--safekeepers", ",".join(d.addresses),
+                      "--reader-passfile", str(d.reader_passfile), "--broker", etcd.url, "--cluster", CLUSTER,
+                      "--timeout", "30", *d.tls("proposer"), *extra, timeout=180)
+    print(proc.stdout, proc.stderr)
+    return proc.returncode, proc.stdout

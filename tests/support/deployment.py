@@ -11,12 +11,13 @@ from support.backends import PgServer
 from support.helpers import wait_for
 from support.pki import TestPKI, session_pki
 from support.procs import ManagedProcess, ProcessTracker
-from sidecar.deployment import APP, LocalDeployment
+from sidecar.deployment import APP, LocalDeployment, Standby, free_port
+from sidecar.pgcluster import LocalCluster
 from sidecar.lsn import DEFAULT_SEGMENT_SIZE, parse_lsn, segment_file_name
 from sidecar.config import RestoreWalSettings
 from sidecar.safekeeper.control import load_control
 
-__all__ = ["APP", "Deployment", "Writer", "backup_lsn", "commit_lsn_of", "read_wal", "reader_settings",
+__all__ = ["APP", "Deployment", "Writer", "add_standby", "backup_lsn", "commit_lsn_of", "read_wal", "reader_settings",
            "start_commit", "syncrep_waiters", "wal_matches_primary"]
 
 
@@ -87,6 +88,15 @@ class Deployment(LocalDeployment):
         data = wait_for(lambda: (c := load_control(self.sk_dir(i))) is not None and c.state.term_history and c,
                         timeout=30, what=f"safekeeper {i} to join a term")
         return data.state.term_history[0].start_lsn
+
+
+def add_standby(d: LocalDeployment, base: Path) -> Standby:
+    """A standby of the deployment's primary, fed by the safekeepers' reader ports, started."""
+    cluster = LocalCluster(base / "standby" / "data", free_port(), log_file=base / "standby" / "server.log")
+    standby = Standby(d, cluster)
+    d.add(standby)
+    standby.start()
+    return standby
 
 
 def backup_lsn(d: LocalDeployment, i: int) -> int:

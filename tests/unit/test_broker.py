@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from sidecar.broker import (
-    Broker, BrokerError, Lease, LeaseElection, SafekeeperState, group_states, parse_endpoints, safekeepers_prefix,
-    entry_key_beside,
-    uploader_key,
+    Broker, BrokerError, Lease, LeaseElection, SafekeeperState, decode_degraded, encode_degraded, group_states,
+    parse_endpoints, safekeepers_prefix, entry_key_beside, uploader_key,
 )
+from sidecar.consensus.messages import NO_DEGRADED, DegradedRange
 from sidecar.certs import create_node
 from sidecar.deployment import free_port
 from support.etcd import EtcdServer
@@ -178,5 +178,48 @@ def test_tls_with_client_certificates(procs: ProcessTracker, test_dir: Path, pki
                 await refused.health()
         finally:
             refused.close()
+
+    asyncio.run(main())
+
+
+def test_a_degraded_range_is_written_over_the_one_before_and_a_failover_ends_older_terms_ranges(
+        etcd: EtcdServer) -> None:
+    one = DegradedRange(3, 0x3000000, 1, frozenset({1}))
+    two = DegradedRange(3, 0x3000000, 2, frozenset({1, 2}))
+
+    async def main() -> None:
+        broker = Broker([etcd.url])
+        try:
+            assert await broker.read_degraded("c") == NO_DEGRADED
+            assert not await broker.degrade_after_marked("c")
+            await broker.mark_degrade_after("c")
+            assert await broker.degrade_after_marked("c") and not await broker.degrade_after_marked("d")
+            assert await broker.store_degraded("c", one, NO_DEGRADED)
+            assert not await broker.store_degraded("c", one, NO_DEGRADED)  # a range is open already
+            assert not await broker.store_degraded("c", two, DegradedRange(3, 0x3000000, 7, frozenset({1})))
+            assert await broker.store_degraded("c", two, one)
+            assert await broker.read_degraded("c") == two
+            assert not await broker.close_degraded("c", one)  # not the version it holds
+            # A failover whose votes covered version 1 finds version 2: nothing changes, it refuses.
+            assert not await broker.failover_final("c", one, 9)
+            assert await broker.read_degraded("c") == two
+            assert await broker.failover_final("c", two, 9)
+            assert await broker.read_degraded("c") == NO_DEGRADED
+            # The fenced-out sidecar (term 3) can neither record a new version nor open a new range; term 10 can.
+            assert not await broker.store_degraded("c", DegradedRange(3, 0x3000000, 3, frozenset({2})), two)
+            assert not await broker.store_degraded("c", DegradedRange(3, 0x4000000, 4, frozenset({2})), NO_DEGRADED)
+            later = DegradedRange(10, 0x5000000, 1, frozenset({3}))
+            assert await broker.store_degraded("c", later, NO_DEGRADED)
+            assert await broker.close_degraded("c", later)
+            assert await broker.read_degraded("c") == NO_DEGRADED
+            # With no range open, a failover still raises the term an older sidecar cannot open a range below.
+            assert await broker.failover_final("c", NO_DEGRADED, 12)
+            assert not await broker.store_degraded("c", DegradedRange(11, 0x6000000, 1, frozenset({1})), NO_DEGRADED)
+            # What etcdctl shows, and what is refused as not ours.
+            assert encode_degraded(two) == '{"members":[1,2],"start_lsn":"0/3000000","term":3,"version":2}'
+            with pytest.raises(ValueError):
+                decode_degraded('{"members":[2,1],"start_lsn":"0/3000000","term":3,"version":2}')
+        finally:
+            broker.close()
 
     asyncio.run(main())

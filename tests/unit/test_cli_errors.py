@@ -96,7 +96,9 @@ CASES = [
     ((*SK, "--data-dir", "{d}/sk", "--listen", "127.0.0.1:{free}", "--metrics", "{taken}"),
      "cannot listen on {taken} for the safekeeper metrics endpoint (--metrics): Address already in use"),
     ((*START, "--metrics", "{taken}"), "cannot listen on {taken} for the proposer metrics endpoint (--metrics)"),
-    ((*START, "--commit-wait", "degrade-after=10s"), "write wait (the default) or terminate-after=DURATION"),
+    ((*START, "--commit-wait", "cancel-after=10s"), "write wait (the default), terminate-after=DURATION"),
+    ((*START, "--commit-wait", "degrade-after=10s"), "degrade-after records its degraded ranges in etcd: give --broker"),
+    ((*START, "--commit-wait", "degrade-after=10s", "--broker", "http://127.0.0.1:2379"), "give --cluster"),
     ((*START, "--commit-wait", "terminate-after=soon"), "terminate-after=soon: 'soon' is not a duration"),
     # certificates
     (("safekeeper", "--id", "1", "--data-dir", "{d}/sk", "--listen", "127.0.0.1:7601", "--certs-dir", "{d}/nocerts"),

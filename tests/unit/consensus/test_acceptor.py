@@ -11,7 +11,8 @@ from sidecar.consensus.acceptor import (
     Acceptor, AcceptorAction, AcceptorError, AdoptTimeline, PeerTerm, Persist, RecordEnd, Reply, Truncate, Write,
 )
 from sidecar.consensus.messages import (
-    PROTOCOL_VERSION, Append, AppendReply, Elected, ElectedReply, Greeting, GreetingReply,
+    NO_DEGRADED, PROTOCOL_VERSION, Append, AppendReply, DegradedRange, DegradedRecord, DegradedRecordReply, Elected,
+    ElectedReply, Greeting, GreetingReply,
     InfoReply, Message, TermEntry, TermHistory, VoteReply, VoteRequest,
 )
 from sidecar.timelines import TimelineEntry
@@ -743,3 +744,43 @@ def test_a_term_learned_as_zero_means_nothing_was_ever_committed() -> None:
 def test_an_acceptor_with_a_data_directory_is_not_amnesic() -> None:
     a = Acceptor(1, configured(term=4), 0)
     assert not a.amnesic and a.on_peer_terms({2: knows(7), 3: knows(7)}) == []
+
+
+# ---- degraded ranges (--commit-wait degrade-after) ----------------------------------------------
+
+
+def test_a_degraded_range_is_persisted_before_the_reply_and_shown_to_clients() -> None:
+    a = elected_acceptor(term=3)
+    rng = DegradedRange(3, 1000, 1, frozenset({1, 2}))
+    actions = a.on_degraded(DegradedRecord(3, rng))
+    assert isinstance(actions[0], Persist) and actions[0].state.degraded == rng
+    assert actions[1:] == [Reply(DegradedRecordReply(3, 1))]
+    assert a.info().degraded == rng and a.info().degrade_term == 3
+    cleared = a.on_degraded(DegradedRecord(3, NO_DEGRADED))
+    assert isinstance(cleared[0], Persist) and cleared[0].state.degraded == NO_DEGRADED
+    # The copy goes; that a degrade-after proposer wrote here stays, for a failover without the broker to see.
+    assert not a.info().degraded and a.info().degrade_term == 3
+    assert a.on_degraded(DegradedRecord(3, NO_DEGRADED)) == [Reply(DegradedRecordReply(3, 0))]  # nothing to persist
+
+
+def test_a_degraded_range_only_from_the_connection_holding_the_term() -> None:
+    a = elected_acceptor(term=3)
+    before = snapshot(a)
+    with pytest.raises(AcceptorError, match="does not hold the term"):
+        a.on_degraded(DegradedRecord(3, DegradedRange(3, 1000, 1, frozenset({1}))), object())
+    assert snapshot(a) == before
+    # From an earlier term: nothing is stored, and the reply tells that proposer the term it lost to.
+    assert a.on_degraded(DegradedRecord(2, DegradedRange(2, 10, 1, frozenset({1})))) == \
+        [Reply(DegradedRecordReply(3, 0))]
+    assert snapshot(a) == before
+
+
+def test_the_append_path_keeps_the_degraded_range() -> None:
+    """Appends rebuild the state on their hot path: the stored range must survive them."""
+    a = elected_acceptor(term=3)
+    rng = DegradedRange(3, 1000, 1, frozenset({1}))
+    a.on_degraded(DegradedRecord(3, rng))
+    a.on_append(Append(3, 1000, 0, 0, b"x" * 100))
+    a.on_flushed(1100)
+    a.on_append(Append(3, 1100, 1100, 1100))  # a heartbeat that moves commit_lsn
+    assert a.state.commit_lsn == 1100 and a.state.degraded == rng

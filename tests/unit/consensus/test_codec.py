@@ -22,7 +22,11 @@ from sidecar.consensus.codec import (
 )
 from sidecar.consensus.limits import MAX_MEMBERS, MAX_HISTORY, MAX_LSN, MAX_TERM, LimitError
 from sidecar.consensus.messages import (
+    NO_DEGRADED,
     PROTOCOL_VERSION,
+    DegradedRange,
+    DegradedRecord,
+    DegradedRecordReply,
     SlotHold,
     TimelineFence,
     Append,
@@ -108,6 +112,15 @@ SAMPLES: list[Message] = [
     AuthResponse(b"\x30\x82" + b"c" * 600, b"\xff" * 32, "sk1.internal", b"s" * 72, 5454),
     AuthResponse(b"c" * 8192, bytes(32), "東京", b"s" * 256),
     AuthConfirm(b"c", b"s"),
+    InfoReply(2, 7301234567890123456, 16 * 1024 * 1024, 15, 2, 9, 9, 0x3000100, 0x3000000, True, 5433,
+              degraded=DegradedRange(9, 0x3000000, 2, frozenset({1, 3})), degrade_term=9),
+    InfoReply(2, 7301234567890123456, 16 * 1024 * 1024, 15, 2, 9, 9, 0x3000100, 0x3000000, True, 5433,
+              degrade_term=MAX_TERM),
+    DegradedRecord(9, DegradedRange(9, 0x3000000, 1, frozenset({2}))),
+    DegradedRecord(9, DegradedRange(4, 0x3000000, 7, frozenset(range(1, MAX_MEMBERS + 1)))),
+    DegradedRecord(9, NO_DEGRADED),
+    DegradedRecordReply(9, 2),
+    DegradedRecordReply(MAX_TERM, MAX_TERM),
 ]
 
 
@@ -689,19 +702,39 @@ if st is not None:
         check_decode(tag, body)
 
 
+@pytest.mark.parametrize("msg", [
+    DegradedRecord(3, DegradedRange(4, 0x100, 1, frozenset({1}))),  # a range of a later term than the message's
+    DegradedRecord(3, DegradedRange(0, 0x100, 0, frozenset())),  # no range, with a start
+    DegradedRecord(3, DegradedRange(3, 0x100, 1, frozenset({0}))),  # node id 0 names no safekeeper
+    DegradedRecord(3, DegradedRange(3, 0x100, 1, frozenset(range(1, MAX_MEMBERS + 2)))),
+    DegradedRecord(3, DegradedRange(3, MAX_LSN + 1, 1, frozenset({1}))),
+    DegradedRecordReply(MAX_TERM + 1, 1),
+], ids=str)
+def test_degraded_fields_are_bounded_both_ways(msg: Message) -> None:
+    with pytest.raises(EncodeError):
+        encode(msg)
+
+
+def test_degraded_members_have_one_encoding() -> None:
+    """Members go ascending; a frame listing them otherwise is refused, so every range has one encoding."""
+    frame = bytearray(encode(DegradedRecord(3, DegradedRange(3, 0x100, 1, frozenset({1, 2})))))
+    frame[-16:] = struct.pack(">QQ", 2, 1)
+    rejected_everywhere(bytes(frame), "ascending")
+
+
 def test_protocol_version_1_peers_are_told_apart() -> None:
     """A v1 safekeeper's InfoReply (no reader port) names the version; a v1 Greeting decodes to be refused."""
     v1_info = struct.pack(">QQIIIQQQQB", 1, 2, 3, 4, 5, 6, 7, 8, 9, 1)
     rejected_everywhere(frame_of("I", v1_info), "protocol version 1 .*upgrade it")
     v1_greeting = struct.pack(">IQIIIH", 1, 1, 1, 1 << 24, 15, 1) + b"p"
     msg = decode(ord("g"), v1_greeting)
-    assert isinstance(msg, Greeting) and msg.protocol_version == 1 and PROTOCOL_VERSION == 4
+    assert isinstance(msg, Greeting) and msg.protocol_version == 1 and PROTOCOL_VERSION == 5
 
 
 def test_protocol_version_3_safekeepers_are_told_apart() -> None:
     """A version 3 safekeeper's InfoReply (no member count, no lost disk) says it is older; its Greeting, from a
     version 3 proposer, decodes to its version alone for the safekeeper to refuse by name."""
     v3_info = struct.pack(">QQIIIQQQQBHQ", 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 5433, 0)
-    rejected_everywhere(frame_of("I", v3_info), "older version than 4 .*upgrade it")
+    rejected_everywhere(frame_of("I", v3_info), "older version than 5 .*upgrade it")
     v3_greeting = struct.pack(">IQIIIH", 3, 1, 1, 1 << 24, 15, 1) + b"p"
     assert decode(ord("g"), v3_greeting) == Greeting(3, "", 0, 0, 0, 0)

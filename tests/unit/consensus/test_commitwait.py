@@ -21,15 +21,18 @@ def test_parse_policies() -> None:
     assert parse_commit_wait("terminate-after=45").after == 45.0
     assert str(parse_commit_wait("terminate-after=2m")) == "terminate-after=120s"
     assert str(CommitWait()) == "wait"
+    assert parse_commit_wait("degrade-after=30s") == CommitWait("degrade", 30.0)
+    assert parse_commit_wait(" degrade-after = 1m ").after == 60.0
+    assert str(parse_commit_wait("degrade-after=500ms")) == "degrade-after=0.5s"
 
 
 @pytest.mark.parametrize("text", ["", "waits", "terminate-after", "terminate-after=", "terminate-after=0s",
-                                  "terminate-after=-1s", "terminate-after=10 days", "degrade-after=10s",
-                                  "cancel-after=10s"])
+                                  "terminate-after=-1s", "terminate-after=10 days", "degrade-after",
+                                  "degrade-after=0", "degrade-after=soon", "cancel-after=10s"])
 def test_refuses_what_it_does_not_know(text: str) -> None:
     with pytest.raises(ValueError) as e:
         parse_commit_wait(text)
-    assert "terminate-after" in str(e.value)
+    assert "terminate-after" in str(e.value) or "degrade-after" in str(e.value)
 
 
 def test_parse_duration_refuses_garbage() -> None:

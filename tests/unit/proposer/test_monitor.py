@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 
 import structlog
 
+from sidecar.consensus.messages import NO_DEGRADED, DegradedRange
 from sidecar.consensus.proposer import Campaign, ElectionWon, PeerJoined, Phase
 from sidecar.lsn import format_lsn
 from sidecar.consensus.commitwait import parse_commit_wait
@@ -26,6 +27,8 @@ class FakeView:
     term_start: int = 0
     commit_lsn: int = 0
     primary_poll: PrimarySnapshot = field(default_factory=PrimarySnapshot)
+    degraded: DegradedRange = NO_DEGRADED
+    degraded_acknowledging: bool = False
     rows: dict[str, PeerView] = field(default_factory=lambda: {n: PeerView(n, False, 0) for n in PEERS})
 
     def peers(self) -> list[PeerView]:
@@ -183,3 +186,16 @@ def test_the_commit_wait_policy_and_the_terminated_commits_show() -> None:
     assert sample(monitor, "walsidecar_primary_commits_terminated_total", reason="lineage-ended") == 1
     assert monitor.status()["primary"]["commits_terminated"] == {"no-quorum": 3, "lineage-ended": 1}
     assert ProposerMonitor(FakeView(), clock=Clock()).status()["commit_wait"] == "wait"
+
+
+def test_an_open_degraded_range_shows_in_status_and_gauges() -> None:
+    view = FakeView(options=StartOptions("dbname=none", PEERS, 2, commit_wait=parse_commit_wait("degrade-after=30s")))
+    monitor = ProposerMonitor(view, clock=Clock())
+    assert monitor.status()["degraded"] is None
+    assert sample(monitor, "walsidecar_proposer_degraded") == 0
+    view.degraded, view.degraded_acknowledging = DegradedRange(4, BOOT, 2, frozenset({3, 1})), True
+    assert monitor.status()["degraded"] == {"term": 4, "start_lsn": format_lsn(BOOT), "version": 2, "members": [1, 3],
+                                            "acknowledging": True}
+    assert sample(monitor, "walsidecar_proposer_degraded") == 1
+    assert sample(monitor, "walsidecar_proposer_degraded_start_lsn_bytes") == BOOT
+    assert sample(monitor, "walsidecar_proposer_degraded_acknowledging") == 1

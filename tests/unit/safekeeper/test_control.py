@@ -11,7 +11,7 @@ from pathlib import Path
 import google_crc32c
 import pytest
 
-from sidecar.consensus.messages import NO_FENCE, TermEntry, TimelineFence
+from sidecar.consensus.messages import NO_DEGRADED, NO_FENCE, DegradedRange, TermEntry, TimelineFence
 from sidecar.timelines import TimelineEntry
 from sidecar.consensus.state import AcceptorState
 from sidecar.safekeeper.control import (
@@ -27,13 +27,14 @@ SAMPLE = ControlData(
         timeline_history=(TimelineEntry(1, 0x1800000),),
         commit_lsn=0x2000000, backup_lsn=0x1000000, peer_horizon_lsn=0x1F00000,
         fence=TimelineFence(8, 1, 0x1900000), members=5, lost_disk_term=7,
+        degraded=DegradedRange(9, 0x2000100, 2, frozenset({3, 1})), degrade_term=9,
     ),
 )
 
 
 def reframe(body: bytes) -> bytes:
     """A well-framed control file around an arbitrary body."""
-    return struct.pack("<4sIII", b"WSKC", 3, len(body), google_crc32c.value(body)) + body
+    return struct.pack("<4sIII", b"WSKC", 4, len(body), google_crc32c.value(body)) + body
 
 
 def test_missing_file_means_fresh(tmp_path: Path) -> None:
@@ -58,25 +59,39 @@ def test_file_layout(tmp_path: Path) -> None:
     raw = (tmp_path / CONTROL_FILE).read_bytes()
     magic, version, length, crc = struct.unpack_from("<4sIII", raw)
     body = raw[16:]
-    assert (magic, version, length, crc) == (b"WSKC", 3, len(body), google_crc32c.value(body))
+    assert (magic, version, length, crc) == (b"WSKC", 4, len(body), google_crc32c.value(body))
     obj = json.loads(body)
     assert obj["node_id"] == 3
     assert obj["term_history"] == [[1, 0x1000000], [4, 0x1234568], [9, 0x2000028]]
     assert obj["timeline_history"] == [[1, 0x1800000]]
     assert obj["fence"] == [8, 1, 0x1900000]
     assert (obj["members"], obj["lost_disk_term"]) == (5, 7)
+    assert obj["degraded"] == [9, 0x2000100, 2, [1, 3]]
+
+
+def test_a_version_3_file_reads_as_no_degraded_range(tmp_path: Path) -> None:
+    """The previous release never recorded a degraded range: its control file reads as none."""
+    save_control(tmp_path, SAMPLE)
+    obj = json.loads((tmp_path / CONTROL_FILE).read_bytes()[16:])
+    del obj["degraded"], obj["degrade_term"]
+    body = json.dumps(obj).encode()
+    (tmp_path / CONTROL_FILE).write_bytes(struct.pack("<4sIII", b"WSKC", 3, len(body), google_crc32c.value(body)) + body)
+    loaded = load_control(tmp_path)
+    assert loaded is not None and loaded.state == dataclasses.replace(SAMPLE.state, degraded=NO_DEGRADED,
+                                                                           degrade_term=0)
 
 
 def test_a_version_1_file_reads_as_no_fence(tmp_path: Path) -> None:
     """The previous release's control file (no fence) is read by this one, as if no failover had set one."""
     save_control(tmp_path, SAMPLE)
     obj = json.loads((tmp_path / CONTROL_FILE).read_bytes()[16:])
-    del obj["fence"], obj["members"], obj["lost_disk_term"]
+    del obj["fence"], obj["members"], obj["lost_disk_term"], obj["degraded"], obj["degrade_term"]
     body = json.dumps(obj).encode()
     (tmp_path / CONTROL_FILE).write_bytes(struct.pack("<4sIII", b"WSKC", 1, len(body), google_crc32c.value(body)) + body)
     loaded = load_control(tmp_path)
     assert loaded is not None and \
-        loaded.state == dataclasses.replace(SAMPLE.state, fence=NO_FENCE, members=0, lost_disk_term=0)
+        loaded.state == dataclasses.replace(SAMPLE.state, fence=NO_FENCE, members=0, lost_disk_term=0,
+                                            degraded=NO_DEGRADED, degrade_term=0)
 
 
 def test_a_version_2_file_reads_as_no_member_count_and_no_lost_disk(tmp_path: Path) -> None:
@@ -84,12 +99,13 @@ def test_a_version_2_file_reads_as_no_member_count_and_no_lost_disk(tmp_path: Pa
     tells it) and no lost disk being recovered."""
     save_control(tmp_path, SAMPLE)
     obj = json.loads((tmp_path / CONTROL_FILE).read_bytes()[16:])
-    del obj["members"], obj["lost_disk_term"]
+    del obj["members"], obj["lost_disk_term"], obj["degraded"], obj["degrade_term"]
     body = json.dumps(obj).encode()
     (tmp_path / CONTROL_FILE).write_bytes(struct.pack("<4sIII", b"WSKC", 2, len(body), google_crc32c.value(body)) + body)
     loaded = load_control(tmp_path)
-    assert loaded is not None and loaded.state == dataclasses.replace(SAMPLE.state, members=0, lost_disk_term=0)
-    (tmp_path / CONTROL_FILE).write_bytes(reframe(body))  # a version 3 file lacking them is corrupt
+    assert loaded is not None and loaded.state == dataclasses.replace(SAMPLE.state, members=0, lost_disk_term=0,
+                                                                         degraded=NO_DEGRADED, degrade_term=0)
+    (tmp_path / CONTROL_FILE).write_bytes(reframe(body))  # a version 4 file lacking them is corrupt
     with pytest.raises(ControlFileError, match="missing fields"):
         load_control(tmp_path)
 
@@ -137,8 +153,8 @@ def test_bad_magic_and_version(tmp_path: Path) -> None:
     path.write_bytes(b"XXXX" + reframe(b"{}")[4:])
     with pytest.raises(ControlFileError, match="not a walsidecar control file"):
         load_control(tmp_path)
-    path.write_bytes(struct.pack("<4sIII", b"WSKC", 4, 2, google_crc32c.value(b"{}")) + b"{}")
-    with pytest.raises(ControlFileError, match="version 4"):
+    path.write_bytes(struct.pack("<4sIII", b"WSKC", 5, 2, google_crc32c.value(b"{}")) + b"{}")
+    with pytest.raises(ControlFileError, match="version 5"):
         load_control(tmp_path)
 
 
