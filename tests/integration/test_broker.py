@@ -189,7 +189,7 @@ def test_an_upload_lease_written_into_etcd_is_named_by_check_and_stops_uploads_o
     # uploads; check names the holder and its lease, the stranger's entry, and the archive falling behind.
     prefix = safekeepers_prefix(cluster, 1)
     lease = forge({f"{prefix}99/last_updated": f"{time.time():.3f}", f"{prefix}99/commit_lsn": "0/0", key: "99"})
-    wait_for(lambda: (h := holder()) == ("99", lease), timeout=30, what="the forged holder to stand")
+    wait_for(lambda: holder() == ("99", lease), timeout=30, what="the forged holder to stand")
     stalled = backup_lsn()
     switch(6)
     out = walsidecar("check", "--pg-dsn", d.pg.dsn(), "--safekeepers", ",".join(d.addresses), "--broker", etcd.url,
