@@ -197,7 +197,7 @@ def test_degrade_after_acknowledges_with_the_safekeeper_that_is_up_once_the_rang
     assert syncrep_waiters(d) == 0
 
 
-def test_after_a_degraded_window_and_a_leader_kill_failover_refuses_until_a_member_votes(
+def test_after_a_degraded_window_and_a_leader_kill_failover_and_the_gate_refuse_until_a_member_votes(
         pg_factory, procs: ProcessTracker, test_dir: Path, etcd: EtcdServer) -> None:
     d = degrade(pg_factory, procs, test_dir, etcd)
     standby = add_standby(d, test_dir)
@@ -238,6 +238,16 @@ def test_after_a_degraded_window_and_a_leader_kill_failover_refuses_until_a_memb
     assert code == 1, out
     assert "not promoting" in out and f"degraded range of term {record.term}" in out, out
     assert "members not heard: safekeepers 1" in out, out
+    with psycopg.connect(standby.server.dsn(), autocommit=True) as c:
+        assert c.execute("SELECT pg_is_in_recovery()").fetchone()[0] is True
+    assert degraded_in_etcd(etcd) == record
+    # failover-gate, Patroni's pre_promote, runs the same steps: it vetoes the promotion too.
+    gate = walsidecar("failover-gate", "--standby-dsn", standby.server.dsn(), "--safekeepers", ",".join(d.addresses),
+                      "--reader-passfile", str(d.reader_passfile), "--broker", etcd.url, "--cluster", CLUSTER,
+                      "--timeout", "10", *d.tls("proposer"), timeout=120)
+    said = gate.stdout + gate.stderr
+    assert gate.returncode == 1 and "gate closed: not promoting this standby" in said, said
+    assert f"degraded range of term {record.term}" in said, said
     with psycopg.connect(standby.server.dsn(), autocommit=True) as c:
         assert c.execute("SELECT pg_is_in_recovery()").fetchone()[0] is True
     assert degraded_in_etcd(etcd) == record
