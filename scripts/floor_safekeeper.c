@@ -37,7 +37,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define PROTOCOL_VERSION 4
+#define PROTOCOL_VERSION 5
 #define FENCE 20 /* a TimelineFence (term, timeline, lsn) after the histories of VoteReply and Elected */
 #define MAX_FRAME (16u * 1024 * 1024 + 1024)
 #define RECV_BUF (2 * (size_t)MAX_FRAME + 64)
