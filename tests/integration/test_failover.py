@@ -11,22 +11,13 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from support.deployment import APP, Deployment, Writer, start_commit, syncrep_waiters
+from support.deployment import APP, Deployment, Writer, add_standby, start_commit, syncrep_waiters
 from support.helpers import free_port, wait_for, walsidecar
 from support.procs import ProcessTracker
 from sidecar.deployment import Standby
-from sidecar.pgcluster import LocalCluster
 from sidecar.processes import sidecar_argv
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
-
-
-def add_standby(d: Deployment, test_dir: Path) -> Standby:
-    cluster = LocalCluster(test_dir / "standby" / "data", free_port(), log_file=test_dir / "standby" / "server.log")
-    standby = Standby(d, cluster)
-    d.add(standby)
-    standby.start()
-    return standby
 
 
 def failover(d: Deployment, standby: Standby, *extra: str) -> tuple[int, str]:
