@@ -176,6 +176,23 @@ def cpu_times(pid: int) -> tuple[float, float]:
     return int(fields[11]) / tick, int(fields[12]) / tick
 
 
+def switches_and_syscalls(pid: int) -> tuple[int, int, int]:
+    """(voluntary, involuntary) context switches over the process's live threads, and its read- and
+    write-family system calls (/proc/PID/io syscr + syscw, every thread's: read, write, pread, pwrite, readv,
+    writev and the like; recv/send on a socket, epoll and fsync are not among them). A voluntary switch is a
+    sleep: each is a wake-up later. Threads that exited take their switches with them; the calls are kept."""
+    voluntary = involuntary = 0
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        with contextlib.suppress(OSError):
+            for line in status.read_text().splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    voluntary += int(line.split()[1])
+                elif line.startswith("nonvoluntary_ctxt_switches:"):
+                    involuntary += int(line.split()[1])
+    io = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines() if ": " in line)
+    return voluntary, involuntary, int(io.get("syscr", 0)) + int(io.get("syscw", 0))
+
+
 def peak_rss_mb(pid: int) -> float:
     """VmHWM: the process's peak resident set since it started or since reset_peak_rss()."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -193,33 +210,41 @@ def reset_peak_rss(pid: int) -> None:
 
 
 class Meter:
-    """CPU seconds and peak RSS of a set of processes, each with the processes below it (a safekeeper's
-    reader process), over one measured window. The peak RSS is the sum of their peaks."""
+    """CPU seconds, peak RSS, context switches and read/write system calls of a set of processes, each with
+    the processes below it (a safekeeper's reader process), over one measured window. The peak RSS is the
+    sum of their peaks."""
 
     def __init__(self, pids: dict[str, int]) -> None:
         self.pids = pids
         self.cpu0: dict[str, dict[int, tuple[float, float]]] = {}
+        self.calls0: dict[str, dict[int, tuple[int, int, int]]] = {}
         for name, pid in pids.items():
-            self.cpu0[name] = {}
+            self.cpu0[name], self.calls0[name] = {}, {}
             for p in process_tree([pid]):
                 reset_peak_rss(p)
                 with contextlib.suppress(OSError):
                     self.cpu0[name][p] = cpu_times(p)
+                    self.calls0[name][p] = switches_and_syscalls(p)
 
     def finish(self) -> dict[str, dict[str, float]]:
         out = {}
         for name, pid in self.pids.items():
             user = system = rss = 0.0
+            counts = [0, 0, 0]
             for p in process_tree([pid]):
                 try:
                     u, s = cpu_times(p)
                     rss += peak_rss_mb(p)
+                    now = switches_and_syscalls(p)
                 except (OSError, BenchError):
                     continue  # exited meanwhile
                 u0, s0 = self.cpu0[name].get(p, (0.0, 0.0))
                 user, system = user + u - u0, system + s - s0
+                before = self.calls0[name].get(p, (0, 0, 0))
+                counts = [c + max(n - b, 0) for c, n, b in zip(counts, now, before)]
             out[name] = {"cpu_s": round(user + system, 3), "cpu_user_s": round(user, 3),
-                         "cpu_sys_s": round(system, 3), "peak_rss_mb": round(rss, 1)}
+                         "cpu_sys_s": round(system, 3), "peak_rss_mb": round(rss, 1), "wakeups": counts[0],
+                         "involuntary_switches": counts[1], "rw_syscalls": counts[2]}
         return out
 
 
@@ -600,10 +625,20 @@ def per_txn(result: dict[str, Any], usage: dict[str, dict[str, float]]) -> None:
     if not usage:
         return
     n = max(result["transactions"], 1)
-    result["processes"] = {name: {**u, "cpu_ms_per_txn": round(1000 * u["cpu_s"] / n, 4)} for name, u in usage.items()}
+    result["processes"] = {name: {**u, "cpu_ms_per_txn": round(1000 * u["cpu_s"] / n, 4),
+                                  "wakeups_per_txn": round(u["wakeups"] / n, 2),
+                                  "rw_syscalls_per_txn": round(u["rw_syscalls"] / n, 2)} for name, u in usage.items()}
     result["receivers_cpu_ms_per_txn"] = round(1000 * sum(u["cpu_s"] for u in usage.values()) / n, 4)
     if "proposer" in usage:
         result["sidecar_cpu_ms_per_txn"] = result["processes"]["proposer"]["cpu_ms_per_txn"]
+        result["sidecar_wakeups_per_txn"] = result["processes"]["proposer"]["wakeups_per_txn"]
+        result["sidecar_rw_syscalls_per_txn"] = result["processes"]["proposer"]["rw_syscalls_per_txn"]
+    # Each receiver's (a safekeeper, or one pg_receivewal of native quorum): the mean over them.
+    receivers = [u for name, u in result["processes"].items() if name != "proposer"]
+    if receivers:
+        result["receiver_wakeups_per_txn"] = round(statistics.mean(u["wakeups_per_txn"] for u in receivers), 2)
+        result["receiver_rw_syscalls_per_txn"] = round(
+            statistics.mean(u["rw_syscalls_per_txn"] for u in receivers), 2)
 
 
 def with_usage(result: dict[str, Any], usage: dict[str, dict[str, float]]) -> dict[str, Any]:
@@ -1024,6 +1059,14 @@ METRICS = (
            False, 3, SIDECAR_CONFIGS),
     Metric("pgbench 1 client: safekeepers' CPU (cores)", "pgbench-1", "safekeepers_cpu_cores", False, 2,
            READER_CONFIGS),
+    Metric("pgbench 1 client: sidecar wake-ups per transaction", "pgbench-1", "sidecar_wakeups_per_txn", False, 1,
+           SIDECAR_CONFIGS),
+    Metric("pgbench 1 client: sidecar read/write-family syscalls per transaction", "pgbench-1",
+           "sidecar_rw_syscalls_per_txn", False, 1, SIDECAR_CONFIGS),
+    Metric("pgbench 1 client: wake-ups per transaction, each receiver", "pgbench-1", "receiver_wakeups_per_txn",
+           False, 1),
+    Metric("pgbench 1 client: read/write-family syscalls per transaction, each receiver", "pgbench-1",
+           "receiver_rw_syscalls_per_txn", False, 1),
     Metric("pgbench 1 client, reader-port flood: mean latency (ms)", FLOOD, "latency_mean_ms", False, 3,
            READER_CONFIGS),
     Metric("pgbench 1 client, reader-port flood: p99 latency (ms)", FLOOD, "latency_p99_ms", False, 3,

@@ -67,6 +67,8 @@ def test_quick_benchmark_produces_every_output(test_dir: Path) -> None:
     one_down = rows_md["one receiver down: TPS ÷ all up (16 clients)"]
     assert float(one_down[head.index("walsidecar")]) > 0 and float(one_down[head.index("native-quorum")]) > 0
     assert "pgbench 16 clients, contended: TPS" in rows_md
+    woken = rows_md["pgbench 1 client: wake-ups per transaction, each receiver"]
+    assert float(woken[head.index("walsidecar")]) > 0 and float(woken[head.index("native-quorum")]) > 0
     assert "one safekeeper down: TPS ÷ all up (16 clients) ≥ 0.95" in table
     pytest.importorskip("matplotlib")
     assert (out / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -80,6 +82,10 @@ def test_floor_safekeepers_carry_the_sidecar(test_dir: Path) -> None:
     assert (row["config"], row["workload"]) == ("walsidecar-floor", "pgbench-1")
     assert row["transactions"] > 0 and set(row["processes"]) == {"safekeeper1", "safekeeper2", "safekeeper3",
                                                                   "proposer"}
+    # Wake-ups (voluntary context switches) and read/write system calls per transaction, for each process.
+    for name, p in row["processes"].items():
+        assert p["wakeups"] > 0 and p["rw_syscalls"] > 0 and p["wakeups_per_txn"] > 0, (name, p)
+    assert row["sidecar_wakeups_per_txn"] > 0 and row["receiver_rw_syscalls_per_txn"] > 0
 
 
 def test_reader_flood_is_measured_beside_pgbench_1_as_a_ratio(test_dir: Path) -> None:
