@@ -10,6 +10,9 @@ the same disk and fsync on everywhere:
 * walsidecar     three safekeepers, quorum 2, mutually authenticated TLS on every link
 * walsidecar-auth      the same with --link-security auth-only: certificates checked at connection start, no encryption
 * walsidecar-insecure  the same with --insecure: no TLS (walsidecar ÷ walsidecar-insecure is TLS's cost)
+* walsidecar-python    walsidecar with the safekeepers' Python stream loop (WALSIDECAR_IMPL=python) where
+                       walsidecar runs the compiled one (WALSIDECAR_IMPL=compiled): walsidecar ÷
+                       walsidecar-python is what the compiled loop gains (run only when --only names it)
 * walsidecar-floor     the sidecar with --insecure against three scripts/floor_safekeeper.c: the floor, what
                        it achieves when a safekeeper costs nothing but recv/pwrite/fdatasync/send (a
                        measurement stand-in compiled into the scratch directory; run only when --only
@@ -85,19 +88,21 @@ sys.path.insert(1, str(ROOT / "scripts"))  # bench_wal_analytics
 
 from sidecar.lsn import format_lsn, parse_lsn, parse_segment_file_name  # noqa: E402
 from sidecar.pgcluster import ClusterError, LocalCluster, find_bin_dir  # noqa: E402
-from sidecar.processes import process_tree  # noqa: E402
+from sidecar.processes import Child, process_tree  # noqa: E402
 from sidecar.deployment import (  # noqa: E402
     DeploymentError, LocalDeployment, MemberExited, ProcessMember, SafekeeperMember, free_port,
 )
 
 CONFIGS = ("async", "receivewal-1", "native-quorum", "walsidecar", "walsidecar-auth", "walsidecar-insecure",
-           "walsidecar-floor")
+           "walsidecar-python", "walsidecar-floor")
 # walsidecar with mutually authenticated TLS on every link (the default), and with --insecure: the difference
 # is what TLS costs.
-SIDECAR_CONFIGS = ("walsidecar", "walsidecar-auth", "walsidecar-insecure", "walsidecar-floor")
+SIDECAR_CONFIGS = ("walsidecar", "walsidecar-auth", "walsidecar-insecure", "walsidecar-python", "walsidecar-floor")
 FLOOR = "walsidecar-floor"  # the sidecar against scripts/floor_safekeeper.c (FloorSafekeeper)
 FLOOR_SOURCE = ROOT / "scripts" / "floor_safekeeper.c"
-DEFAULT_CONFIGS = tuple(c for c in CONFIGS if c != FLOOR)  # the floor only when --only names it
+PYTHON_LOOP = "walsidecar-python"  # the safekeepers on the Python reference of their stream loop
+# The floor and the Python loop only when --only names them.
+DEFAULT_CONFIGS = tuple(c for c in CONFIGS if c not in (FLOOR, PYTHON_LOOP))
 ONE_DOWN = "pgbench-16-one-down"
 CONTENDED = "pgbench-16-contended"
 FLOOD = "pgbench-1-reader-flood"
@@ -138,6 +143,7 @@ STANDBY_NAMES = {
     "walsidecar": SIDECAR_APP,
     "walsidecar-auth": SIDECAR_APP,
     "walsidecar-insecure": SIDECAR_APP,
+    "walsidecar-python": SIDECAR_APP,
     "walsidecar-floor": SIDECAR_APP,
 }
 
@@ -436,9 +442,13 @@ class Setup:
         self.port = free_port()
         # The floor's stand-ins speak plain TCP and serve no readers.
         floor: dict[str, Any] = {"readers": False, "safekeeper_kind": FloorSafekeeper} if config == FLOOR else {}
+        # Which stream loop the safekeepers run, asked for by name: a compiled loop that did not build fails
+        # the run rather than measuring the reference under the compiled one's name.
+        impl = {"WALSIDECAR_IMPL": "python" if config == PYTHON_LOOP else "compiled"}
         self.d = LocalDeployment(base, safekeepers=3 if config in SIDECAR_CONFIGS else 0, pg_port=self.port,
                                  application_name=SIDECAR_APP, insecure=config in ("walsidecar-insecure", FLOOR),
-                                 link_security="auth-only" if config == "walsidecar-auth" else "tls", **floor)
+                                 link_security="auth-only" if config == "walsidecar-auth" else "tls",
+                                 spawn=lambda name, argv, log: Child(name, argv, log, env=impl).start(), **floor)
         self.cluster = self.d.pg
         for name in RECEIVEWAL_NAMES.get(config, ()):
             self.d.add(ReceiveWal(self.d, name, bin_dir))
@@ -636,6 +646,7 @@ def per_txn(result: dict[str, Any], usage: dict[str, dict[str, float]]) -> None:
     # Each receiver's (a safekeeper, or one pg_receivewal of native quorum): the mean over them.
     receivers = [u for name, u in result["processes"].items() if name != "proposer"]
     if receivers:
+        result["receiver_cpu_ms_per_txn"] = round(statistics.mean(u["cpu_ms_per_txn"] for u in receivers), 4)
         result["receiver_wakeups_per_txn"] = round(statistics.mean(u["wakeups_per_txn"] for u in receivers), 2)
         result["receiver_rw_syscalls_per_txn"] = round(
             statistics.mean(u["rw_syscalls_per_txn"] for u in receivers), 2)
@@ -1063,6 +1074,8 @@ METRICS = (
            SIDECAR_CONFIGS),
     Metric("pgbench 1 client: sidecar read/write-family syscalls per transaction", "pgbench-1",
            "sidecar_rw_syscalls_per_txn", False, 1, SIDECAR_CONFIGS),
+    Metric("pgbench 1 client: CPU ms per transaction, each receiver", "pgbench-1", "receiver_cpu_ms_per_txn",
+           False, 3, CONFIGS[1:]),
     Metric("pgbench 1 client: wake-ups per transaction, each receiver", "pgbench-1", "receiver_wakeups_per_txn",
            False, 1),
     Metric("pgbench 1 client: read/write-family syscalls per transaction, each receiver", "pgbench-1",
@@ -1141,7 +1154,8 @@ def markdown(report: dict[str, Any]) -> str:
     configs = [c for c in CONFIGS if c in s["configs"]]
     head = ["metric (median of rounds)", *configs]
     # walsidecar ÷ walsidecar-insecure is what TLS costs; ÷ walsidecar-auth, what its encryption costs.
-    ratio_to = [c for c in ("native-quorum", "receivewal-1", "walsidecar-auth", "walsidecar-insecure")
+    # ÷ walsidecar-python, what the safekeepers' compiled stream loop gains.
+    ratio_to = [c for c in ("native-quorum", "receivewal-1", "walsidecar-auth", "walsidecar-insecure", PYTHON_LOOP)
                 if c in configs and "walsidecar" in configs]
     head += [f"walsidecar ÷ {c}" for c in ratio_to]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -1273,7 +1287,8 @@ def chart(report: dict[str, Any], path: Path, log: Callable[[str], None]) -> Non
     if not shown:
         return
     colors = {"async": "#9e9e9e", "receivewal-1": "#64b5f6", "native-quorum": "#1565c0", "walsidecar": "#e65100",
-              "walsidecar-auth": "#fb8c00", "walsidecar-insecure": "#ffb74d", "walsidecar-floor": "#fff176"}
+              "walsidecar-auth": "#fb8c00", "walsidecar-insecure": "#ffb74d", "walsidecar-python": "#8d6e63",
+              "walsidecar-floor": "#fff176"}
     cols = 3
     rows = (len(shown) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)

@@ -73,10 +73,17 @@ if ! command -v ip >/dev/null 2>&1; then
     apt_install iproute2
 fi
 
-# A C compiler builds scripts/bench.py's walsidecar-floor stand-in (scripts/floor_safekeeper.c).
+# A C compiler and Python's headers build the safekeeper's compiled stream loop (csrc/streamloop.c; without
+# them the package installs with the Python reference alone), and scripts/bench.py's walsidecar-floor
+# stand-in (scripts/floor_safekeeper.c).
 if ! command -v gcc >/dev/null 2>&1; then
     echo "install.sh: no C compiler; installing gcc" >&2
     apt_install gcc libc6-dev
+fi
+if ! "$SYSTEM_PYTHON" -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))' \
+        2>/dev/null; then
+    echo "install.sh: no headers for $SYSTEM_PYTHON; installing python3-dev" >&2
+    apt_install python3-dev
 fi
 
 if ! id -u postgres >/dev/null 2>&1; then
@@ -107,14 +114,15 @@ fi
 # What goes into it: every file of sidecar/ (modules and package data), sql/ and pyproject.toml. Their hash
 # is the stamp; the installed copy must also equal the checkout's, file for file.
 package_files() {   # NUL-separated, sorted: the files the package is built from
-    find sidecar sql pyproject.toml -type f ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 | LC_ALL=C sort -z
+    find sidecar sql csrc pyproject.toml setup.py -type f ! -name '*.pyc' ! -name '*.so' ! -path '*/__pycache__/*' \
+        -print0 | LC_ALL=C sort -z
 }
-content_hash() {   # DIR FIND-ARGS...: the hash of the files under DIR, by relative path and content
-    (cd "$1" && shift && find "$@" -type f ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 | LC_ALL=C sort -z |
+content_hash() {   # DIR FIND-ARGS...: the hash of the files under DIR, by relative path and content (not what a build made)
+    (cd "$1" && shift && find "$@" -type f ! -name '*.pyc' ! -name '*.so' ! -path '*/__pycache__/*' -print0 | LC_ALL=C sort -z |
         xargs -0r sha256sum) | sha256sum | cut -d' ' -f1
 }
 stamp="$VENV/walsidecar-install.stamp"
-want="$(content_hash . sidecar sql pyproject.toml)"
+want="$(content_hash . sidecar sql csrc pyproject.toml setup.py)"
 SQL_DIR="$VENV/share/walsidecar/sql"
 
 deps_ok() {   # every requirement in pyproject.toml, with the extras asked for, is installed in a version it allows
@@ -183,6 +191,9 @@ if ! installed_ok; then
         echo "install.sh: the package installed in $VENV is not this checkout's sidecar/ and sql/*.sql;" \
              "a file missing from the wheel needs [tool.setuptools.package-data] or data-files in pyproject.toml" >&2
         exit 1
+    fi
+    if ! (cd / && "$PY" -P -c 'import sidecar.safekeeper._streamloop' 2>/dev/null); then
+        echo "install.sh: note: the compiled stream loop was not built; the safekeepers use the Python reference" >&2
     fi
     # As production runs it: the postgres OS user, outside any checkout.
     if ! out="$(cd / && as_root runuser -u postgres -- env -u PYTHONPATH "$VENV/bin/walsidecar" --help 2>&1)"; then

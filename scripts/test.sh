@@ -7,6 +7,12 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/install.sh
+# The tests import this checkout's code: its compiled stream loop is built here too (build_ext skips an
+# up-to-date one). The suite runs the safekeepers on it (WALSIDECAR_IMPL=compiled, so that one that did not
+# build fails the run); WALSIDECAR_IMPL=python runs them on the Python reference (.ci/run does both).
+"${WALSIDECAR_VENV:-/opt/walsidecar/venv}/bin/python" setup.py -q build_ext --inplace >/dev/null 2>&1 ||
+    echo "test.sh: the compiled stream loop could not be built in the checkout" >&2
+export WALSIDECAR_IMPL="${WALSIDECAR_IMPL:-compiled}"
 VENV="${WALSIDECAR_VENV:-/opt/walsidecar/venv}"
 # The venv first on PATH: the tests' child processes and the image build (python3) use it too.
 export PATH="$VENV/bin:$PATH"

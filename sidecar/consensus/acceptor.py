@@ -345,12 +345,19 @@ class Acceptor:
                     f"Append ending at {format_lsn(end)} in term {msg.term}, a failover's term: it streams no WAL "
                     f"past its start {format_lsn(self.append_limit)}")
             actions.append(Write(msg.begin_lsn, msg.data))
-            self.write_lsn = end
-            self.wal_epoch += 1
+            actions += self.appended(end, msg.commit_lsn, msg.peer_horizon_lsn)
+            return actions
         actions += self._learn(msg.commit_lsn, msg.peer_horizon_lsn)
-        if not msg.data:
-            actions.append(Reply(AppendReply(s.term, self.flush_lsn, self.state.commit_lsn)))
+        actions.append(Reply(AppendReply(s.term, self.flush_lsn, self.state.commit_lsn)))
         return actions
+
+    def appended(self, end: int, commit_lsn: int, horizon_lsn: int) -> list[AcceptorAction]:
+        """An Append with data that `on_append` accepted is written up to `end`: its state change, after
+        its Write (which the safekeeper's compiled stream loop makes itself, having checked what
+        on_append checks)."""
+        self.write_lsn = end
+        self.wal_epoch += 1
+        return self._learn(commit_lsn, horizon_lsn)
 
     def on_degraded(self, msg: DegradedRecord, owner: object = None) -> list[AcceptorAction]:
         """Store the term owner's degraded range (or clear it) durably; the reply says it is stored.

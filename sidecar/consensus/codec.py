@@ -878,6 +878,12 @@ class FrameDecoder:
     def feed(self, data: bytes | bytearray | memoryview) -> list[Message]:
         """Buffer `data` and return every message it completes; ProtocolError on a bad frame."""
         out: list[Message] = []
+        self.buffer_feed(data, out)
+        return out
+
+    def buffer_feed(self, data: bytes | bytearray | memoryview, out: list[Message]) -> None:
+        """Buffer `data` and append every message it completes to `out`; on a bad frame the messages
+        before it are in `out` already when ProtocolError is raised."""
         with memoryview(data) as view:
             pos = 0
             while True:
@@ -888,7 +894,20 @@ class FrameDecoder:
                 pos += n
                 self.buffer_updated(n, out)
                 if pos == len(view):
-                    return out
+                    return
+
+    def take(self) -> bytes:
+        """The bytes received and not yet decoded (a frame's beginning), out of the decoder: for a
+        reader that goes on decoding elsewhere (the safekeeper's compiled stream loop) and gives back
+        what it does not decode with `buffer_feed`."""
+        if self._frame is not None:
+            held = bytes(memoryview(self._frame)[:self._frame_got])
+            self._frame = None
+            self._frame_got = 0
+        else:
+            held = bytes(self._scratch[self._start:self._end])
+        self._start = self._end = 0
+        return held
 
     def get_buffer(self) -> memoryview:
         """Where the next bytes received go (at least one byte of room)."""

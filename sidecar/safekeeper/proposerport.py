@@ -109,16 +109,10 @@ class Link:
                 raise IdleTimeout("no answer before the deadline")
         buf = self.decoder.get_buffer()
         try:
-            if timeout != self._applied:  # a change costs a system call (the blocking flag)
-                self.sock.settimeout(timeout)
-                self._applied = timeout
+            self._apply_timeout(timeout)
             n = self.sock.recv_into(buf, len(buf))
-        except TimeoutError:
-            raise IdleTimeout(f"nothing received for {timeout:g}s") from None
-        except ssl.SSLError as e:  # a record that fails its check: this connection's end, not the safekeeper's
-            raise LinkClosed(f"TLS: {e}") from None
-        except (OSError, ValueError) as e:
-            raise LinkClosed(str(e) or type(e).__name__) from None
+        except Exception as e:
+            raise self.receive_failed(e, timeout) from None
         finally:
             buf.release()
         if n == 0:
@@ -130,6 +124,47 @@ class Link:
         except codec.ProtocolError as e:
             self._error = e
         self._messages.extend(out)
+
+    def _apply_timeout(self, timeout: float | None) -> None:
+        if timeout != self._applied:  # a change costs a system call (the blocking flag)
+            self.sock.settimeout(timeout)
+            self._applied = timeout
+
+    def receive_failed(self, e: BaseException, timeout: float | None = None) -> BaseException:
+        """What a receive's exception means for the connection: its end (LinkClosed), an IdleTimeout, or
+        itself when it is no socket's."""
+        if isinstance(e, TimeoutError):
+            return IdleTimeout(f"nothing received for {timeout:g}s" if timeout is not None else "timed out")
+        if isinstance(e, ssl.SSLError):  # a record that fails its check: this connection's end, not the safekeeper's
+            return LinkClosed(f"TLS: {e}")
+        if isinstance(e, (OSError, ValueError)):
+            return LinkClosed(str(e) or type(e).__name__)
+        return e
+
+    # ---- the compiled stream loop's hand-over (streamloop.py) -----------------------------------
+
+    @property
+    def has_decoded(self) -> bool:
+        """Messages decoded and not yet read, or the stream's end or error waiting to be reported."""
+        return bool(self._messages) or self._error is not None or self._eof
+
+    def take_undecoded(self) -> bytes:
+        """The bytes received and not yet decoded, out of the decoder, which is left empty; and the
+        socket made blocking (the term's holder has no receive timeout)."""
+        self._apply_timeout(None)
+        return self.decoder.take()
+
+    def give_back(self, data: bytes, eof: bool) -> None:
+        """Bytes received by the compiled loop and not served: decoded here as if received here."""
+        if data:
+            out: list[Message] = []
+            try:
+                self.decoder.buffer_feed(data, out)
+            except codec.ProtocolError as e:
+                self._error = e
+            self._messages.extend(out)
+        if eof:
+            self._eof = True
 
 
 Converse = Callable[[Link, "Identity | None", "Place | None", Any], None]

@@ -43,6 +43,7 @@ from sidecar.safekeeper.slots import SlotLimits, Slots
 from sidecar.safekeeper.budget import (
     MAX_CONNECTIONS, ConnectionBudget, Place, TooFewDescriptors, descriptors_needed, raise_descriptor_limit,
 )
+from sidecar.safekeeper import streamloop
 from sidecar.safekeeper.proposerport import IdleTimeout, Link, ProposerPort
 from sidecar.safekeeper.startup import open_data_dir
 from sidecar.safekeeper.storage import DiskFull, NoWal, StorageError, WalInDoubt, WalPin, WalStorage, is_disk_full
@@ -113,6 +114,8 @@ class Safekeeper:
                                      stats.archived.inc) if archive is not None else None
         self.budget = ConnectionBudget()  # the consensus port's places, from accept on
         self._port = ProposerPort(node_id, host, port, security, self.budget, self.converse, self.log)
+        # Who serves the term holder's Appends: the compiled loop, or None for converse's own (streamloop.py).
+        self.stream_loop = streamloop.chosen()
         self._loop: asyncio.AbstractEventLoop | None = None  # while serve() runs
         self._serving: asyncio.Task[None] | None = None
         self._saved_term = self.acceptor.state.term  # the term on disk: see _save
@@ -141,8 +144,11 @@ class Safekeeper:
         stats = SafekeeperMetrics(node_id)
         log = get_logger(node=node_id)
         acceptor, storage = open_data_dir(node_id, data_dir, _disk_full_reporter(stats, log), log, len(peers))
-        sk = cls(node_id, data_dir, host, port, security, acceptor, storage, stats, reader_port,
-                 keep_wal, max_disk_usage, archive, slot_limits)
+        try:
+            sk = cls(node_id, data_dir, host, port, security, acceptor, storage, stats, reader_port,
+                     keep_wal, max_disk_usage, archive, slot_limits)
+        except streamloop.ImplError as e:
+            raise StartupError(str(e)) from None
         needed = descriptors_needed(MAX_CONNECTIONS, MAX_READERS if sk.readers is not None else 0)
         try:
             before, soft = raise_descriptor_limit(needed)
@@ -296,6 +302,7 @@ class Safekeeper:
         except OSError as e:
             raise cannot_listen(self.host, self.port, "the safekeeper (--listen)", e) from e
         self.log.info("listening", address=f"{self.host}:{self._port.port}", tls=self.ssl_context is not None,
+                      stream_loop=streamloop.name(self.stream_loop),
                       link_security=self.link_security or "insecure")
         slot_saver = self._background(self.slots.run(), "slot saving")
         publisher = self._background(self.publisher.run(), "publishing") if self.publisher is not None else None
@@ -371,6 +378,9 @@ class Safekeeper:
                             return
                 # The elected proposer sends at least a heartbeat a second; anyone else may idle this long.
                 link.timeout = None if session.holds_term else IDLE_TIMEOUT
+                if self.stream_loop is not None and streamloop.streams(self, session, link):
+                    if streamloop.run(self.stream_loop, self, session, link, commit) == streamloop.CONDITION:
+                        continue  # the term moved, a stop or the disk guard: looked at above
                 msg = link.read()
                 if self.fatal is not None:  # exiting: the failure was reported once, where it happened
                     break
@@ -440,6 +450,19 @@ class Safekeeper:
                 log.info("elected", term=msg.term, start_lsn=format_lsn(msg.start_lsn),
                          truncate_lsn=format_lsn(acc.write_lsn))
         return replies
+
+    def _wrote_in_place(self, lsn: int, end: int, commit_lsn: int, horizon_lsn: int) -> None:
+        """The compiled stream loop wrote an Append's data from `lsn` to `end` itself, under the acceptor
+        lock, having checked what `Acceptor.on_append` checks: the rest of that Append's transition."""
+        st = self.storage
+        assert isinstance(st, WalStorage)
+        st.wrote(lsn, end)
+        self.stats.wal_written.inc(end - lsn)
+        actions = self.acceptor.appended(end, commit_lsn, horizon_lsn)
+        if actions:  # commit_lsn persisted, once a segment
+            self._carry_out(actions)
+        else:
+            self._publish()
 
     def _acknowledge(self, session: AcceptorSession, link: Link, commit: GroupCommit) -> None:
         """fdatasync what was written, then acknowledge it, if this connection still holds the term."""

@@ -455,6 +455,29 @@ class WalStorage:
                 self._failed = f"writing WAL at {where} failed: {e}; {_IN_DOUBT}"
                 raise StorageError(self._failed) from e
 
+    def write_span(self) -> tuple[int, int, int] | None:
+        """(descriptor, first LSN, end LSN) of the segment open for writing at write_lsn, for a writer
+        that writes inside it itself and then calls `wrote` (the compiled stream loop); None when no
+        segment is open there or the storage cannot be written (then `write` says why)."""
+        with self._lock:
+            seg = self._cur
+            if seg is None or self._failed is not None or self._closed or not self._positioned:
+                return None
+            start = seg.segno * self.seg_size
+            return seg.fd, start, start + self.seg_size
+
+    def wrote(self, lsn: int, end: int) -> None:
+        """The bytes from `lsn`, which was write_lsn, to `end` were written into the segment `write_span`
+        gave, short of its end: the same state as `write` leaves."""
+        with self._lock:
+            self._check_usable()
+            seg = self._cur
+            if seg is None or lsn != self._write_lsn or not lsn <= end < (seg.segno + 1) * self.seg_size:
+                raise StorageError(f"a write in place from {format_lsn(lsn)} to {format_lsn(end)} is not inside "
+                                   f"the open segment at {format_lsn(self._write_lsn)}")
+            seg.dirty = True
+            self._write_lsn = end
+
     def _write_piece(self, view: memoryview) -> memoryview:
         segno, off = divmod(self._write_lsn, self.seg_size)
         seg = self._cur if self._cur is not None else self._open_for_write(segno)

@@ -50,7 +50,8 @@ def installed_package_dir(*, user: str | None = None) -> Path:
 
 
 def files(package: Path) -> dict[str, str]:
-    """Every file of a package directory but bytecode, by relative path: its SHA-256."""
+    """Every file of a package directory but what a build made (bytecode, the compiled stream loop), by
+    relative path: its SHA-256."""
     return {str(p.relative_to(package)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(package.rglob("*"))
-            if p.is_file() and p.suffix != ".pyc" and "__pycache__" not in p.parts}
+            if p.is_file() and p.suffix not in (".pyc", ".so") and "__pycache__" not in p.parts}

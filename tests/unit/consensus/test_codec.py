@@ -738,3 +738,23 @@ def test_protocol_version_3_safekeepers_are_told_apart() -> None:
     rejected_everywhere(frame_of("I", v3_info), "older version than 5 .*upgrade it")
     v3_greeting = struct.pack(">IQIIIH", 3, 1, 1, 1 << 24, 15, 1) + b"p"
     assert decode(ord("g"), v3_greeting) == Greeting(3, "", 0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("size", [10, 100_000])  # a small frame's beginning, and a large one's own buffer
+def test_the_undecoded_bytes_taken_out_and_fed_back_decode_as_if_never_taken(size: int) -> None:
+    """What the safekeeper's compiled stream loop does with a connection's decoder: takes the bytes not yet
+    decoded, and later gives back the ones it did not serve."""
+    first, second = Append(1, 0, 0, 0, b"a" * size), Append(1, size, 0, 0, b"b" * 7)
+    stream = encode(first) + encode(second)
+    cut = len(encode(first)) - 3
+    dec = FrameDecoder()
+    assert dec.feed(stream[:cut]) == []
+    held = dec.take()
+    assert held == stream[:cut] and dec.pending == 0 and dec.take() == b""
+    out: list = []
+    dec.buffer_feed(held + stream[cut:], out)
+    assert out == [first, second] and dec.pending == 0
+    out = []
+    with pytest.raises(ProtocolError):
+        dec.buffer_feed(encode(second) + b"\0\0\0\0", out)  # a frame of length 0 after a good one
+    assert out == [second]  # the message before the bad frame is kept

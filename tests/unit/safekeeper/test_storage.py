@@ -511,3 +511,25 @@ def test_a_new_timeline_renames_the_segment_holding_its_switch_and_names_later_o
     # A restart with the persisted history names new segments alike.
     with WalStorage(wal_dir, SEG, 3, history=(TimelineEntry(1, switch), TimelineEntry(2, 4 * SEG))) as s:
         assert s.name_timeline(3) == 2 and s.name_timeline(4) == 3 and s.name_timeline(1) == 1
+
+
+def test_a_write_in_place_is_offered_only_inside_the_open_segment_and_recorded_as_a_write(store: WalStorage,
+                                                                                         wal_dir: Path) -> None:
+    """The compiled stream loop's way in (streamloop.py): the open segment's descriptor and bounds, its own
+    pwrite, then `wrote`, which leaves what `write` leaves; anything that is not inside that segment is refused."""
+    assert store.write_span() is None  # not positioned
+    store.open_at(SEG)
+    assert store.write_span() is None  # no segment open yet: the first write opens it
+    store.write(SEG, payload(100))
+    fd, start, end = store.write_span()  # type: ignore[misc]
+    assert (start, end) == (SEG, 2 * SEG)
+    data = payload(5000, seed=1)
+    os.pwrite(fd, data, 100)
+    store.wrote(SEG + 100, SEG + 5100)
+    assert store.write_lsn == SEG + 5100 and store.read(SEG + 100, 5000) == data
+    assert store.flush() == SEG + 5100  # the segment was marked written: the flush syncs it and claims it
+    for lsn, end_lsn in ((SEG + 5000, SEG + 6000), (SEG + 5100, 2 * SEG), (SEG + 5100, SEG + 5000)):
+        with pytest.raises(StorageError, match="not inside the open segment"):
+            store.wrote(lsn, end_lsn)
+    store.write(SEG + 5100, payload(SEG - 5100))  # fills the segment: none is open at write_lsn
+    assert store.write_span() is None
