@@ -60,7 +60,7 @@ def _frames(messages: list[Message] | tuple[Message, ...]) -> bytes:
 @dataclass
 class Outcome:
     replies: list[Message]  # every reply but acknowledgements, in order
-    acked: int  # the highest flush_lsn acknowledged
+    acked: tuple[int, int]  # the highest flush_lsn acknowledged, and the highest commit_lsn told with it
     ended: str  # "open": we closed it; "closed": the safekeeper did
     state: Any
     positions: Any
@@ -108,22 +108,26 @@ def _converse(tmp_path: Path, impl: str, opening: tuple[Message, ...], phases: l
     return run(main())
 
 
-def _client(port: int, opening: tuple[Message, ...], phases: list[Phase], pieces: int) -> tuple[list[Message], int, str]:
+def _client(port: int, opening: tuple[Message, ...], phases: list[Phase],
+            pieces: int) -> tuple[list[Message], tuple[int, int], str]:
     sock = socket.create_connection(("127.0.0.1", port), timeout=20)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     decoder = codec.FrameDecoder(codec.MAX_FRAME)
     replies: list[Message] = []
-    acked = 0
+    acked = told = 0
 
     def receive() -> bool:
-        nonlocal acked
+        nonlocal acked, told
         try:
             data = sock.recv(65536)
         except ConnectionResetError:
             data = b""
         for m in decoder.feed(data):
             if type(m) is AppendReply and m.term == 1:  # an acknowledgement, or a heartbeat's answer
-                acked = max(acked, m.flush_lsn)
+                if m.flush_lsn > acked:
+                    acked, told = m.flush_lsn, m.commit_lsn
+                elif m.flush_lsn == acked:
+                    told = max(told, m.commit_lsn)
             else:
                 replies.append(m)
         return bool(data)
@@ -146,12 +150,12 @@ def _client(port: int, opening: tuple[Message, ...], phases: list[Phase], pieces
                     pass
                 while receive():
                     pass
-                return replies, acked, "closed"
+                return replies, (acked, told), "closed"
             replied = len(replies) - wait_for if wait_for < 0 else 0
             while acked < wait_for or len(replies) < replied:
                 if not receive():
-                    return replies, acked, "closed"
-        return replies, acked, "open"
+                    return replies, (acked, told), "closed"
+        return replies, (acked, told), "open"
     finally:
         sock.close()
 
