@@ -110,6 +110,16 @@ static int call_noargs(PyObject *obj, PyObject *name) {
     return 0;
 }
 
+/* Let the acceptor lock go after a failure, keeping the failure's exception. */
+static int release_failed(PyObject *lock) {
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyObject *r = PyObject_CallMethodNoArgs(lock, s_release);
+    Py_XDECREF(r);
+    PyErr_Restore(t, v, tb);
+    return -1;
+}
+
 typedef struct {
     PyObject *server, *session, *link, *commit, *sync_now, *acceptor, *lock, *guard, *sock;
     /* Bound methods, looked up once per run: the acknowledgement's steps. */
@@ -234,14 +244,7 @@ done:
 fail:
     Py_XDECREF(owner);
     Py_XDECREF(state);
-    {
-        PyObject *t, *v, *tb;
-        PyErr_Fetch(&t, &v, &tb);
-        PyObject *rr = PyObject_CallMethodNoArgs(c->lock, s_release);
-        Py_XDECREF(rr);
-        PyErr_Restore(t, v, tb);
-    }
-    return -1;
+    return release_failed(c->lock);
 }
 
 static PyObject *call0(PyObject *f) { return PyObject_CallNoArgs(f); }
@@ -321,14 +324,7 @@ static int acknowledge(Ctx *c) {
 fail:
     Py_XDECREF(v);
     Py_XDECREF(state);
-    {
-        PyObject *t, *e, *tb;
-        PyErr_Fetch(&t, &e, &tb);
-        PyObject *rr = PyObject_CallMethodNoArgs(c->lock, s_release);
-        Py_XDECREF(rr);
-        PyErr_Restore(t, e, tb);
-    }
-    return -1;
+    return release_failed(c->lock);
 }
 
 /* GroupCommit.decide as the reference asks it after a message; SYNC_NOW acknowledges. */
