@@ -9,10 +9,7 @@
  * acceptor lock, it checks what Acceptor.on_append checks, pwrite()s the data and lets the Python
  * side record it (Safekeeper._wrote_in_place: the acceptor's transition, the positions, the
  * counters). After each frame it asks the same GroupCommit object the reference asks, and on
- * SYNC_NOW acknowledges as Safekeeper._acknowledge does: one fdatasync of the open segment outside the
- * lock (through WalStorage.sync_in_place, or the reference's own _acknowledge when the storage has more
- * to do), then under it, while the connection holds the term, Acceptor.on_flushed's rule and its
- * AppendReply, with the positions published and the fsync timed as there. Anything else (a
+ * SYNC_NOW calls the reference's own acknowledgement (Safekeeper._acknowledge). Anything else (a
  * frame of another kind, a heartbeat, an Append the checks refuse, one that reaches a segment's
  * end, a field out of bounds, a frame length out of bounds) is handed back unread, with the bytes
  * after it, for the reference to decode and serve: the errors and refusals are the reference's.
@@ -34,7 +31,6 @@
 
 #define FRAME_HEADER 4          /* u32 big-endian length of what follows: tag + body */
 #define TAG_APPEND 'a'
-#define TAG_APPEND_REPLY 'A'
 #define APPEND_HEADER 32        /* term, begin_lsn, commit_lsn, peer_horizon_lsn */
 #define MAX_TERM ((uint64_t)INT64_MAX)
 #define MAX_LSN (UINT64_C(0xFFFFFFFFFFFFFFFF) - (UINT64_C(1) << 30) + 1)
@@ -54,7 +50,7 @@ static uint32_t be32(const unsigned char *p) {
 }
 
 /* Interned attribute and method names. */
-static PyObject *s_commit_lsn, *s_owner, *s_elected_term, *s_state, *s_term, *s_write_lsn, *s_flush_lsn, *s_append_limit,
+static PyObject *s_owner, *s_elected_term, *s_state, *s_term, *s_write_lsn, *s_flush_lsn, *s_append_limit,
     *s_stopped, *s_fatal, *s_reason, *s_acquire, *s_release, *s_decide, *s_acknowledge, *s_wrote_in_place,
     *s_recv_into, *s_pending;
 
@@ -110,20 +106,8 @@ static int call_noargs(PyObject *obj, PyObject *name) {
     return 0;
 }
 
-/* Let the acceptor lock go after a failure, keeping the failure's exception. */
-static int release_failed(PyObject *lock) {
-    PyObject *t, *v, *tb;
-    PyErr_Fetch(&t, &v, &tb);
-    PyObject *r = PyObject_CallMethodNoArgs(lock, s_release);
-    Py_XDECREF(r);
-    PyErr_Restore(t, v, tb);
-    return -1;
-}
-
 typedef struct {
     PyObject *server, *session, *link, *commit, *sync_now, *acceptor, *lock, *guard, *sock;
-    /* Bound methods, looked up once per run: the acknowledgement's steps. */
-    PyObject *sync_in_place, *synced_in_place, *synced, *observe_fsync, *publish, *send;
     int fd, tls;
     Py_ssize_t max_frame;
     uint64_t seg_start, seg_end;
@@ -244,87 +228,14 @@ done:
 fail:
     Py_XDECREF(owner);
     Py_XDECREF(state);
-    return release_failed(c->lock);
-}
-
-static PyObject *call0(PyObject *f) { return PyObject_CallNoArgs(f); }
-
-static int call_ok(PyObject *r) {
-    if (!r) return -1;
-    Py_DECREF(r);
-    return 0;
-}
-
-/* Safekeeper._acknowledge, where the storage needs one fdatasync of the open segment and nothing else:
- * sync (outside the acceptor lock), then, under it and only while this connection holds the term,
- * Acceptor.on_flushed's rule and its AppendReply in the term promised now; the positions published as
- * _carry_out publishes them. Any other case is the reference's. */
-static int acknowledge(Ctx *c) {
-    uint64_t write_lsn, flush_lsn;
-    if (get_u64(c->acceptor, s_write_lsn, &write_lsn) < 0) return -1;
-    if (get_u64(c->acceptor, s_flush_lsn, &flush_lsn) < 0) return -1;
-    if (flush_lsn >= write_lsn) return 0;
-    PyObject *plan = call0(c->sync_in_place);
-    if (!plan) return -1;
-    if (plan == Py_None) {
-        Py_DECREF(plan);
-        return call_ok(PyObject_CallMethodObjArgs(c->server, s_acknowledge, c->session, c->link, c->commit, NULL));
+    {
+        PyObject *t, *v, *tb;
+        PyErr_Fetch(&t, &v, &tb);
+        PyObject *rr = PyObject_CallMethodNoArgs(c->lock, s_release);
+        Py_XDECREF(rr);
+        PyErr_Restore(t, v, tb);
     }
-    int fd;
-    unsigned long long target;
-    int parsed = PyArg_ParseTuple(plan, "iK", &fd, &target);
-    Py_DECREF(plan);
-    if (!parsed) return -1; /* cannot happen: sync_in_place's own tuple (its lock stays taken: a bug, fatal) */
-    struct timespec t0, t1;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    int r, err = 0;
-    Py_BEGIN_ALLOW_THREADS
-    r = fdatasync(fd);
-    if (r < 0) err = errno;
-    Py_END_ALLOW_THREADS
-    clock_gettime(CLOCK_MONOTONIC, &t1);
-    PyObject *flushed_obj = PyObject_CallFunction(c->synced_in_place, "Ki", target, err);
-    if (!flushed_obj) return -1; /* WalInDoubt: the reference's _stop */
-    unsigned long long flushed = PyLong_AsUnsignedLongLong(flushed_obj);
-    Py_DECREF(flushed_obj);
-    if (flushed == (unsigned long long)-1 && PyErr_Occurred()) return -1;
-    if (call_ok(call0(c->synced)) < 0) return -1;
-    double took = (double)(t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) / 1e9;
-    if (call_ok(PyObject_CallFunction(c->observe_fsync, "d", took)) < 0) return -1;
-
-    if (call_ok(PyObject_CallMethodNoArgs(c->lock, s_acquire)) < 0) return -1;
-    unsigned char reply[FRAME_HEADER + 1 + 24];
-    int holds = 0;
-    PyObject *owner = PyObject_GetAttr(c->acceptor, s_owner), *state = NULL, *v = NULL;
-    if (!owner) goto fail;
-    holds = owner == c->session;
-    Py_DECREF(owner);
-    if (holds) {
-        uint64_t term, commit_lsn;
-        if (get_u64(c->acceptor, s_write_lsn, &write_lsn) < 0) goto fail;
-        if (get_u64(c->acceptor, s_flush_lsn, &flush_lsn) < 0) goto fail;
-        uint64_t upto = flushed < write_lsn ? flushed : write_lsn;
-        if (upto > flush_lsn) flush_lsn = upto;
-        if (!(v = PyLong_FromUnsignedLongLong(flush_lsn))) goto fail;
-        if (PyObject_SetAttr(c->acceptor, s_flush_lsn, v) < 0) goto fail;
-        Py_CLEAR(v);
-        if (!(state = PyObject_GetAttr(c->acceptor, s_state))) goto fail;
-        if (get_u64(state, s_term, &term) < 0 || get_u64(state, s_commit_lsn, &commit_lsn) < 0) goto fail;
-        Py_CLEAR(state);
-        if (call_ok(call0(c->publish)) < 0) goto fail;
-        uint64_t fields[3] = {term, flush_lsn, commit_lsn};
-        reply[0] = 0, reply[1] = 0, reply[2] = 0, reply[3] = 1 + 24;
-        reply[4] = TAG_APPEND_REPLY;
-        for (int i = 0; i < 3; i++)
-            for (int k = 0; k < 8; k++) reply[5 + 8 * i + k] = (unsigned char)(fields[i] >> (56 - 8 * k));
-    }
-    if (call_ok(PyObject_CallMethodNoArgs(c->lock, s_release)) < 0) return -1;
-    if (!holds) return 0; /* another connection took the term: nothing is acknowledged */
-    return call_ok(PyObject_CallFunction(c->send, "y#", (const char *)reply, (Py_ssize_t)sizeof reply));
-fail:
-    Py_XDECREF(v);
-    Py_XDECREF(state);
-    return release_failed(c->lock);
+    return -1;
 }
 
 /* GroupCommit.decide as the reference asks it after a message; SYNC_NOW acknowledges. */
@@ -341,7 +252,11 @@ static int group_commit(Ctx *c, Buffer *b) {
     if (!d) return -1;
     int sync = d == c->sync_now;
     Py_DECREF(d);
-    return sync ? acknowledge(c) : 0;
+    if (!sync) return 0;
+    PyObject *r = PyObject_CallMethodObjArgs(c->server, s_acknowledge, c->session, c->link, c->commit, NULL);
+    if (!r) return -1;
+    Py_DECREF(r);
+    return 0;
 }
 
 /* Receive what the socket has into the buffer: bytes received, 0 at the end of the stream, -1 on error. */
@@ -392,23 +307,19 @@ static PyObject *rest(Buffer *b) {
 }
 
 PyDoc_STRVAR(run_doc,
-"run(server, session, link, commit, sync_now, acceptor, lock, guard, sock, tls, span, initial, max_frame, ack)\n"
+"run(server, session, link, commit, sync_now, acceptor, lock, guard, sock, tls, span, initial, max_frame)\n"
 "-> (code, rest, end)\n\n"
 "Serve the term holder's plain Appends in the segment `span` (fd, first LSN, end LSN) from `initial`\n"
 "(bytes already received) and the socket on. `rest` is what was received and not served. code 0:\n"
 "`rest` starts with a frame the reference must serve, or `end` is True (the peer closed); code 1:\n"
 "the connection no longer streams here (the term, a stop, the disk guard); code 2: the receive\n"
-"failed and `end` is its exception. `ack`: the acknowledgement's steps (storage.sync_in_place,\n"
-"storage.synced_in_place, commit.synced, the fsync histogram's observe, server._publish, link.send).");
+"failed and `end` is its exception.");
 
 static PyObject *run(PyObject *self, PyObject *args) {
     Ctx c = {0};
-    PyObject *span, *initial, *ack;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOpOSnO", &c.server, &c.session, &c.link, &c.commit, &c.sync_now,
-                          &c.acceptor, &c.lock, &c.guard, &c.sock, &c.tls, &span, &initial, &c.max_frame, &ack))
-        return NULL;
-    if (!PyArg_ParseTuple(ack, "OOOOOO", &c.sync_in_place, &c.synced_in_place, &c.synced, &c.observe_fsync,
-                          &c.publish, &c.send))
+    PyObject *span, *initial;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOpOSn", &c.server, &c.session, &c.link, &c.commit, &c.sync_now,
+                          &c.acceptor, &c.lock, &c.guard, &c.sock, &c.tls, &span, &initial, &c.max_frame))
         return NULL;
     unsigned long long seg_start, seg_end;
     if (!PyArg_ParseTuple(span, "iKK", &c.seg_fd, &seg_start, &seg_end)) return NULL;
@@ -492,7 +403,6 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__streamloop(void) {
 #define INTERN(var, text) if (!(var = PyUnicode_InternFromString(text))) return NULL
-    INTERN(s_commit_lsn, "commit_lsn");
     INTERN(s_owner, "owner");
     INTERN(s_elected_term, "elected_term");
     INTERN(s_state, "state");

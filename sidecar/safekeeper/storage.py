@@ -532,34 +532,6 @@ class WalStorage:
                 self._flush_lsn = max(self._flush_lsn, plan.target)
                 return self._flush_lsn
 
-    def sync_in_place(self) -> tuple[int, int] | None:
-        """(descriptor, end) for a caller that makes the flush itself (the compiled stream loop): everything
-        written is in the open segment, which one fdatasync up to `end` makes durable; the caller must then
-        call `synced_in_place`, which ends what this began. None when a flush has more to do (a filled
-        segment to rename, the directory): then `flush()`."""
-        self._fdatasync_lock.acquire()
-        with self._lock:
-            seg = self._cur
-            if seg is None or self._done or self._dir_dirty or self._failed is not None or self._closed \
-                    or not self._positioned:
-                self._fdatasync_lock.release()
-                return None
-            seg.dirty = False
-            return seg.fd, self._write_lsn
-
-    def synced_in_place(self, end: int, error: int) -> int:
-        """The fdatasync `sync_in_place` asked for returned `error` (an errno, 0 for none): flush_lsn."""
-        try:
-            if error:
-                assert self._cur is not None
-                e = OSError(error, os.strerror(error))
-                self._fail(f"fdatasync of WAL segment {self._path(self._cur.segno)} failed: {e}")
-            with self._lock:
-                self._flush_lsn = max(self._flush_lsn, end)
-                return self._flush_lsn
-        finally:
-            self._fdatasync_lock.release()
-
     def _plan_flush(self) -> _FlushPlan:
         plan = _FlushPlan(self._write_lsn, done=list(self._done), dir_dirty=self._dir_dirty)
         candidates = self._done + ([self._cur] if self._cur is not None else [])

@@ -10,10 +10,8 @@ Append, write it, group commit, acknowledge):
   itself, and hands everything else back to the reference unread. It checks what
   `Acceptor.on_append` checks, records each write through the same methods
   (`Safekeeper._wrote_in_place`: `Acceptor.appended`, the positions, the counters), asks the same
-  `GroupCommit` object when to sync, and acknowledges as `Safekeeper._acknowledge` does (one
-  fdatasync of the open segment, `WalStorage.sync_in_place`; `Acceptor.on_flushed`'s rule under the
-  acceptor lock; the reference's own `_acknowledge` when the storage has more to do); TLS stays the
-  connection's `ssl.SSLSocket`.
+  `GroupCommit` object when to sync and acknowledges through the reference's own
+  `Safekeeper._acknowledge`; TLS stays the connection's `ssl.SSLSocket`.
 
 `WALSIDECAR_IMPL` chooses, as `PSYCOPG_IMPL` does for psycopg: `python`, `compiled` (an error if the
 compiled loop does not load), or unset for the compiled loop where it was built and the reference
@@ -92,11 +90,9 @@ def run(loop: Any, server: Host, session: AcceptorSession, link: Link, commit: G
     span = storage.write_span()
     if span is None:  # no segment open at write_lsn: the reference's write opens it
         return HANDED_BACK
-    ack = (storage.sync_in_place, storage.synced_in_place, commit.synced, server.stats.fsync.observe, server._publish,
-           link.send)
     code, rest, end = loop.run(server, session, link, commit, Decision.SYNC_NOW, server.acceptor,
                                server.acceptor_lock, server.guard, link.sock, isinstance(link.sock, ssl.SSLSocket),
-                               span, link.take_undecoded(), link.max_frame, ack)
+                               span, link.take_undecoded(), link.max_frame)
     if code == _RECEIVE_FAILED:
         raise link.receive_failed(end)
     link.give_back(rest, end)

@@ -533,25 +533,3 @@ def test_a_write_in_place_is_offered_only_inside_the_open_segment_and_recorded_a
             store.wrote(lsn, end_lsn)
     store.write(SEG + 5100, payload(SEG - 5100))  # fills the segment: none is open at write_lsn
     assert store.write_span() is None
-
-
-def test_a_sync_in_place_covers_the_open_segment_only_and_a_failed_one_is_in_doubt(store: WalStorage) -> None:
-    """The compiled stream loop's flush: one fdatasync of the open segment it is given; anything more (a filled
-    segment to rename) is flush()'s. A failed fdatasync leaves the storage failed, as flush's does."""
-    store.open_at(SEG)
-    store.write(SEG, payload(SEG + 100))  # fills a segment: its rename is flush()'s
-    assert store.sync_in_place() is None
-    assert store.flush() == 2 * SEG + 100
-    store.write(2 * SEG + 100, payload(50))
-    fd, end = store.sync_in_place()  # type: ignore[misc]
-    assert end == 2 * SEG + 150
-    os.fdatasync(fd)
-    assert store.synced_in_place(end, 0) == end == store.flush_lsn
-    store.write(end, payload(10))
-    fd, end2 = store.sync_in_place()  # type: ignore[misc]
-    with pytest.raises(WalInDoubt, match="fdatasync of WAL segment .* failed: \\[Errno 5\\]"):
-        store.synced_in_place(end2, errno.EIO)
-    assert store.flush_lsn == end
-    with pytest.raises(StorageError):
-        store.write(end2, b"x")
-    assert store.sync_in_place() is None  # and the lock it took was let go
