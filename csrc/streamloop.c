@@ -51,7 +51,7 @@ static uint32_t be32(const unsigned char *p) {
 
 /* Interned attribute and method names. */
 static PyObject *s_owner, *s_elected_term, *s_state, *s_term, *s_write_lsn, *s_flush_lsn, *s_append_limit,
-    *s_stopped, *s_fatal, *s_reason, *s_acquire, *s_release, *s_decide, *s_acknowledge, *s_wrote_in_place,
+    *s_stopped, *s_fatal, *s_reason, *s_acquire, *s_release, *s_acknowledge, *s_wrote_in_place,
     *s_recv_into, *s_pending;
 
 typedef struct {
@@ -415,7 +415,6 @@ PyMODINIT_FUNC PyInit__streamloop(void) {
     INTERN(s_reason, "reason");
     INTERN(s_acquire, "acquire");
     INTERN(s_release, "release");
-    INTERN(s_decide, "decide");
     INTERN(s_acknowledge, "_acknowledge");
     INTERN(s_wrote_in_place, "_wrote_in_place");
     INTERN(s_recv_into, "recv_into");

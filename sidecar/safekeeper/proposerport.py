@@ -118,9 +118,13 @@ class Link:
         if n == 0:
             self._eof = True
             return
+        self._decode(lambda out: self.decoder.buffer_updated(n, out))
+
+    def _decode(self, step: Callable[[list[Message]], None]) -> None:
+        """The messages a decoder step completes, queued; a bad frame is reported after them."""
         out: list[Message] = []
         try:
-            self.decoder.buffer_updated(n, out)
+            step(out)
         except codec.ProtocolError as e:
             self._error = e
         self._messages.extend(out)
@@ -157,12 +161,7 @@ class Link:
     def give_back(self, data: bytes, eof: bool) -> None:
         """Bytes received by the compiled loop and not served: decoded here as if received here."""
         if data:
-            out: list[Message] = []
-            try:
-                self.decoder.buffer_feed(data, out)
-            except codec.ProtocolError as e:
-                self._error = e
-            self._messages.extend(out)
+            self._decode(lambda out: self.decoder.buffer_feed(data, out))
         if eof:
             self._eof = True
 

@@ -76,7 +76,7 @@ def streams(server: Host, session: AcceptorSession, link: Link) -> bool:
     """True if the compiled loop may take the connection now: it holds the term, nothing is decoded and
     waiting, WAL storage is open, and nothing stops or holds back the stream."""
     return session.holds_term and not link.has_decoded and isinstance(server.storage, WalStorage) \
-        and server.stopped is None and server.fatal is None and server.guard.reason is None
+        and server.stopped is None and server.fatal is None and not server.guard.active
 
 
 def run(loop: Any, server: Host, session: AcceptorSession, link: Link, commit: GroupCommit) -> int:
