@@ -7,6 +7,10 @@ the same disk and fsync on everywhere:
 * async          no synchronous standby (the upper bound)
 * receivewal-1   one `pg_receivewal --synchronous` as the synchronous standby
 * native-quorum  three `pg_receivewal --synchronous`, `ANY 2 (r1, r2, r3)`
+* native-quorum-tls  the same with TLS on the three replication connections (the primary with ssl=on and the
+                 deployment's certificate, pg_receivewal with sslmode=require; pgbench's own connections
+                 stay plain): native quorum commit paying for TLS as walsidecar's links do (run only when
+                 --only names it)
 * walsidecar     three safekeepers, quorum 2, mutually authenticated TLS on every link
 * walsidecar-auth      the same with --link-security auth-only: certificates checked at connection start, no encryption
 * walsidecar-insecure  the same with --insecure: no TLS (walsidecar ÷ walsidecar-insecure is TLS's cost)
@@ -17,6 +21,11 @@ the same disk and fsync on everywhere:
                        it achieves when a safekeeper costs nothing but recv/pwrite/fdatasync/send (a
                        measurement stand-in compiled into the scratch directory; run only when --only
                        names it; no catch-up workload)
+* walsidecar-floor-all the same with scripts/floor_proposer.c in the sidecar's place too: both stand-ins, what
+                       a commit costs when the proposer's pump costs nothing but its system calls (plain
+                       TCP; run only when --only names it; no catch-up workload)
+* walsidecar-floor-all-tls  both stand-ins over TLS 1.3 with the deployment's certificates (OpenSSL from C,
+                       scripts/floor_tls.h): the floor of walsidecar's own configuration
 
 Rounds are interleaved (A B C D, A B C D, ...); each configuration starts from a fresh copy
 of a template cluster (one per pgbench scale, each built once per run). Workloads:
@@ -90,19 +99,23 @@ from sidecar.lsn import format_lsn, parse_lsn, parse_segment_file_name  # noqa: 
 from sidecar.pgcluster import ClusterError, LocalCluster, find_bin_dir  # noqa: E402
 from sidecar.processes import Child, process_tree  # noqa: E402
 from sidecar.deployment import (  # noqa: E402
-    DeploymentError, LocalDeployment, MemberExited, ProcessMember, SafekeeperMember, free_port,
+    DeploymentError, LocalDeployment, MemberExited, ProcessMember, ProposerMember, SafekeeperMember, free_port,
 )
 
-CONFIGS = ("async", "receivewal-1", "native-quorum", "walsidecar", "walsidecar-auth", "walsidecar-insecure",
-           "walsidecar-python", "walsidecar-floor")
+CONFIGS = ("async", "receivewal-1", "native-quorum", "native-quorum-tls", "walsidecar", "walsidecar-auth", "walsidecar-insecure",
+           "walsidecar-python", "walsidecar-floor", "walsidecar-floor-all", "walsidecar-floor-all-tls")
 # walsidecar with mutually authenticated TLS on every link (the default), and with --insecure: the difference
 # is what TLS costs.
-SIDECAR_CONFIGS = ("walsidecar", "walsidecar-auth", "walsidecar-insecure", "walsidecar-python", "walsidecar-floor")
+SIDECAR_CONFIGS = ("walsidecar", "walsidecar-auth", "walsidecar-insecure", "walsidecar-python", "walsidecar-floor",
+                   "walsidecar-floor-all", "walsidecar-floor-all-tls")
 FLOOR = "walsidecar-floor"  # the sidecar against scripts/floor_safekeeper.c (FloorSafekeeper)
-FLOOR_SOURCE = ROOT / "scripts" / "floor_safekeeper.c"
+# scripts/floor_proposer.c (FloorProposer) against them, over plain TCP and over TLS
+FLOOR_ALL, FLOOR_ALL_TLS = "walsidecar-floor-all", "walsidecar-floor-all-tls"
+FLOORS = (FLOOR, FLOOR_ALL, FLOOR_ALL_TLS)
 PYTHON_LOOP = "walsidecar-python"  # the safekeepers on the Python reference of their stream loop
-# The floor and the Python loop only when --only names them.
-DEFAULT_CONFIGS = tuple(c for c in CONFIGS if c not in (FLOOR, PYTHON_LOOP))
+NATIVE_TLS = "native-quorum-tls"  # native quorum commit with TLS on its replication connections
+# The floors, the Python loop and native quorum commit over TLS only when --only names them.
+DEFAULT_CONFIGS = tuple(c for c in CONFIGS if c not in (*FLOORS, PYTHON_LOOP, NATIVE_TLS))
 ONE_DOWN = "pgbench-16-one-down"
 CONTENDED = "pgbench-16-contended"
 FLOOD = "pgbench-1-reader-flood"
@@ -118,8 +131,8 @@ IDLE_LOAD = "pgbench-1-idle-load"
 WORKLOADS = ("pgbench-1", FLOOD, IDLE_LOAD, "pgbench-16", ONE_DOWN, "bulk", "catchup", CONTENDED, "wal-analytics")
 # A receiver can be down without stopping commits. Not the floor: a restarted stand-in is empty and has
 # no reader port to catch up from.
-QUORUM_CONFIGS = ("native-quorum", *(c for c in SIDECAR_CONFIGS if c != FLOOR))
-READER_CONFIGS = tuple(c for c in SIDECAR_CONFIGS if c != FLOOR)  # safekeepers with a reader port
+QUORUM_CONFIGS = ("native-quorum", NATIVE_TLS, *(c for c in SIDECAR_CONFIGS if c not in FLOORS))
+READER_CONFIGS = tuple(c for c in SIDECAR_CONFIGS if c not in FLOORS)  # safekeepers with a reader port
 CONTENDED_SCALE = 10  # ten branch rows: sixteen clients queue behind their row locks
 SIDECAR_APP = "walsidecar"
 MB, GB = 1_000_000, 1_000_000_000
@@ -135,16 +148,19 @@ PRIMARY_SETTINGS = {
     "max_replication_slots": "10",
     "wal_sender_timeout": "60s",
 }
-RECEIVEWAL_NAMES = {"receivewal-1": ("r1",), "native-quorum": ("r1", "r2", "r3")}
+RECEIVEWAL_NAMES = {"receivewal-1": ("r1",), "native-quorum": ("r1", "r2", "r3"), NATIVE_TLS: ("r1", "r2", "r3")}
 STANDBY_NAMES = {
     "async": "",
     "receivewal-1": "r1",
     "native-quorum": "ANY 2 (r1, r2, r3)",
+    NATIVE_TLS: "ANY 2 (r1, r2, r3)",
     "walsidecar": SIDECAR_APP,
     "walsidecar-auth": SIDECAR_APP,
     "walsidecar-insecure": SIDECAR_APP,
     "walsidecar-python": SIDECAR_APP,
     "walsidecar-floor": SIDECAR_APP,
+    "walsidecar-floor-all": SIDECAR_APP,
+    "walsidecar-floor-all-tls": SIDECAR_APP,
 }
 
 
@@ -392,9 +408,10 @@ def pin_tree(pid: int, cpus: frozenset[int]) -> None:
 class ReceiveWal(ProcessMember):
     """`pg_receivewal --synchronous` into its own directory: a synchronous standby named like the member."""
 
-    def __init__(self, d: LocalDeployment, name: str, bin_dir: Path) -> None:
+    def __init__(self, d: LocalDeployment, name: str, bin_dir: Path, tls: bool = False) -> None:
         super().__init__(d, name)
         self.bin_dir = bin_dir
+        self.tls = tls
 
     @property
     def standby(self) -> str:  # type: ignore[override]
@@ -402,21 +419,27 @@ class ReceiveWal(ProcessMember):
 
     def argv(self) -> list[str]:
         dsn = f"host=127.0.0.1 port={self.d.pg.port} user=postgres application_name={self.name}"
+        if self.tls:
+            dsn += " sslmode=require"
         return [str(self.bin_dir / "pg_receivewal"), "-D", str(self.data_dir), "--synchronous", "--no-loop",
                 "--slot", self.name, "-d", dsn]
 
 
-def floor_binary(work: Path) -> Path:
-    """scripts/floor_safekeeper.c compiled into the scratch directory `work`, once per run."""
-    exe = work / "floor_safekeeper"
+def floor_binary(work: Path, name: str) -> Path:
+    """scripts/NAME.c, a measurement stand-in, compiled into the scratch directory `work`, once per run."""
+    exe = work / name
+    source = ROOT / "scripts" / f"{name}.c"
     if not exe.exists():
         cc = shutil.which("gcc") or shutil.which("cc")
         if cc is None:
-            raise BenchError(f"{FLOOR} compiles {FLOOR_SOURCE}: install gcc (apt-get install gcc)")
-        proc = subprocess.run([cc, "-O2", "-pthread", "-o", str(exe), str(FLOOR_SOURCE)],
+            raise BenchError(f"the floors compile {source}: install gcc (apt-get install gcc)")
+        # The proposer's stand-in speaks to the primary through libpq, whose headers pg_config knows.
+        libpq = [f"-I{subprocess.run(['pg_config', '--includedir'], capture_output=True, text=True).stdout.strip()}",
+                 "-lpq"] if name == "floor_proposer" else []
+        proc = subprocess.run([cc, "-O2", "-pthread", "-o", str(exe), str(source), *libpq, "-lssl", "-lcrypto"],
                               capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
-            raise BenchError(f"compiling {FLOOR_SOURCE} failed:\n{proc.stderr[-2000:]}")
+            raise BenchError(f"compiling {source} failed:\n{proc.stderr[-2000:]}")
     return exe
 
 
@@ -424,8 +447,24 @@ class FloorSafekeeper(SafekeeperMember):
     """scripts/floor_safekeeper.c in a safekeeper's place: the floor of walsidecar-floor, for measuring only."""
 
     def argv(self) -> list[str]:
-        exe = floor_binary(self.d.base.parent)  # Setup's base is in the run's scratch directory
-        return [str(exe), "--id", str(self.node_id), "--listen", self.address, "--data-dir", str(self.data_dir)]
+        exe = floor_binary(self.d.base.parent, "floor_safekeeper")  # Setup's base is in the run's scratch directory
+        return [str(exe), "--id", str(self.node_id), "--listen", self.address, "--data-dir", str(self.data_dir),
+                *floor_tls(self)]
+
+
+class FloorProposer(ProposerMember):
+    """scripts/floor_proposer.c in the sidecar's place: the floor of walsidecar-floor-all, for measuring only."""
+
+    def argv(self) -> list[str]:
+        exe = floor_binary(self.d.base.parent, "floor_proposer")
+        return [str(exe), "--pg-dsn", self.d.pg.dsn(), "--application-name", self.d.application_name,
+                "--safekeepers", ",".join(self.d.addresses), *floor_tls(self)]
+
+
+def floor_tls(member: ProcessMember) -> list[str]:
+    """A stand-in's --certs-dir: the certificates the deployment made for it, none when it is insecure."""
+    certs = member.d.certs_dir(member.name, member.role, member.node_id)
+    return ["--certs-dir", str(certs)] if certs is not None else []
 
     def create_once(self) -> None:
         """Nothing: the stand-in keeps no control file, and remembers no term across a restart anyway."""
@@ -441,17 +480,19 @@ class Setup:
         self.pin = pin
         self.port = free_port()
         # The floor's stand-ins speak plain TCP and serve no readers.
-        floor: dict[str, Any] = {"readers": False, "safekeeper_kind": FloorSafekeeper} if config == FLOOR else {}
+        floor: dict[str, Any] = {"readers": False, "safekeeper_kind": FloorSafekeeper} if config in FLOORS else {}
+        if config in (FLOOR_ALL, FLOOR_ALL_TLS):
+            floor["proposer_kind"] = FloorProposer
         # Which stream loop the safekeepers run, asked for by name: a compiled loop that did not build fails
         # the run rather than measuring the reference under the compiled one's name.
         impl = {"WALSIDECAR_IMPL": "python" if config == PYTHON_LOOP else "compiled"}
         self.d = LocalDeployment(base, safekeepers=3 if config in SIDECAR_CONFIGS else 0, pg_port=self.port,
-                                 application_name=SIDECAR_APP, insecure=config in ("walsidecar-insecure", FLOOR),
+                                 application_name=SIDECAR_APP, insecure=config in ("walsidecar-insecure", FLOOR, FLOOR_ALL),
                                  link_security="auth-only" if config == "walsidecar-auth" else "tls",
                                  spawn=lambda name, argv, log: Child(name, argv, log, env=impl).start(), **floor)
         self.cluster = self.d.pg
         for name in RECEIVEWAL_NAMES.get(config, ()):
-            self.d.add(ReceiveWal(self.d, name, bin_dir))
+            self.d.add(ReceiveWal(self.d, name, bin_dir, tls=config == NATIVE_TLS))
         self._template = template
 
     # -- building
@@ -461,6 +502,8 @@ class Setup:
         os.chmod(self.base, 0o755)
         subprocess.run(["cp", "-a", str(self._template), str(self.cluster.data_dir)], check=True, timeout=300)
         self.cluster.set({"port": str(self.port), "synchronous_standby_names": STANDBY_NAMES[self.config]})
+        if self.config == NATIVE_TLS:
+            self.serve_tls()
         # The postmaster is pinned before it forks the backends pgbench and the receivers connect to.
         with affinity(self.pin and self.pin.primary):
             self.d.start("primary")
@@ -476,6 +519,24 @@ class Setup:
             self.d.start_all(wait=False)
         self.repin()
         self.wait_synchronous()
+        if self.config == NATIVE_TLS:
+            with self.sql() as c:
+                plain = c.execute("SELECT application_name FROM pg_stat_replication JOIN pg_stat_ssl USING (pid) "
+                                  "WHERE NOT ssl").fetchall()
+            if plain:
+                raise BenchError(f"{NATIVE_TLS}: {', '.join(r[0] for r in plain)} replicate without TLS")
+
+    def serve_tls(self) -> None:
+        """ssl=on with a certificate of the deployment's CA, its key in the data directory and the server's own."""
+        certs = self.d.certs_dir("primary", "client", hosts=("127.0.0.1",))
+        assert certs is not None  # native configurations are not insecure
+        owner = self.cluster.data_dir.stat()
+        for source, target in (("node.crt", "server.crt"), ("node.key", "server.key")):
+            path = self.cluster.data_dir / target
+            shutil.copyfile(certs / source, path)
+            os.chmod(path, 0o600)
+            os.chown(path, owner.st_uid, owner.st_gid)
+        self.cluster.set({"ssl": "on", "ssl_cert_file": "server.crt", "ssl_key_file": "server.key"})
 
     def start_receiver(self, name: str) -> None:
         """Start (or restart) one receiver by name: r1..r3, safekeeper1..3 or the proposer."""
@@ -557,7 +618,9 @@ def pgbench(setup: Setup, clients: int, duration: float, log_dir: Path) -> dict[
             "-T", str(max(1, round(duration))), "--log", f"--log-prefix={prefix}",
             "-h", "127.0.0.1", "-p", str(setup.port), "-U", "postgres", "postgres"]
     with affinity(setup.pin and setup.pin.pgbench):  # pgbench's, not this process's while it waits
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # Its clients' connections stay plain in every configuration (native-quorum-tls's primary offers TLS).
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PGSSLMODE": "disable"})
     try:
         stdout, stderr = proc.communicate(timeout=duration + 120)
     except subprocess.TimeoutExpired:
@@ -1286,9 +1349,10 @@ def chart(report: dict[str, Any], path: Path, log: Callable[[str], None]) -> Non
     shown = [m for m in shown if any(values(report, m, c) for c in configs)]
     if not shown:
         return
-    colors = {"async": "#9e9e9e", "receivewal-1": "#64b5f6", "native-quorum": "#1565c0", "walsidecar": "#e65100",
+    colors = {"async": "#9e9e9e", "receivewal-1": "#64b5f6", "native-quorum": "#1565c0", "native-quorum-tls": "#0d47a1", "walsidecar": "#e65100",
               "walsidecar-auth": "#fb8c00", "walsidecar-insecure": "#ffb74d", "walsidecar-python": "#8d6e63",
-              "walsidecar-floor": "#fff176"}
+              "walsidecar-floor": "#fff176", "walsidecar-floor-all": "#fdd835",
+              "walsidecar-floor-all-tls": "#f9a825"}
     cols = 3
     rows = (len(shown) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)

@@ -2,7 +2,8 @@
  *
  * The floor: what the sidecar achieves when a safekeeper costs nothing but recv/pwrite/fdatasync/send.
  * It speaks just enough of the safekeeper protocol (docs/protocol.md, sidecar/consensus/codec.py) over
- * plain TCP (the sidecar's --insecure) for one sidecar to elect a term and stream: GreetingReply, a vote
+ * plain TCP (the sidecar's --insecure), or TLS with --certs-dir (floor_tls.h), for one sidecar to elect a term
+ * and stream: GreetingReply, a vote
  * granted iff the term is new, ElectedReply with the divergence point (the term's start on an empty
  * store), then per batch of Appends one pwrite each, one fdatasync and one AppendReply. WAL goes into
  * PostgreSQL-named segment files, each renamed from a zero-filled spare a thread prepares, as the real
@@ -10,12 +11,12 @@
  *
  * What it skips, so never run it for anything but a measurement: the term and history live in memory only
  * (a restart forgets every promise), no control file, no record-boundary scan (tail_lsn 0: the proposer
- * skips its CRC check of the primary), no .partial names, no WAL removal, no TLS, auth-only, InfoRequest,
+ * skips its CRC check of the primary), no .partial names, no WAL removal, no certificate roles, auth-only, InfoRequest,
  * reader port, timeline switches or Refusal. Anything but the happy path closes the connection, and it
  * serves one connection at a time (a new one replaces the old). At SIGTERM it logs its fdatasync times.
  *
- * Build: gcc -O2 -pthread -o floor_safekeeper floor_safekeeper.c
- * Run:   floor_safekeeper --id N --listen 127.0.0.1:PORT --data-dir DIR
+ * Build: gcc -O2 -pthread -o floor_safekeeper floor_safekeeper.c -lssl -lcrypto
+ * Run:   floor_safekeeper --id N --listen 127.0.0.1:PORT --data-dir DIR [--certs-dir DIR]
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -36,6 +37,8 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+
+#include "floor_tls.h"
 
 #define PROTOCOL_VERSION 5
 #define FENCE 20 /* a TimelineFence (term, timeline, lsn) after the histories of VoteReply and Elected */
@@ -71,6 +74,8 @@ static volatile sig_atomic_t stopping;
 static uint64_t syncs, sync_ns, sync_max_ns, appends, replies;
 
 /* ---- the connection */
+static SSL_CTX *tls_ctx; /* with --certs-dir */
+static SSL *conn_ssl;
 static int conn = -1;
 static unsigned char *rbuf;
 static size_t rstart, rend;
@@ -153,9 +158,10 @@ static void *spare_maker(void *arg) {
             die("creating wal.spare.tmp");
         zero_fill(fd);
         close(fd);
+        /* Published under the lock that open_segment takes it under: spare_ready says wal.spare is there. */
+        pthread_mutex_lock(&spare_mu);
         if (renameat(dir_fd, "wal.spare.tmp", dir_fd, "wal.spare") < 0)
             die("renaming wal.spare.tmp");
-        pthread_mutex_lock(&spare_mu);
         spare_ready = 1;
     }
     return NULL;
@@ -185,10 +191,10 @@ static void open_segment(uint64_t no) {
         pthread_mutex_lock(&spare_mu);
         int ready = spare_ready;
         spare_ready = 0;
+        if (ready && renameat(dir_fd, "wal.spare", dir_fd, name) < 0)
+            die("renaming wal.spare to %s", name);
         pthread_mutex_unlock(&spare_mu);
         if (ready) {
-            if (renameat(dir_fd, "wal.spare", dir_fd, name) < 0)
-                die("renaming wal.spare to %s", name);
             seg_fd = openat(dir_fd, name, O_RDWR);
         } else { /* the thread is still at it (or never was asked): zero-fill here */
             seg_fd = openat(dir_fd, name, O_RDWR | O_CREAT, 0600);
@@ -219,7 +225,7 @@ static void store(uint64_t lsn, const unsigned char *p, size_t n) {
 static int flush_out(void) {
     size_t sent = 0;
     while (sent < oend) {
-        ssize_t w = send(conn, obuf + sent, oend - sent, MSG_NOSIGNAL);
+        ssize_t w = floor_write(conn, conn_ssl, obuf + sent, oend - sent);
         if (w < 0) {
             if (errno == EINTR)
                 continue;
@@ -423,6 +429,8 @@ static void drop(const char *why) {
     if (conn < 0)
         return;
     say("connection closed: %s", why);
+    SSL_free(conn_ssl);
+    conn_ssl = NULL;
     close(conn);
     conn = -1;
     greeted = 0;      /* each connection greets first */
@@ -467,7 +475,7 @@ static int parse(int *pending) {
 static void serve(void) {
     int pending = 0;
     for (;;) {
-        ssize_t r = recv(conn, rbuf + rend, RECV_BUF - rend, MSG_DONTWAIT);
+        ssize_t r = floor_read(conn, conn_ssl, rbuf + rend, RECV_BUF - rend);
         if (r == 0) {
             drop("end of stream");
             return;
@@ -499,7 +507,7 @@ static void serve(void) {
 }
 
 int main(int argc, char **argv) {
-    const char *listen_at = NULL;
+    const char *listen_at = NULL, *certs_dir = NULL;
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--id"))
             node_id = strtoull(argv[i + 1], NULL, 10);
@@ -507,10 +515,17 @@ int main(int argc, char **argv) {
             listen_at = argv[i + 1];
         else if (!strcmp(argv[i], "--data-dir"))
             data_dir = argv[i + 1];
+        else if (!strcmp(argv[i], "--certs-dir"))
+            certs_dir = argv[i + 1];
     }
     const char *colon = listen_at ? strrchr(listen_at, ':') : NULL;
     if (!node_id || !data_dir || !colon) {
-        fprintf(stderr, "usage: floor_safekeeper --id N --listen HOST:PORT --data-dir DIR\n");
+        fprintf(stderr, "usage: floor_safekeeper --id N --listen HOST:PORT --data-dir DIR [--certs-dir DIR]\n");
+        return 2;
+    }
+    char why[600];
+    if (certs_dir != NULL && (tls_ctx = floor_tls_context(certs_dir, 1, why, sizeof why)) == NULL) {
+        fprintf(stderr, "floor_safekeeper: %s\n", why);
         return 2;
     }
     if (mkdir(data_dir, 0700) < 0 && errno != EEXIST)
@@ -555,9 +570,14 @@ int main(int argc, char **argv) {
             int c = accept(lfd, NULL, NULL);
             if (c >= 0) {
                 drop("a newer connection replaces it");
+                setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+                if (tls_ctx != NULL && (conn_ssl = floor_tls_start(tls_ctx, c, 1)) == NULL) {
+                    say("TLS handshake failed: %s", ERR_reason_error_string(ERR_get_error()));
+                    close(c);
+                    continue;
+                }
                 conn = c;
                 rstart = rend = oend = 0;
-                setsockopt(conn, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
                 continue;
             }
         }

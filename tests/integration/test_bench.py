@@ -74,18 +74,21 @@ def test_quick_benchmark_produces_every_output(test_dir: Path) -> None:
     assert (out / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_floor_safekeepers_carry_the_sidecar(test_dir: Path) -> None:
-    """walsidecar-floor: the sidecar elects and commits against three scripts/floor_safekeeper.c."""
-    proc, out = quick_bench(test_dir, "--only", "walsidecar-floor,pgbench-1", timeout=300)
+def test_the_floors_carry_commits(test_dir: Path) -> None:
+    """walsidecar-floor: the sidecar elects and commits against three scripts/floor_safekeeper.c;
+    walsidecar-floor-all: scripts/floor_proposer.c does, in the sidecar's place."""
+    proc, out = quick_bench(test_dir, "--only", "walsidecar-floor,walsidecar-floor-all,pgbench-1", timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    row, = json.loads((out / "results.json").read_text())["rounds"]
-    assert (row["config"], row["workload"]) == ("walsidecar-floor", "pgbench-1")
-    assert row["transactions"] > 0 and set(row["processes"]) == {"safekeeper1", "safekeeper2", "safekeeper3",
-                                                                  "proposer"}
-    # Wake-ups (voluntary context switches) and read/write system calls per transaction, for each process.
-    for name, p in row["processes"].items():
-        assert p["wakeups"] > 0 and p["rw_syscalls"] > 0 and p["wakeups_per_txn"] > 0, (name, p)
-    assert row["sidecar_wakeups_per_txn"] > 0 and row["receiver_rw_syscalls_per_txn"] > 0
+    rows = json.loads((out / "results.json").read_text())["rounds"]
+    assert [(r["config"], r["workload"]) for r in rows] == [("walsidecar-floor", "pgbench-1"),
+                                                            ("walsidecar-floor-all", "pgbench-1")]
+    for row in rows:
+        assert row["transactions"] > 0 and set(row["processes"]) == {"safekeeper1", "safekeeper2", "safekeeper3",
+                                                                      "proposer"}
+        # Wake-ups (voluntary context switches) and read/write system calls per transaction, for each process.
+        for name, p in row["processes"].items():
+            assert p["wakeups"] > 0 and p["rw_syscalls"] > 0 and p["wakeups_per_txn"] > 0, (name, p)
+        assert row["sidecar_wakeups_per_txn"] > 0 and row["receiver_rw_syscalls_per_txn"] > 0
 
 
 def test_reader_flood_is_measured_beside_pgbench_1_as_a_ratio(test_dir: Path) -> None:
