@@ -102,8 +102,9 @@ from sidecar.deployment import (  # noqa: E402
     DeploymentError, LocalDeployment, MemberExited, ProcessMember, ProposerMember, SafekeeperMember, free_port,
 )
 
-CONFIGS = ("async", "receivewal-1", "native-quorum", "native-quorum-tls", "walsidecar", "walsidecar-auth", "walsidecar-insecure",
-           "walsidecar-python", "walsidecar-floor", "walsidecar-floor-all", "walsidecar-floor-all-tls")
+CONFIGS = ("async", "receivewal-1", "native-quorum", "native-quorum-tls", "walsidecar", "walsidecar-auth",
+           "walsidecar-insecure", "walsidecar-python", "walsidecar-floor", "walsidecar-floor-all",
+           "walsidecar-floor-all-tls")
 # walsidecar with mutually authenticated TLS on every link (the default), and with --insecure: the difference
 # is what TLS costs.
 SIDECAR_CONFIGS = ("walsidecar", "walsidecar-auth", "walsidecar-insecure", "walsidecar-python", "walsidecar-floor",
@@ -487,7 +488,8 @@ class Setup:
         # the run rather than measuring the reference under the compiled one's name.
         impl = {"WALSIDECAR_IMPL": "python" if config == PYTHON_LOOP else "compiled"}
         self.d = LocalDeployment(base, safekeepers=3 if config in SIDECAR_CONFIGS else 0, pg_port=self.port,
-                                 application_name=SIDECAR_APP, insecure=config in ("walsidecar-insecure", FLOOR, FLOOR_ALL),
+                                 application_name=SIDECAR_APP,
+                                 insecure=config in ("walsidecar-insecure", FLOOR, FLOOR_ALL),
                                  link_security="auth-only" if config == "walsidecar-auth" else "tls",
                                  spawn=lambda name, argv, log: Child(name, argv, log, env=impl).start(), **floor)
         self.cluster = self.d.pg
@@ -1218,8 +1220,8 @@ def markdown(report: dict[str, Any]) -> str:
     head = ["metric (median of rounds)", *configs]
     # walsidecar ÷ walsidecar-insecure is what TLS costs; ÷ walsidecar-auth, what its encryption costs.
     # ÷ walsidecar-python, what the safekeepers' compiled stream loop gains.
-    ratio_to = [c for c in ("native-quorum", "receivewal-1", "walsidecar-auth", "walsidecar-insecure", PYTHON_LOOP)
-                if c in configs and "walsidecar" in configs]
+    ratio_to = [c for c in ("native-quorum", NATIVE_TLS, "receivewal-1", "walsidecar-auth", "walsidecar-insecure",
+                            PYTHON_LOOP) if c in configs and "walsidecar" in configs]
     head += [f"walsidecar ÷ {c}" for c in ratio_to]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m in METRICS:
@@ -1349,7 +1351,8 @@ def chart(report: dict[str, Any], path: Path, log: Callable[[str], None]) -> Non
     shown = [m for m in shown if any(values(report, m, c) for c in configs)]
     if not shown:
         return
-    colors = {"async": "#9e9e9e", "receivewal-1": "#64b5f6", "native-quorum": "#1565c0", "native-quorum-tls": "#0d47a1", "walsidecar": "#e65100",
+    colors = {"async": "#9e9e9e", "receivewal-1": "#64b5f6", "native-quorum": "#1565c0", "native-quorum-tls": "#0d47a1",
+              "walsidecar": "#e65100",
               "walsidecar-auth": "#fb8c00", "walsidecar-insecure": "#ffb74d", "walsidecar-python": "#8d6e63",
               "walsidecar-floor": "#fff176", "walsidecar-floor-all": "#fdd835",
               "walsidecar-floor-all-tls": "#f9a825"}

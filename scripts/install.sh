@@ -74,11 +74,16 @@ if ! command -v ip >/dev/null 2>&1; then
 fi
 
 # A C compiler and Python's headers build the safekeeper's compiled stream loop (csrc/streamloop.c; without
-# them the package installs with the Python reference alone), and scripts/bench.py's walsidecar-floor
-# stand-in (scripts/floor_safekeeper.c).
+# them the package installs with the Python reference alone), and scripts/bench.py's stand-ins
+# (scripts/floor_safekeeper.c, scripts/floor_proposer.c), which also need the headers of OpenSSL and libpq.
 if ! command -v gcc >/dev/null 2>&1; then
     echo "install.sh: no C compiler; installing gcc" >&2
     apt_install gcc libc6-dev
+fi
+if [ ! -f /usr/include/openssl/ssl.h ] || ! command -v pg_config >/dev/null 2>&1 ||
+        [ ! -f "$(pg_config --includedir)/libpq-fe.h" ]; then
+    echo "install.sh: no headers for OpenSSL or libpq (the benchmark's stand-ins); installing libssl-dev libpq-dev" >&2
+    apt_install libssl-dev libpq-dev
 fi
 if ! "$SYSTEM_PYTHON" -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))' \
         2>/dev/null; then
