@@ -25,7 +25,7 @@ the same disk and fsync on everywhere:
                        a commit costs when the proposer's pump costs nothing but its system calls (plain
                        TCP; run only when --only names it; no catch-up workload)
 * walsidecar-floor-all-tls  both stand-ins over TLS 1.3 with the deployment's certificates (OpenSSL from C,
-                       scripts/floor_tls.h): the floor of walsidecar's own configuration
+                       scripts/floor_wire.h): the floor of walsidecar's own configuration
 
 Rounds are interleaved (A B C D, A B C D, ...); each configuration starts from a fresh copy
 of a template cluster (one per pgbench scale, each built once per run). Workloads:

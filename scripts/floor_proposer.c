@@ -3,7 +3,7 @@
  * The sidecar's floor: what a commit costs when the proposer costs nothing but the system calls of its
  * pump, one read of the primary's COPY stream, one write of an Append to each safekeeper, one read of each
  * AppendReply, one standby status to the primary. It runs in the sidecar's place against three
- * scripts/floor_safekeeper.c, over plain TCP or, with --certs-dir, TLS (floor_tls.h): greets them, asks for the votes of a
+ * scripts/floor_safekeeper.c, over plain TCP or, with --certs-dir, TLS (floor_wire.h): greets them, asks for the votes of a
  * new term, sends Elected with a history of that term alone starting at the primary's flush position,
  * then streams: everything drained from the primary in one pass as one Append per safekeeper (one write, or
  * one TLS record, each), and the quorum of their flush positions (the majority's, as consensus/quorum.py says for members
@@ -34,7 +34,7 @@
 #include <sys/time.h>
 #include <unistd.h>
 
-#include "floor_tls.h"
+#include "floor_wire.h"
 
 #define PROTOCOL_VERSION 5
 #define FENCE 20 /* a TimelineFence (term, timeline, lsn): none */
@@ -65,33 +65,6 @@ static void die(const char *fmt, ...) {
     fputc('\n', stderr);
     va_end(ap);
     exit(1);
-}
-
-static uint64_t be64(const unsigned char *p) {
-    uint64_t v = 0;
-    for (int i = 0; i < 8; i++)
-        v = v << 8 | p[i];
-    return v;
-}
-
-static uint32_t be32(const unsigned char *p) {
-    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
-}
-
-static unsigned char *put64(unsigned char *p, uint64_t v) {
-    for (int i = 7; i >= 0; i--, v >>= 8)
-        p[i] = (unsigned char)v;
-    return p + 8;
-}
-
-static unsigned char *put32(unsigned char *p, uint32_t v) {
-    p[0] = v >> 24, p[1] = v >> 16, p[2] = v >> 8, p[3] = (unsigned char)v;
-    return p + 4;
-}
-
-static unsigned char *put16(unsigned char *p, uint16_t v) {
-    p[0] = v >> 8, p[1] = (unsigned char)v;
-    return p + 2;
 }
 
 static void send_all(int i, const unsigned char *p, size_t n) {

@@ -2,7 +2,7 @@
  *
  * The floor: what the sidecar achieves when a safekeeper costs nothing but recv/pwrite/fdatasync/send.
  * It speaks just enough of the safekeeper protocol (docs/protocol.md, sidecar/consensus/codec.py) over
- * plain TCP (the sidecar's --insecure), or TLS with --certs-dir (floor_tls.h), for one sidecar to elect a term
+ * plain TCP (the sidecar's --insecure), or TLS with --certs-dir (floor_wire.h), for one sidecar to elect a term
  * and stream: GreetingReply, a vote
  * granted iff the term is new, ElectedReply with the divergence point (the term's start on an empty
  * store), then per batch of Appends one pwrite each, one fdatasync and one AppendReply. WAL goes into
@@ -38,7 +38,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "floor_tls.h"
+#include "floor_wire.h"
 
 #define PROTOCOL_VERSION 5
 #define FENCE 20 /* a TimelineFence (term, timeline, lsn) after the histories of VoteReply and Elected */
@@ -99,28 +99,6 @@ static void say(const char *fmt, ...) {
     vfprintf(stderr, fmt, ap);
     fputc('\n', stderr);
     va_end(ap);
-}
-
-static uint64_t be64(const unsigned char *p) {
-    uint64_t v = 0;
-    for (int i = 0; i < 8; i++)
-        v = v << 8 | p[i];
-    return v;
-}
-
-static uint32_t be32(const unsigned char *p) {
-    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
-}
-
-static unsigned char *put64(unsigned char *p, uint64_t v) {
-    for (int i = 7; i >= 0; i--, v >>= 8)
-        p[i] = (unsigned char)v;
-    return p + 8;
-}
-
-static unsigned char *put32(unsigned char *p, uint32_t v) {
-    p[0] = v >> 24, p[1] = v >> 16, p[2] = v >> 8, p[3] = (unsigned char)v;
-    return p + 4;
 }
 
 /* ---- storage */

@@ -1,12 +1,13 @@
-/* floor_tls.h: the TLS of scripts/bench.py's C stand-ins (floor_safekeeper.c, floor_proposer.c), a measurement
- * tool only. With a certificates directory (ca.crt, node.crt, node.key, as `walsidecar certs` makes them) both
+/* floor_wire.h: what scripts/bench.py's C stand-ins (floor_safekeeper.c, floor_proposer.c) share on the wire, a
+ * measurement tool only: the protocol's big-endian fields, and the socket, plain or TLS. With a certificates
+ * directory (ca.crt, node.crt, node.key, as `walsidecar certs` makes them) both
  * ends speak TLS 1.3 through OpenSSL, each requiring a certificate from the CA, as walsidecar's links do
  * (sidecar/tls.py); what they skip is the role in the certificate and the host name, which change what is
  * trusted, not what a record costs. Without one, plain TCP. The socket is non-blocking once connected: a read
  * or write that would block says EAGAIN, as recv/send with MSG_DONTWAIT do.
  */
-#ifndef FLOOR_TLS_H
-#define FLOOR_TLS_H
+#ifndef FLOOR_WIRE_H
+#define FLOOR_WIRE_H
 
 #include <errno.h>
 #include <fcntl.h>
@@ -16,6 +17,34 @@
 #include <openssl/ssl.h>
 #include <stdio.h>
 #include <sys/socket.h>
+
+/* Big-endian fields, as sidecar/consensus/codec.py packs them. */
+static inline uint64_t be64(const unsigned char *p) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++)
+        v = v << 8 | p[i];
+    return v;
+}
+
+static inline uint32_t be32(const unsigned char *p) {
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+}
+
+static inline unsigned char *put64(unsigned char *p, uint64_t v) {
+    for (int i = 7; i >= 0; i--, v >>= 8)
+        p[i] = (unsigned char)v;
+    return p + 8;
+}
+
+static inline unsigned char *put32(unsigned char *p, uint32_t v) {
+    p[0] = v >> 24, p[1] = v >> 16, p[2] = v >> 8, p[3] = (unsigned char)v;
+    return p + 4;
+}
+
+static inline unsigned char *put16(unsigned char *p, uint16_t v) {
+    p[0] = v >> 8, p[1] = (unsigned char)v;
+    return p + 2;
+}
 
 /* A context for `server` or client side from certificates directory `dir`; NULL with the reason in `why`. */
 static inline SSL_CTX *floor_tls_context(const char *dir, int server, char *why, size_t why_len) {
