@@ -118,8 +118,8 @@ class Analyzed:
 
 
 @pytest.fixture(scope="module")
-def analyzed(wal: GeneratedWal, spark: Any, test_root: Path) -> Analyzed:
-    out = test_root / "analytics" / "out"
+def analyzed(wal: GeneratedWal, spark: Any) -> Analyzed:
+    out = wal.archive.parent / "out"
     result = cli("analyze", str(wal.archive), "--stats", "--out", str(out), progress=True)
     assert result.exit_code == 0, result.output
     return Analyzed(result.stdout, out)

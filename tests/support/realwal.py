@@ -93,12 +93,15 @@ def generate_wal(make_server: Callable[[dict[str, str]], LocalPgServer], archive
 
 
 def wal_fixture(directory: str) -> Any:
-    """A module-scoped fixture: the workload's WAL, generated under test_root/directory."""
+    """A module-scoped fixture: the workload's WAL, generated in a new directory test_root/DIRECTORY-*.
+
+    A new one each time: pytest sets a module's fixture up again when the module's tests do not run in one go
+    (pytest-xdist's worksteal hands some of them to a worker after tests of other modules)."""
 
     @pytest.fixture(scope="module")
     def wal(request: pytest.FixtureRequest, test_root: Path) -> Iterator[GeneratedWal]:
-        base = test_root / directory
-        base.mkdir(mode=0o755)
+        base = Path(tempfile.mkdtemp(prefix=f"{directory}-", dir=test_root))
+        os.chmod(base, 0o755)  # the server's OS user reads the archive under it
         try:
             backend = make_backend(request.config.getoption("--pg-backend"), base / "pg")
         except BackendUnavailable as exc:
