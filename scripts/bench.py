@@ -452,6 +452,9 @@ class FloorSafekeeper(SafekeeperMember):
         return [str(exe), "--id", str(self.node_id), "--listen", self.address, "--data-dir", str(self.data_dir),
                 *floor_tls(self)]
 
+    def create_once(self) -> None:
+        """Nothing: the stand-in keeps no control file, and remembers no term across a restart anyway."""
+
 
 class FloorProposer(ProposerMember):
     """scripts/floor_proposer.c in the sidecar's place: the floor of walsidecar-floor-all, for measuring only."""
@@ -467,9 +470,6 @@ def floor_tls(member: ProcessMember) -> list[str]:
     certs = member.d.certs_dir(member.name, member.role, member.node_id)
     return ["--certs-dir", str(certs)] if certs is not None else []
 
-    def create_once(self) -> None:
-        """Nothing: the stand-in keeps no control file, and remembers no term across a restart anyway."""
-
 
 class Setup:
     """A primary copied from the template plus the configuration's receivers, as a LocalDeployment."""
@@ -480,8 +480,10 @@ class Setup:
         self.bin_dir = bin_dir
         self.pin = pin
         self.port = free_port()
-        # The floor's stand-ins speak plain TCP and serve no readers.
-        floor: dict[str, Any] = {"readers": False, "safekeeper_kind": FloorSafekeeper} if config in FLOORS else {}
+        # The floors' stand-ins serve no readers, speak plain TCP except in walsidecar-floor-all-tls, and learn no
+        # term from peers (which the deployment would otherwise wait for before it starts the proposer).
+        floor: dict[str, Any] = {"readers": False, "peers": False, "safekeeper_kind": FloorSafekeeper} \
+            if config in FLOORS else {}
         if config in (FLOOR_ALL, FLOOR_ALL_TLS):
             floor["proposer_kind"] = FloorProposer
         # Which stream loop the safekeepers run, asked for by name: a compiled loop that did not build fails
