@@ -3,15 +3,16 @@
  * The sidecar's floor: what a commit costs when the proposer costs nothing but the system calls of its
  * pump, one read of the primary's COPY stream, one write of an Append to each safekeeper, one read of each
  * AppendReply, one standby status to the primary. It runs in the sidecar's place against three
- * scripts/floor_safekeeper.c, over plain TCP or, with --certs-dir, TLS (floor_wire.h): greets them, asks for the votes of a
- * new term, sends Elected with a history of that term alone starting at the primary's flush position,
- * then streams: everything drained from the primary in one pass as one Append per safekeeper (one write, or
- * one TLS record, each), and the quorum of their flush positions (the majority's, as consensus/quorum.py says for members
- * that are all in one term) as the standby status's flush, as soon as it moves.
+ * scripts/floor_safekeeper.c, over plain TCP or, with --certs-dir, TLS (floor_wire.h): greets them, asks
+ * for the votes of a new term, sends Elected with a history of that term alone starting at the primary's
+ * flush position, then streams: everything drained from the primary in one pass as one Append per
+ * safekeeper (one write, or one TLS record, each), and the quorum of their flush positions (the majority's,
+ * as consensus/quorum.py says for members that are all in one term) as the standby status's flush, as soon
+ * as it moves.
  *
- * What it skips, so never run it for anything but a measurement: no certificate roles, no slot, no recovery, no catch-up
- * (a safekeeper that disconnects is gone for good), no term kept anywhere, no check of the primary's WAL, no
- * timeline switch. Anything off the happy path ends the process. At SIGTERM it logs what it relayed.
+ * What it skips, so never run it for anything but a measurement: no certificate roles, no slot, no recovery,
+ * no catch-up (a safekeeper that disconnects is gone for good), no term kept anywhere, no check of the
+ * primary's WAL, no timeline switch. Anything off the happy path ends the process. At SIGTERM it logs what it relayed.
  *
  * Build: gcc -O2 -I$(pg_config --includedir) -o floor_proposer floor_proposer.c -lpq -lssl -lcrypto
  * Run:   floor_proposer --pg-dsn DSN --application-name NAME --safekeepers HOST:PORT,... [--certs-dir DIR]
@@ -196,7 +197,8 @@ static uint64_t quorum_flush(void) {
     return v[nsk / 2];
 }
 
-static void send_status(int reply_requested) {
+/* A standby status with the positions now: sent whole before it returns, as a commit waits for it. */
+static void send_status(void) {
     unsigned char m[34], *p = m;
     struct timeval tv;
     gettimeofday(&tv, NULL);
@@ -206,8 +208,15 @@ static void send_status(int reply_requested) {
     p = put64(p, reported_flush);
     p = put64(p, reported_flush);
     p = put64(p, (uint64_t)now);
-    *p = (unsigned char)reply_requested;
-    if (PQputCopyData(pg, (const char *)m, sizeof m) != 1 || PQflush(pg) < 0)
+    *p = 0; /* no reply requested */
+    if (PQputCopyData(pg, (const char *)m, sizeof m) != 1)
+        die("sending the status: %s", PQerrorMessage(pg));
+    int left;
+    while ((left = PQflush(pg)) == 1) {
+        struct pollfd pfd = {PQsocket(pg), POLLOUT, 0};
+        poll(&pfd, 1, -1);
+    }
+    if (left < 0)
         die("sending the status: %s", PQerrorMessage(pg));
     statuses++;
 }
@@ -267,7 +276,7 @@ static void drain_primary(void) {
     if (batch_len)
         send_batch();
     if (answer)
-        send_status(0);
+        send_status();
 }
 
 /* The whole AppendReplies received from safekeeper `i`: its flush position. */
@@ -381,7 +390,7 @@ int main(int argc, char **argv) {
     fds[0] = (struct pollfd){PQsocket(pg), POLLIN, 0};
     for (int i = 0; i < nsk; i++)
         fds[1 + i] = (struct pollfd){sk_fd[i], POLLIN, 0};
-    send_status(0); /* the walsender counts a standby as synchronous once it has reported a flush position */
+    send_status(); /* the walsender counts a standby as synchronous once it has reported a flush position */
     drain_primary(); /* what came with the CopyBothResponse */
     while (!stopping) {
         if (poll(fds, (nfds_t)(1 + nsk), 1000) < 0) {
@@ -397,7 +406,7 @@ int main(int argc, char **argv) {
         uint64_t q = quorum_flush();
         if (q > reported_flush) {
             reported_flush = q;
-            send_status(0);
+            send_status();
         }
     }
     fprintf(stderr, "floor_proposer: stopped: %" PRIu64 " batches, %" PRIu64 " replies, %" PRIu64 " statuses\n",

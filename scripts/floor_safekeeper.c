@@ -2,17 +2,16 @@
  *
  * The floor: what the sidecar achieves when a safekeeper costs nothing but recv/pwrite/fdatasync/send.
  * It speaks just enough of the safekeeper protocol (docs/protocol.md, sidecar/consensus/codec.py) over
- * plain TCP (the sidecar's --insecure), or TLS with --certs-dir (floor_wire.h), for one sidecar to elect a term
- * and stream: GreetingReply, a vote
- * granted iff the term is new, ElectedReply with the divergence point (the term's start on an empty
- * store), then per batch of Appends one pwrite each, one fdatasync and one AppendReply. WAL goes into
- * PostgreSQL-named segment files, each renamed from a zero-filled spare a thread prepares, as the real
- * safekeeper does.
+ * plain TCP (the sidecar's --insecure), or TLS with --certs-dir (floor_wire.h), for one sidecar to elect a
+ * term and stream: GreetingReply, a vote granted iff the term is new, ElectedReply with the divergence
+ * point (the term's start on an empty store), then per batch of Appends one pwrite each, one fdatasync and
+ * one AppendReply. WAL goes into PostgreSQL-named segment files, each renamed from a zero-filled spare a
+ * thread prepares, as the real safekeeper does.
  *
  * What it skips, so never run it for anything but a measurement: the term and history live in memory only
  * (a restart forgets every promise), no control file, no record-boundary scan (tail_lsn 0: the proposer
- * skips its CRC check of the primary), no .partial names, no WAL removal, no certificate roles, auth-only, InfoRequest,
- * reader port, timeline switches or Refusal. Anything but the happy path closes the connection, and it
+ * skips its CRC check of the primary), no .partial names, no WAL removal, no certificate roles, auth-only,
+ * InfoRequest, reader port, timeline switches or Refusal. Anything but the happy path closes the connection, and it
  * serves one connection at a time (a new one replaces the old). At SIGTERM it logs its fdatasync times.
  *
  * Build: gcc -O2 -pthread -o floor_safekeeper floor_safekeeper.c -lssl -lcrypto
@@ -201,21 +200,8 @@ static void store(uint64_t lsn, const unsigned char *p, size_t n) {
 /* ---- replies */
 
 static int flush_out(void) {
-    size_t sent = 0;
-    while (sent < oend) {
-        ssize_t w = floor_write(conn, conn_ssl, obuf + sent, oend - sent);
-        if (w < 0) {
-            if (errno == EINTR)
-                continue;
-            if (errno == EAGAIN) { /* the proposer does not read: wait for it */
-                struct pollfd p = {conn, POLLOUT, 0};
-                poll(&p, 1, -1);
-                continue;
-            }
-            return -1;
-        }
-        sent += (size_t)w;
-    }
+    if (floor_write_all(conn, conn_ssl, obuf, oend) < 0) /* waits while the proposer does not read */
+        return -1;
     oend = 0;
     return 0;
 }

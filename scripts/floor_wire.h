@@ -1,10 +1,10 @@
 /* floor_wire.h: what scripts/bench.py's C stand-ins (floor_safekeeper.c, floor_proposer.c) share on the wire, a
  * measurement tool only: the protocol's big-endian fields, and the socket, plain or TLS. With a certificates
- * directory (ca.crt, node.crt, node.key, as `walsidecar certs` makes them) both
- * ends speak TLS 1.3 through OpenSSL, each requiring a certificate from the CA, as walsidecar's links do
- * (sidecar/tls.py); what they skip is the role in the certificate and the host name, which change what is
- * trusted, not what a record costs. Without one, plain TCP. The socket is non-blocking once connected: a read
- * or write that would block says EAGAIN, as recv/send with MSG_DONTWAIT do.
+ * directory (ca.crt, node.crt, node.key, as `walsidecar certs` makes them) both ends speak TLS 1.3 through
+ * OpenSSL, each requiring a certificate from the CA, as walsidecar's links do (sidecar/tls.py); what they
+ * skip is the role in the certificate and the host name, which change what is trusted, not what a record
+ * costs. Without one, plain TCP. The socket is non-blocking once connected: a read or write that would block
+ * says EAGAIN, as recv/send with MSG_DONTWAIT do.
  */
 #ifndef FLOOR_WIRE_H
 #define FLOOR_WIRE_H
